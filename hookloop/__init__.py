@@ -1,0 +1,31 @@
+"""hookloop: a PyTorch training loop that is a minimal event emitter.
+
+Every feature (mixed precision, DDP, clipping, accumulation, EMA, schedules, metrics, early
+stopping, checkpoints, logging) is an independent `Callback` stacked in a list.
+"""
+
+from __future__ import annotations
+
+from hookloop import distributed
+from hookloop.callback import Callback
+from hookloop.describe import describe
+from hookloop.errors import CallbackOrderError, CheckpointError, ConfigurationError, HookloopError
+from hookloop.events import Event
+from hookloop.loop import Loop
+from hookloop.state import LoopState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Callback",
+    "CallbackOrderError",
+    "CheckpointError",
+    "ConfigurationError",
+    "Event",
+    "HookloopError",
+    "Loop",
+    "LoopState",
+    "__version__",
+    "describe",
+    "distributed",
+]

@@ -1,0 +1,103 @@
+"""Process-group helpers with single-process fallbacks, so callbacks never branch on DDP.
+
+Every function works without ``torch.distributed`` being initialised: ranks are 0, the
+world has one process, and reductions return their input.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "is_initialized",
+    "rank",
+    "world_size",
+    "local_rank",
+    "is_main",
+    "all_reduce_sum",
+    "all_reduce_max",
+    "any_true",
+    "broadcast_object",
+    "barrier",
+]
+
+T = TypeVar("T")
+
+
+def is_initialized() -> bool:
+    """True when a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """Global rank of this process (0 without a process group)."""
+    return dist.get_rank() if is_initialized() else 0
+
+
+def world_size() -> int:
+    """Number of processes (1 without a process group)."""
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def local_rank() -> int:
+    """Rank of this process on its machine, from torchrun's ``LOCAL_RANK`` (else 0)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_main() -> bool:
+    """True on global rank 0: the process that writes files and prints."""
+    return rank() == 0
+
+
+def _reduce(tensor: torch.Tensor, op: Any) -> torch.Tensor:
+    if world_size() == 1:
+        return tensor
+    tensor = tensor.clone()
+    dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of ``tensor`` over all ranks (a new tensor; the input itself without DDP)."""
+    return _reduce(tensor, dist.ReduceOp.SUM if dist.is_available() else None)
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of ``tensor`` over all ranks."""
+    return _reduce(tensor, dist.ReduceOp.MAX if dist.is_available() else None)
+
+
+def _collective_device() -> torch.device:
+    if is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def any_true(flag: bool) -> bool:
+    """True on every rank when ``flag`` is True on at least one: a collective decision."""
+    if world_size() == 1:
+        return bool(flag)
+    tensor = torch.tensor([1.0 if flag else 0.0], device=_collective_device())
+    return bool(all_reduce_max(tensor).item() > 0)
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """``obj`` as rank ``src`` has it, on every rank (picklable objects)."""
+    if world_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src, device=_collective_device())
+    return holder[0]
+
+
+def barrier() -> None:
+    """Wait until every rank reaches this point (no-op in a single process)."""
+    if world_size() > 1:
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()

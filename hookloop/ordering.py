@@ -1,0 +1,197 @@
+"""Checks on a callback stack, run at fit start before the first batch."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from hookloop.callback import Callback
+from hookloop.errors import CallbackOrderError, ConfigurationError
+from hookloop.events import HOOKS, Event
+
+if TYPE_CHECKING:
+    from hookloop.loop import Loop
+
+__all__ = ["overrides", "check_callbacks", "suggest_order", "LOOP_METRICS"]
+
+EVENT_NAMES: tuple[str, ...] = tuple(event.value for event in Event)
+_EVENT_LIKE = re.compile(r"^(on|before|after)_[a-z0-9_]+$")
+
+
+def LOOP_METRICS(loop: Loop) -> set[str]:  # noqa: N802 - reads like a constant at call sites
+    """Metrics the loop itself writes: ``train_loss``, and ``val_loss`` with validation data."""
+    return {"train_loss", "val_loss"} if loop.val_data is not None else {"train_loss"}
+
+
+def overrides(callback: Callback, method: str) -> bool:
+    """True when ``callback``'s class defines ``method`` differently from `Callback`."""
+    return getattr(type(callback), method, None) is not getattr(Callback, method)
+
+
+def _label(callbacks: Sequence[Callback], index: int) -> str:
+    return f"{callbacks[index]!r} (position {index})"
+
+
+def _matches(callback: Callback, name: str) -> bool:
+    if name in callback.roles:
+        return True
+    if name == "stateful" and overrides(callback, "state_dict"):
+        return True
+    return any(cls.__name__ == name for cls in type(callback).__mro__)
+
+
+def suggest_order(callbacks: Sequence[Callback], edges: set[tuple[int, int]]) -> list[Callback]:
+    """The user's order changed as little as possible so that every ``(a, b)`` edge has a first.
+
+    Stable: repeatedly takes the earliest callback whose predecessors are all placed.
+    """
+    remaining = list(range(len(callbacks)))
+    placed: list[int] = []
+    while remaining:
+        for index in remaining:
+            if all(before in placed for before, after in edges if after == index):
+                placed.append(index)
+                remaining.remove(index)
+                break
+        else:  # a cycle: give up on suggesting
+            return list(callbacks)
+    return [callbacks[index] for index in placed]
+
+
+def _order_edges(callbacks: Sequence[Callback], loop: Loop) -> dict[tuple[int, int], str]:
+    """Every ``(must_come_first, must_come_after) -> reason`` the stack declares."""
+    edges: dict[tuple[int, int], str] = {}
+    for index, callback in enumerate(callbacks):
+        for other_index, other in enumerate(callbacks):
+            if other_index == index or type(other) is type(callback):
+                continue
+            for name, reason in callback.runs_after.items():
+                if _matches(other, name):
+                    edges.setdefault((other_index, index), reason)
+            for name, reason in callback.runs_before.items():
+                if _matches(other, name):
+                    edges.setdefault((index, other_index), reason)
+    produced_by: dict[str, int] = {}
+    for index, callback in enumerate(callbacks):
+        for metric in callback.produces(loop):
+            produced_by.setdefault(metric, index)
+    for index, callback in enumerate(callbacks):
+        for metric in callback.monitors():
+            producer = produced_by.get(metric)
+            if producer is not None and producer != index:
+                edges.setdefault(
+                    (producer, index),
+                    f"{type(callback).__name__} reads the metric {metric!r} that "
+                    f"{type(callbacks[producer]).__name__} writes",
+                )
+    return edges
+
+
+def _check_event_names(callback: Callback, index: int) -> None:
+    for cls in type(callback).__mro__:
+        if cls is Callback or cls is object:
+            break
+        for attribute in vars(cls):
+            if not _EVENT_LIKE.match(attribute) or attribute in EVENT_NAMES or attribute in HOOKS:
+                continue
+            close = difflib.get_close_matches(attribute, EVENT_NAMES, n=1, cutoff=0.5)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigurationError(
+                f"{cls.__name__}.{attribute} looks like an event but hookloop has no event "
+                f"{attribute!r}, so it would never be called.{hint} "
+                f"The events are: {', '.join(EVENT_NAMES)}."
+            )
+
+
+def check_callbacks(callbacks: Sequence[object], loop: Loop) -> None:
+    """Raise before training when the stack cannot work.
+
+    Checks: every item is a `Callback` instance; no method named like an event that does
+    not exist; ``unique`` classes appear once; no declared conflict; at most one callback
+    routes the optimizer step; every ordering constraint holds; every monitored metric is
+    produced, and before its reader; no two stateful callbacks share a state key.
+
+    Raises:
+        ConfigurationError: for a non-callback or a misnamed event method.
+        CallbackOrderError: for everything about how the callbacks sit together.
+    """
+    for index, callback in enumerate(callbacks):
+        if isinstance(callback, type) and issubclass(callback, Callback):
+            raise ConfigurationError(
+                f"callbacks[{index}] is the class {callback.__name__}, not an instance: "
+                f"write {callback.__name__}(...) in the list."
+            )
+        if not isinstance(callback, Callback):
+            raise ConfigurationError(
+                f"callbacks[{index}] is {callback!r} ({type(callback).__name__}), not a "
+                "hookloop.Callback. Subclass hookloop.Callback and pass an instance."
+            )
+        _check_event_names(callback, index)
+    stack: list[Callback] = list(callbacks)  # type: ignore[arg-type]
+
+    seen: dict[type, int] = {}
+    for index, callback in enumerate(stack):
+        if callback.unique and type(callback) in seen:
+            raise CallbackOrderError(
+                f"{_label(stack, seen[type(callback)])} and {_label(stack, index)}: "
+                f"{type(callback).__name__} can appear only once in a stack. Remove one."
+            )
+        seen.setdefault(type(callback), index)
+
+    for index, callback in enumerate(stack):
+        for other_index, other in enumerate(stack):
+            for name, reason in callback.conflicts_with.items():
+                if other_index != index and _matches(other, name):
+                    raise CallbackOrderError(
+                        f"{_label(stack, index)} cannot be used with {_label(stack, other_index)}: "
+                        f"{reason}. Remove one of them."
+                    )
+
+    routers = [index for index, callback in enumerate(stack) if overrides(callback, "optimizer_step")]
+    if len(routers) > 1:
+        first, second = routers[:2]
+        raise CallbackOrderError(
+            f"{_label(stack, first)} and {_label(stack, second)} both take the optimizer step "
+            "(both override optimizer_step); only one callback may. Remove one of them."
+        )
+
+    available = set(LOOP_METRICS(loop))
+    for callback in stack:
+        available.update(callback.produces(loop))
+    for index, callback in enumerate(stack):
+        missing = [metric for metric in callback.monitors() if metric not in available]
+        if missing:
+            raise CallbackOrderError(
+                f"{_label(stack, index)} monitors {missing[0]!r} but nothing produces it. "
+                f"Available metrics: {', '.join(sorted(available))}. "
+                + ("" if loop.val_data is not None else
+                   "Validation metrics need val_data=... on the Loop. ")
+                + "Add the callback that computes it (e.g. Metrics(...)) before "
+                f"{type(callback).__name__}, or monitor an available metric."
+            )
+
+    edges = _order_edges(stack, loop)
+    for (first, then), reason in edges.items():
+        if first > then:
+            suggestion = suggest_order(stack, set(edges))
+            raise CallbackOrderError(
+                f"{_label(stack, then)} must come after {_label(stack, first)}: {reason}. "
+                f"Move {type(stack[first]).__name__} before {type(stack[then]).__name__}, for "
+                f"example: [{', '.join(repr(callback) for callback in suggestion)}]."
+            )
+
+    owners: dict[str, int] = {}
+    for index, callback in enumerate(stack):
+        if not overrides(callback, "state_dict"):
+            continue
+        key = callback.state_key
+        if key in owners:
+            raise CallbackOrderError(
+                f"{_label(stack, owners[key])} and {_label(stack, index)} would both store "
+                f"their state under the key {key!r}, and one would overwrite the other in "
+                f"checkpoints. Give one a distinct name, e.g. {type(callback).__name__}"
+                f"(..., name='{key.lower()}_2')."
+            )
+        owners[key] = index

@@ -1,0 +1,56 @@
+"""The explicit state every callback reads through ``loop.state``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["LoopState"]
+
+
+@dataclass(slots=True, repr=False)
+class LoopState:
+    """What the loop knows now. Slotted: a misspelt attribute raises instead of being created.
+
+    Attributes:
+        epoch: Index of the current epoch, 0-based.
+        step: Optimizer steps really taken (the global step). Steps skipped by a
+            GradScaler, cancelled by a callback, or inside an accumulation window do not count.
+        batch_idx: Index of the batch within the current pass (training or validation).
+        batch: The current batch, already on the device.
+        outputs: What the model returned for the current batch.
+        loss: The true loss of the current batch (never AMP-scaled or accumulation-divided).
+        targets: The targets of the current batch: the second item of an ``(inputs, targets)``
+            pair, or the ``labels``/``targets`` entry of a mapping batch; else None.
+        batch_size: Number of samples in the current batch (used to weight the means).
+        training: True during the training pass, False during validation.
+        metrics: This epoch's metrics as floats: ``train_loss``, ``val_loss`` and what
+            callbacks add (``val_acc``...).
+        grad_norm: The pre-clip total gradient norm as a tensor, when ``GradClip`` runs.
+        step_boundary: True when the current training batch ends an optimizer step
+            (always True without gradient accumulation).
+        epochs: Total number of epochs of the current ``fit``.
+        max_steps: Step budget of the current ``fit``, or None.
+    """
+
+    epoch: int = 0
+    step: int = 0
+    batch_idx: int = 0
+    batch: Any = None
+    outputs: Any = None
+    loss: torch.Tensor | None = None
+    targets: Any = None
+    batch_size: int = 0
+    training: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+    grad_norm: torch.Tensor | None = None
+    step_boundary: bool = True
+    epochs: int = 0
+    max_steps: int | None = None
+
+    def __repr__(self) -> str:
+        # Counters and metrics only: the batch and outputs would flood a terminal.
+        return (f"LoopState(epoch={self.epoch}, step={self.step}, batch_idx={self.batch_idx}, "
+                f"training={self.training}, metrics={self.metrics})")
