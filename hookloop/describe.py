@@ -41,7 +41,7 @@ def describe(callbacks: Sequence[Callback], *, print_table: bool = True) -> str:
     for index, callback in enumerate(callbacks):
         header = f"{index}: {callback!r}"
         if callback.rank_zero_only:
-            header += "\n(rank 0 only)"
+            header += " (rank 0 only)"
         table.add_column(header, justify="center")
     rows = [event.value for event in Event] + list(HOOKS)
     for row in rows:
