@@ -1,0 +1,237 @@
+"""Mixed precision: autocast around forward and loss, a GradScaler for float16."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hookloop.callback import Callback
+from hookloop.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from hookloop.loop import Loop
+
+__all__ = ["AMP"]
+
+_DTYPES: dict[Any, torch.dtype] = {
+    torch.float16: torch.float16, "float16": torch.float16, "fp16": torch.float16,
+    "half": torch.float16, "16": torch.float16,
+    torch.bfloat16: torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+class AMP(Callback):
+    """Automatic mixed precision with ``torch.autocast`` and ``torch.amp.GradScaler``.
+
+    Forward and loss run under ``torch.autocast(loop.device.type, dtype)``, in training and
+    in validation; backward never does. With a scaler (the default for float16) the loss is
+    scaled for backward, the gradients are unscaled in ``before_step`` (so callbacks after
+    AMP, such as `GradClip`, see true gradients), and the step goes through
+    ``scaler.step`` and ``scaler.update``. A step whose gradients hold inf/NaN is skipped by
+    the scaler: ``after_step`` does not fire, ``loop.state.step`` does not advance, and the
+    scale is multiplied by ``backoff_factor`` (halved by default).
+
+    If a callback cancels the step (``loop.cancel_step()``) after AMP unscaled the
+    gradients, AMP still calls ``scaler.update()`` (at ``on_batch_end``), so the next
+    ``unscale_`` does not fail with "unscale_() has already been called".
+
+    Fused or capturable optimizers (``Adam(fused=True)``...) normally receive the inf flag
+    from GradScaler and skip the update inside their kernel, but their ``step`` is still
+    called, which the loop would count as a real step. AMP makes GradScaler treat them like
+    any optimizer for the duration of ``scaler.step`` (the gradients are already unscaled
+    in ``before_step``), so a skipped step really skips ``optimizer.step``.
+
+    AMP takes the optimizer step (it overrides ``optimizer_step``), so no other callback in
+    the stack may route it. Its state (the scaler's scale and growth tracker, and the count
+    of skipped steps) is checkpointed.
+
+    Args:
+        dtype: ``torch.bfloat16`` (default) or ``torch.float16``; the strings ``"bf16"``
+            and ``"fp16"`` work too.
+        scaler: None: a GradScaler for float16 only. True/False: force it on/off. A dict:
+            on, with these ``torch.amp.GradScaler`` arguments (``init_scale``,
+            ``growth_factor``, ``backoff_factor``, ``growth_interval``).
+        name: State key, to tell two stacks' AMP states apart in one checkpoint.
+
+    Raises:
+        ConfigurationError: an unsupported dtype or scaler value; at setup, float16 or
+            bfloat16 trainable parameters together with a scaler.
+
+    Example:
+        >>> import torch
+        >>> from hookloop import Loop
+        >>> from hookloop.callbacks import AMP, GradClip
+        >>> model = torch.nn.Linear(4, 1)
+        >>> data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+        ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
+        ...             callbacks=[AMP(torch.float16, scaler={"init_scale": 1024.0}),
+        ...                        GradClip(1.0)])
+        >>> loop.fit(1).step
+        3
+    """
+
+    unique = True
+    roles = ("precision",)
+
+    def __init__(self, dtype: torch.dtype | str = torch.bfloat16,
+                 scaler: bool | Mapping[str, Any] | None = None, *, name: str | None = None) -> None:
+        key = dtype.lower() if isinstance(dtype, str) else dtype
+        if key not in _DTYPES:
+            raise ConfigurationError(
+                f"AMP dtype must be torch.bfloat16 or torch.float16 ('bf16'/'fp16'), got "
+                f"{dtype!r}. For full precision, leave AMP out of the callbacks.")
+        self.dtype = _DTYPES[key]
+        if scaler is None:
+            scaler = self.dtype == torch.float16
+        if isinstance(scaler, Mapping):
+            unknown = set(scaler) - {"init_scale", "growth_factor", "backoff_factor",
+                                     "growth_interval", "enabled"}
+            if unknown:
+                raise ConfigurationError(
+                    f"AMP scaler arguments {sorted(unknown)} are not torch.amp.GradScaler "
+                    "arguments; use init_scale, growth_factor, backoff_factor, growth_interval.")
+            self._scaler_kwargs: dict[str, Any] | None = dict(scaler)
+        elif isinstance(scaler, bool):
+            self._scaler_kwargs = {} if scaler else None
+        else:
+            raise ConfigurationError(
+                f"AMP scaler must be None, True, False or a dict of GradScaler arguments, got "
+                f"{scaler!r}.")
+        self.name = name
+        self._scaler: torch.amp.GradScaler | None = None
+        self._scaler_device: str | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._unscaled = False  # unscale_ ran at this boundary and update() is still owed
+        self._stepped = False
+        self._hook: Any = None
+        #: Steps the scaler skipped because of inf/NaN gradients, over the whole run.
+        self.skipped_steps = 0
+
+    def __repr__(self) -> str:
+        dtype = "float16" if self.dtype == torch.float16 else "bfloat16"
+        scaler = self._scaler_kwargs is not None
+        return f"AMP(dtype=torch.{dtype}, scaler={scaler}" + (
+            f", name={self.name!r})" if self.name else ")")
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler in use (created at setup), or None without scaling."""
+        return self._scaler
+
+    # -------------------------------------------------------------------- setup
+    def setup(self, loop: Loop) -> None:
+        """Create the scaler for ``loop.device``; reject half-precision trainable weights."""
+        if self._scaler_kwargs is None:
+            return
+        bad = [(group_index, param.dtype) for group_index, group in enumerate(loop.optimizer.param_groups)
+               for param in group["params"]
+               if param.requires_grad and param.dtype in (torch.float16, torch.bfloat16)]
+        if bad:
+            raise ConfigurationError(
+                f"AMP with a GradScaler needs float32 trainable parameters, but the optimizer "
+                f"holds {len(bad)} {bad[0][1]} parameter(s) (param group {bad[0][0]}); "
+                "GradScaler cannot unscale half-precision gradients ('Attempting to unscale "
+                "FP16 gradients'). Keep the weights in float32 (model.float(), then create the "
+                "optimizer) and let autocast compute in half precision, or use "
+                "AMP(torch.bfloat16) without a scaler.")
+        device_type = loop.device.type
+        if self._scaler is None or self._scaler_device != device_type:
+            previous = self._scaler.state_dict() if self._scaler is not None else None
+            self._scaler = torch.amp.GradScaler(device_type, **self._scaler_kwargs)
+            self._scaler_device = device_type
+            state = self._pending_state or previous
+            if state:
+                self._scaler.load_state_dict(state)
+            self._pending_state = None
+
+    def on_fit_start(self, loop: Loop) -> None:
+        self._unscaled = False
+        if self._scaler is not None and self._hook is None:
+            self._hook = loop.optimizer.register_step_post_hook(self._mark_stepped)
+
+    def on_fit_end(self, loop: Loop) -> None:
+        self._finish_cancelled_step()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _mark_stepped(self, *_: Any) -> None:
+        self._stepped = True
+
+    # -------------------------------------------------------------------- batch
+    def forward_context(self, loop: Loop) -> AbstractContextManager[Any]:
+        """``torch.autocast`` for the loop's device type and this callback's dtype."""
+        return torch.autocast(loop.device.type, dtype=self.dtype)
+
+    def scale_loss(self, loop: Loop, loss: torch.Tensor) -> torch.Tensor:
+        """The loss multiplied by the current scale (unchanged without a scaler)."""
+        scaler = self._scaler
+        return loss if scaler is None else scaler.scale(loss)
+
+    def before_step(self, loop: Loop) -> None:
+        """Unscale the gradients in place, so later callbacks see their true values."""
+        if self._scaler is not None:
+            self._scaler.unscale_(loop.optimizer)
+            self._unscaled = True
+
+    def optimizer_step(self, loop: Loop) -> None:
+        """``scaler.step`` then ``scaler.update`` (a plain ``optimizer.step`` without a scaler)."""
+        scaler, optimizer = self._scaler, loop.optimizer
+        if scaler is None:
+            optimizer.step()
+            return
+        self._stepped = False
+        self._unscaled = False
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # Fused/capturable optimizers would be stepped even for an inf step (their
+            # kernel skips it on the device), and the loop would count that step. The
+            # gradients are unscaled already, so take GradScaler's generic path instead.
+            own = "_step_supports_amp_scaling" in vars(optimizer)
+            saved = vars(optimizer).get("_step_supports_amp_scaling")
+            optimizer._step_supports_amp_scaling = False  # type: ignore[attr-defined]
+            try:
+                scaler.step(optimizer)
+            finally:
+                if own:
+                    optimizer._step_supports_amp_scaling = saved  # type: ignore[attr-defined]
+                else:
+                    del optimizer._step_supports_amp_scaling  # type: ignore[attr-defined]
+        else:
+            scaler.step(optimizer)
+        scaler.update()
+        if not self._stepped:
+            self.skipped_steps += 1
+
+    def on_batch_end(self, loop: Loop) -> None:
+        self._finish_cancelled_step()
+
+    def _finish_cancelled_step(self) -> None:
+        # A callback cancelled the step after unscale_: update() must still pair with it,
+        # or the next unscale_ raises "unscale_() has already been called".
+        if self._unscaled and self._scaler is not None:
+            self._scaler.update()
+            self._unscaled = False
+
+    # -------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (scale, growth tracker...) and the skipped-step count."""
+        if self._scaler is not None:
+            scaler_state = self._scaler.state_dict()
+        else:
+            scaler_state = dict(self._pending_state or {})
+        return {"scaler": scaler_state, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the scaler (now, or when it is created at setup) and the counters."""
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        scaler_state = state.get("scaler") or None
+        if scaler_state is None:
+            return
+        if self._scaler is not None:
+            self._scaler.load_state_dict(scaler_state)
+        else:
+            self._pending_state = dict(scaler_state)

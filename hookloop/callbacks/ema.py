@@ -1,0 +1,298 @@
+"""Exponential moving average of the weights, updated on the device without host syncs."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from hookloop.callback import Callback
+from hookloop.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from hookloop.loop import Loop
+
+__all__ = ["EMA"]
+
+_BUFFER_MODES = ("average", "copy")
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The module without DDP/DataParallel or ``torch.compile`` wrappers."""
+    while True:
+        if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            module = module.module
+        elif isinstance(getattr(module, "_orig_mod", None), nn.Module):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def _entries(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Name -> live tensor for everything in ``module.state_dict()`` (params and buffers)."""
+    return {name: tensor for name, tensor in module.state_dict(keep_vars=True).items()
+            if isinstance(tensor, torch.Tensor)}
+
+
+class EMA(Callback):
+    """Keep an exponential moving average of the model's weights; validate with it.
+
+    At the first fit start the shadow is the model's weights (``ema = theta_0``); after
+    every ``every_n_steps``-th real optimizer step (counted on ``loop.state.step``, so
+    steps skipped by the GradScaler or cancelled never count) it becomes
+    ``ema = decay * ema + (1 - decay) * theta``, computed as one ``torch._foreach_lerp_``
+    on the device: no host sync (``torch.optim.swa_utils.AveragedModel`` syncs once per
+    update). The shadow covers every entry of the unwrapped model's ``state_dict()``:
+
+    * floating-point parameters and buffers are kept in float32 on the device of the
+      tensor they shadow, whatever the training dtype (half-precision averages round
+      updates away);
+    * buffers: with ``buffers="average"`` (default) floating buffers such as BatchNorm
+      running statistics are averaged like the weights, matching averaged weights with
+      averaged statistics (timm's ModelEmaV2 does the same); ``buffers="copy"`` copies the
+      model's current buffers instead. Integer buffers (``num_batches_tracked``) are always
+      copied, in their own dtype.
+
+    Later ``fit`` calls on the same loop continue the average (the shadow is created once).
+    Its placement is decided at fit start, after the model moved, so a shadow loaded from
+    a CPU checkpoint goes to the model's device. Keys are the unwrapped model's names (no
+    ``module.`` from DDP, no ``_orig_mod.`` from ``torch.compile``), so the state loads
+    whatever the wrapping, and ``model.load_state_dict(ema.averaged_state_dict())`` works.
+
+    With ``validate_with_ema`` the whole validation pass (its events included) runs with
+    the EMA weights swapped into the model, and the training weights are restored after,
+    also on an exception. A checkpoint written inside validation (a best checkpoint saved
+    at ``on_validation_end``) therefore holds the EMA weights in its model entry; every
+    checkpoint also holds the shadow under this callback's state key.
+
+    Args:
+        decay: The weight of the old average, in [0, 1].
+        every_n_steps: Update after every n-th optimizer step.
+        validate_with_ema: Swap the EMA weights in for validation.
+        buffers: ``"average"`` or ``"copy"`` (see above).
+        name: State key, to keep two EMAs (e.g. two decays) apart.
+
+    Raises:
+        ConfigurationError: a decay outside [0, 1], a bad ``every_n_steps`` or ``buffers``.
+
+    Example:
+        >>> import torch
+        >>> from hookloop import Loop
+        >>> model = torch.nn.Linear(4, 1)
+        >>> data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(4)]
+        >>> ema = EMA(decay=0.9)
+        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+        ...             loss_fn=torch.nn.functional.mse_loss, device="cpu", callbacks=[ema])
+        >>> _ = loop.fit(2)
+        >>> averaged = ema.averaged_model()   # a copy of the model with the EMA weights
+        >>> with ema.swapped(model):          # or swap them into the model for a while
+        ...     predictions = model(torch.randn(2, 4))
+    """
+
+    def __init__(self, decay: float = 0.999, *, every_n_steps: int = 1,
+                 validate_with_ema: bool = True, buffers: str = "average",
+                 name: str | None = None) -> None:
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
+            raise ConfigurationError(f"EMA decay must be a number in [0, 1] (e.g. 0.999), got {decay!r}.")
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ConfigurationError(f"EMA every_n_steps must be a positive int, got {every_n_steps!r}.")
+        if buffers not in _BUFFER_MODES:
+            raise ConfigurationError(
+                f"EMA buffers must be 'average' or 'copy', got {buffers!r}.")
+        self.decay = float(decay)
+        self.every_n_steps = every_n_steps
+        self.validate_with_ema = validate_with_ema
+        self.buffers = buffers
+        self.name = name
+        #: Number of averaging updates made so far.
+        self.updates = 0
+        self._shadow: dict[str, torch.Tensor] | None = None
+        self._pending: dict[str, torch.Tensor] | None = None
+        self._model: nn.Module | None = None
+        # Cached per fit: (shadows, sources) to lerp in float32, and to copy.
+        self._lerp: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._casts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._copy: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+
+    def __repr__(self) -> str:
+        return f"EMA(decay={self.decay}" + (f", name={self.name!r})" if self.name else ")")
+
+    # ------------------------------------------------------------------ shadow
+    def _build(self, model: nn.Module) -> None:
+        """Create (or place) the shadow for ``model``: from the pending state, else theta."""
+        entries = _entries(model)
+        source = self._pending if self._pending is not None else self._shadow
+        if source is not None:
+            missing = [name for name in entries if name not in source]
+            unexpected = [name for name in source if name not in entries]
+            if missing or unexpected:
+                raise ConfigurationError(
+                    f"The EMA state does not fit the model: missing {missing[:5]}, unexpected "
+                    f"{unexpected[:5]}. Load an EMA state saved from this model's architecture.")
+        shadow: dict[str, torch.Tensor] = {}
+        by_tensor: dict[int, torch.Tensor] = {}  # tied weights share one shadow tensor
+        for name, tensor in entries.items():
+            if id(tensor) in by_tensor:
+                shadow[name] = by_tensor[id(tensor)]
+                continue
+            value = (source[name] if source is not None else tensor).detach()
+            dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
+            if value.shape != tensor.shape:
+                raise ConfigurationError(
+                    f"The EMA state for {name!r} has shape {tuple(value.shape)} but the model's "
+                    f"is {tuple(tensor.shape)}. Load an EMA state saved from this model.")
+            if source is self._shadow and value.device == tensor.device:
+                placed = value  # already in place: keep the same tensor
+            else:
+                placed = value.to(device=tensor.device, dtype=dtype, copy=True)
+            by_tensor[id(tensor)] = shadow[name] = placed
+        self._shadow = shadow
+        self._pending = None
+        self._model = model
+        lerp_shadows, lerp_sources, casts, copy_shadows, copy_sources = [], [], [], [], []
+        params = {id(param) for param in model.parameters()}
+        seen: set[int] = set()
+        for name, tensor in entries.items():
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            is_param = id(tensor) in params
+            if tensor.is_floating_point() and (is_param or self.buffers == "average"):
+                if tensor.dtype == torch.float32:
+                    lerp_shadows.append(shadow[name])
+                    lerp_sources.append(tensor.detach())
+                else:
+                    casts.append((shadow[name], tensor.detach()))
+            else:
+                copy_shadows.append(shadow[name])
+                copy_sources.append(tensor.detach())
+        self._lerp = (lerp_shadows, lerp_sources)
+        self._casts = casts
+        self._copy = (copy_shadows, copy_sources)
+
+    def _require_shadow(self) -> dict[str, torch.Tensor]:
+        shadow = self._shadow if self._shadow is not None else self._pending
+        if shadow is None:
+            raise RuntimeError(
+                "EMA has no averaged weights yet: they are created when fit starts. Run "
+                "loop.fit(...) first, or load_state_dict(...) a saved EMA state.")
+        return shadow
+
+    # ------------------------------------------------------------------ events
+    def on_fit_start(self, loop: Loop) -> None:
+        """Create the shadow (``ema = theta_0``) or place a loaded one on the model's device."""
+        self._build(loop.unwrapped_model)
+
+    def after_step(self, loop: Loop) -> None:
+        """Average after every ``every_n_steps``-th real step; device ops only."""
+        if loop.state.step % self.every_n_steps:
+            return
+        self.update()
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """One averaging update from the current weights (the callback calls it itself)."""
+        weight = 1.0 - self.decay
+        shadows, sources = self._lerp
+        if shadows:
+            torch._foreach_lerp_(shadows, sources, weight)
+        for shadow, source in self._casts:
+            shadow.lerp_(source.float(), weight)
+        copy_shadows, copy_sources = self._copy
+        if copy_shadows:
+            torch._foreach_copy_(copy_shadows, copy_sources)
+        self.updates += 1
+
+    def validation_context(self, loop: Loop) -> AbstractContextManager[Any] | None:
+        """Swap the EMA weights in for the validation pass when ``validate_with_ema``."""
+        if not self.validate_with_ema or (self._shadow is None and self._pending is None):
+            return None
+        return self.swapped(loop.unwrapped_model)
+
+    # --------------------------------------------------------------- public API
+    @torch.no_grad()
+    def copy_to(self, module: nn.Module) -> None:
+        """Write the averaged weights (and buffers) into ``module``, a model of the same shape.
+
+        ``module`` may be wrapped in DDP or ``torch.compile``; names are matched on the
+        unwrapped module.
+        """
+        shadow = self._require_shadow()
+        entries = _entries(_unwrap(module))
+        missing = [name for name in entries if name not in shadow]
+        if missing:
+            raise ConfigurationError(
+                f"copy_to: the module has entries the EMA does not know: {missing[:5]}. Pass a "
+                "module with the architecture of the trained model.")
+        for name, tensor in entries.items():
+            tensor.copy_(shadow[name])
+
+    @contextmanager
+    def swapped(self, module: nn.Module | None = None) -> Iterator[nn.Module]:
+        """Use the averaged weights inside the ``with`` block, then restore the module's own.
+
+        Restores on exceptions too. ``module`` defaults to the model of the last fit.
+
+        Example:
+            >>> with ema.swapped(model):  # doctest: +SKIP
+            ...     evaluate(model)
+        """
+        target = _unwrap(module) if module is not None else self._model
+        if target is None:
+            raise RuntimeError("EMA.swapped() needs a module before the first fit: swapped(model).")
+        with torch.no_grad():
+            backup = {name: tensor.detach().clone() for name, tensor in _entries(target).items()}
+        try:
+            self.copy_to(target)
+            yield target
+        finally:
+            with torch.no_grad():
+                for name, tensor in _entries(target).items():
+                    tensor.copy_(backup[name])
+
+    def averaged_state_dict(self) -> dict[str, torch.Tensor]:
+        """The averaged weights as a model state dict (float32 copies), for saving or loading.
+
+        ``model.load_state_dict(ema.averaged_state_dict())`` casts back to the model's dtypes.
+        """
+        shadow = self._require_shadow()
+        clones: dict[int, torch.Tensor] = {}
+        return {name: clones.setdefault(id(tensor), tensor.detach().clone())
+                for name, tensor in shadow.items()}
+
+    def averaged_model(self, module: nn.Module | None = None) -> nn.Module:
+        """A deep copy of ``module`` (default: the trained model) holding the EMA weights, in eval mode."""
+        source = _unwrap(module) if module is not None else self._model
+        if source is None:
+            raise RuntimeError("EMA.averaged_model() needs a module before the first fit: "
+                               "averaged_model(model).")
+        averaged = copy.deepcopy(source)
+        self.copy_to(averaged)
+        return averaged.eval()
+
+    # ------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The shadow (unwrapped names -> tensors), the update count and the decay."""
+        shadow = self._shadow if self._shadow is not None else self._pending
+        return {
+            "shadow": {} if shadow is None else self.averaged_state_dict(),
+            "updates": self.updates,
+            "decay": self.decay,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # type: ignore[override]
+        """Restore a shadow; it is placed on the model's device at the next fit start.
+
+        Loaded during a fit (after the shadow exists), it is copied in place at once.
+        """
+        shadow = dict(state.get("shadow") or {})
+        self.updates = int(state.get("updates", 0))
+        if not shadow:
+            return
+        self._pending = shadow
+        if self._model is not None and self._shadow is not None:
+            self._build(self._model)

@@ -1,0 +1,87 @@
+"""Gradient accumulation: one optimizer step per window of micro-batches."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hookloop.callback import Callback
+from hookloop.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from hookloop.loop import Loop
+
+__all__ = ["GradAccumulation"]
+
+
+class GradAccumulation(Callback):
+    """Accumulate the gradients of ``steps`` micro-batches before each optimizer step.
+
+    ``setup`` sets ``loop.accumulation_steps``; from it the loop computes
+    ``loop.state.step_boundary`` (True every ``steps`` micro-batches and on the last batch
+    of the epoch), which decides when ``before_step``, the optimizer step and ``after_step``
+    run, and which `DDP` reads to skip the gradient all-reduce (``no_sync``) inside a
+    window. Each micro-batch's loss is divided by the real size of its window, so every
+    step averages the gradients of exactly the batches in it: with 10 batches and
+    ``steps=4`` an epoch makes 3 steps, averaging 4, 4 and 2 batches. Gradients never leak
+    into the next epoch. ``loop.state.loss`` keeps the undivided loss.
+
+    The loss division is a per-micro-batch mean (each micro-batch weighs the same), as in
+    the seeds' ``loss / accumulation_steps``.
+
+    Args:
+        steps: Micro-batches per optimizer step (1 means no accumulation).
+
+    Raises:
+        ConfigurationError: ``steps`` is not a positive int; at setup, ``train_data`` has
+            no length (the last window of an epoch cannot be known).
+
+    Example:
+        >>> import torch
+        >>> from hookloop import Loop
+        >>> model = torch.nn.Linear(4, 1)
+        >>> data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(10)]
+        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+        ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
+        ...             callbacks=[GradAccumulation(4)])
+        >>> loop.fit(1).step
+        3
+    """
+
+    unique = True
+
+    def __init__(self, steps: int) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigurationError(
+                f"GradAccumulation steps must be a positive int (micro-batches per optimizer "
+                f"step), got {steps!r}.")
+        self.steps = steps
+        self._batches = 0
+
+    def __repr__(self) -> str:
+        return f"GradAccumulation({self.steps})"
+
+    def setup(self, loop: Loop) -> None:
+        """Set ``loop.accumulation_steps``; the data must have a length."""
+        if loop.batches_per_epoch is None:
+            raise ConfigurationError(
+                f"GradAccumulation needs len(train_data) to find the last (partial) window "
+                f"of each epoch, but {type(loop.train_data).__name__} has no length. Use a "
+                "map-style Dataset in the DataLoader, give the iterable a __len__, or remove "
+                "GradAccumulation.")
+        loop.accumulation_steps = self.steps
+
+    def on_fit_start(self, loop: Loop) -> None:
+        # Read after every setup ran: DDP may have re-sharded train_data.
+        self._batches = loop.batches_per_epoch or 0
+
+    def window_size(self, batch_idx: int) -> int:
+        """Number of micro-batches in the window that holds batch ``batch_idx``."""
+        start = batch_idx - batch_idx % self.steps
+        return max(1, min(self.steps, self._batches - start))
+
+    def scale_loss(self, loop: Loop, loss: torch.Tensor) -> torch.Tensor:
+        """The loss divided by the real size of the current window."""
+        size = self.window_size(loop.state.batch_idx)
+        return loss if size == 1 else loss / size

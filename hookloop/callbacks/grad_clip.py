@@ -1,0 +1,106 @@
+"""Gradient clipping by total norm or by value, once per optimizer step."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from hookloop.callback import Callback
+from hookloop.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from hookloop.loop import Loop
+
+__all__ = ["GradClip", "total_norm"]
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients taken as one vector, as a tensor (no host sync).
+
+    The same number ``torch.nn.utils.clip_grad_norm_`` returns; works on torch >= 2.3
+    (``torch.nn.utils.get_total_norm`` exists only from 2.6).
+    """
+    if not grads:
+        return torch.tensor(0.0)
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+    if get_total_norm is not None:
+        return get_total_norm(grads, norm_type)
+    norms = [torch.linalg.vector_norm(grad, norm_type) for grad in grads]
+    if len({norm.device for norm in norms}) > 1:
+        norms = [norm.to(grads[0].device) for norm in norms]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+class GradClip(Callback):
+    """Clip gradients in ``before_step``: by total norm (``max_norm``) or by value (``max_value``).
+
+    Runs once per optimizer step, on the accumulated gradients, after `AMP` has unscaled
+    them (it must come after AMP in the list; the stack check enforces it). The parameters
+    clipped are those of ``loop.optimizer``. The pre-clip total norm (``norm_type``) is put
+    in ``loop.state.grad_norm`` as a tensor on the device, with no host sync: loggers read
+    it when they log. Clipping by value computes that norm too.
+
+    Args:
+        max_norm: Scale all gradients together so that their total norm is at most this
+            (``torch.nn.utils.clip_grad_norm_``).
+        max_value: Clamp every gradient element into ``[-max_value, max_value]``
+            (``torch.nn.utils.clip_grad_value_``).
+        norm_type: The p of the p-norm reported (and clipped, with ``max_norm``);
+            ``float("inf")`` for the max norm.
+
+    Raises:
+        ConfigurationError: neither or both of ``max_norm`` and ``max_value``, or a
+            non-positive limit.
+
+    Example:
+        >>> import torch
+        >>> from hookloop import Loop
+        >>> model = torch.nn.Linear(4, 1)
+        >>> data = [(torch.randn(8, 4), torch.randn(8, 1))]
+        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+        ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
+        ...             callbacks=[GradClip(max_norm=0.5)])
+        >>> loop.fit(1).grad_norm.dim()
+        0
+    """
+
+    runs_after = {
+        "AMP": "AMP unscales the gradients in before_step and clipping needs their true "
+               "values (clipping scaled gradients clips nothing)",
+    }
+
+    def __init__(self, max_norm: float | None = None, *, max_value: float | None = None,
+                 norm_type: float = 2.0) -> None:
+        if (max_norm is None) == (max_value is None):
+            raise ConfigurationError(
+                "GradClip needs exactly one of max_norm (clip the total norm, e.g. "
+                "GradClip(1.0)) and max_value (clamp each element, e.g. GradClip(max_value="
+                f"0.5)); got max_norm={max_norm!r}, max_value={max_value!r}.")
+        limit = max_norm if max_norm is not None else max_value
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
+            which = "max_norm" if max_norm is not None else "max_value"
+            raise ConfigurationError(f"GradClip {which} must be a positive number, got {limit!r}.")
+        norm_type = float(norm_type)
+        if not (norm_type > 0 or math.isinf(norm_type)):
+            raise ConfigurationError(f"GradClip norm_type must be positive or inf, got {norm_type!r}.")
+        self.max_norm = None if max_norm is None else float(max_norm)
+        self.max_value = None if max_value is None else float(max_value)
+        self.norm_type = norm_type
+
+    def __repr__(self) -> str:
+        if self.max_norm is not None:
+            return f"GradClip(max_norm={self.max_norm})"
+        return f"GradClip(max_value={self.max_value})"
+
+    def before_step(self, loop: Loop) -> None:
+        """Record the pre-clip total norm in ``loop.state.grad_norm``, then clip."""
+        params = [param for group in loop.optimizer.param_groups for param in group["params"]
+                  if param.grad is not None]
+        if self.max_norm is not None:
+            loop.state.grad_norm = torch.nn.utils.clip_grad_norm_(
+                params, self.max_norm, norm_type=self.norm_type)
+        else:
+            loop.state.grad_norm = total_norm([param.grad for param in params], self.norm_type)
+            torch.nn.utils.clip_grad_value_(params, self.max_value)

@@ -1,0 +1,118 @@
+"""Learning-rate schedules built as ordinary torch schedulers (use them with `LRScheduler`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler as _TorchScheduler
+
+from hookloop.errors import ConfigurationError
+
+__all__ = ["WarmupCosine", "warmup_cosine", "resolve_warmup"]
+
+
+def resolve_warmup(total_steps: int, warmup_steps: int | float) -> int:
+    """The number of warmup steps: an int as is, a fraction ``0 < x < 1`` of ``total_steps``.
+
+    A fraction becomes ``round(x * total_steps)``.
+
+    Raises:
+        ConfigurationError: a negative count, a count above ``total_steps``, or a float
+            outside ``(0, 1)``.
+
+    Example:
+        >>> resolve_warmup(1000, 0.05)
+        50
+    """
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float)):
+        raise ConfigurationError(
+            f"warmup_steps must be an int number of steps or a fraction 0 < x < 1 of "
+            f"total_steps, got {warmup_steps!r}.")
+    if isinstance(warmup_steps, float):
+        if not 0.0 < warmup_steps < 1.0:
+            raise ConfigurationError(
+                f"warmup_steps={warmup_steps!r} is a float, so it is read as a fraction of "
+                "total_steps and must be strictly between 0 and 1. Pass an int for a number "
+                "of steps (e.g. warmup_steps=500) or a fraction (e.g. warmup_steps=0.05).")
+        return round(warmup_steps * total_steps)
+    if not 0 <= warmup_steps <= total_steps:
+        raise ConfigurationError(
+            f"warmup_steps={warmup_steps} must be between 0 and total_steps={total_steps}.")
+    return warmup_steps
+
+
+class WarmupCosine(_TorchScheduler):
+    """Linear warmup from 0, then a cosine decay to ``min_lr``; see `warmup_cosine`.
+
+    Its state (``state_dict``) holds only numbers, so it loads with
+    ``torch.load(weights_only=True)``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int,
+                 min_lr: float = 0.0, last_epoch: int = -1) -> None:
+        self.total_steps = total_steps
+        self.warmup_steps = warmup_steps
+        self.min_lr = min_lr
+        super().__init__(optimizer, last_epoch)
+
+    def lr_at(self, step: int, base_lr: float) -> float:
+        """The learning rate after ``step`` scheduler steps for a group whose base is ``base_lr``."""
+        if step < self.warmup_steps:
+            return base_lr * step / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return self.min_lr + (base_lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def get_lr(self) -> list[float]:  # type: ignore[override]
+        """Learning rates for the current ``last_epoch`` (closed form, no chaining)."""
+        return [self.lr_at(self.last_epoch, float(base_lr)) for base_lr in self.base_lrs]
+
+    def _get_closed_form_lr(self) -> list[float]:
+        return self.get_lr()
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int,
+                  warmup_steps: int | float, min_lr: float = 0.0) -> WarmupCosine:
+    """Linear warmup then cosine decay, as one torch scheduler stepped once per optimizer step.
+
+    With ``t`` the number of scheduler steps taken so far (the step about to run is step
+    ``t``), ``W`` the warmup steps, ``T`` = ``total_steps`` and ``base`` each group's initial
+    learning rate::
+
+        t <  W:  lr = base * t / W
+        t >= W:  p  = min(1, (t - W) / max(1, T - W))
+                 lr = min_lr + (base - min_lr) * (1 + cos(pi * p)) / 2
+
+    The warmup is the seeds' ``lr = base_lr * global_step / warmup_steps`` (so the very first
+    step runs at lr 0 when ``W > 0``); the cosine part is ``CosineAnnealingLR(T_max=T - W,
+    eta_min=min_lr)``. After ``T`` steps the rate stays at ``min_lr``.
+
+    Args:
+        optimizer: The optimizer whose groups' ``lr`` are scheduled.
+        total_steps: Optimizer steps of the whole run (``LRScheduler`` passes
+            ``loop.total_steps`` when given this function as a factory).
+        warmup_steps: An int number of steps, or a fraction ``0 < x < 1`` of ``total_steps``
+            (``round(x * total_steps)`` steps).
+        min_lr: The learning rate at the end of the decay (absolute, the same for all groups).
+
+    Returns:
+        A `WarmupCosine` scheduler (a ``torch.optim.lr_scheduler.LRScheduler``).
+
+    Raises:
+        ConfigurationError: a non-positive ``total_steps`` or a bad ``warmup_steps``.
+
+    Example:
+        >>> import functools, torch
+        >>> from hookloop.callbacks import LRScheduler
+        >>> optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        >>> schedule = warmup_cosine(optimizer, total_steps=100, warmup_steps=0.1)
+        >>> schedule.warmup_steps
+        10
+        >>> callback = LRScheduler(functools.partial(warmup_cosine, warmup_steps=0.05))
+    """
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ConfigurationError(f"total_steps must be a positive int, got {total_steps!r}.")
+    if isinstance(min_lr, bool) or not isinstance(min_lr, (int, float)) or min_lr < 0:
+        raise ConfigurationError(f"min_lr must be a non-negative number, got {min_lr!r}.")
+    return WarmupCosine(optimizer, total_steps, resolve_warmup(total_steps, warmup_steps),
+                        float(min_lr))
