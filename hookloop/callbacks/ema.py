@@ -145,8 +145,9 @@ class EMA(Callback):
                 raise ConfigurationError(
                     f"The EMA state for {name!r} has shape {tuple(value.shape)} but the model's "
                     f"is {tuple(tensor.shape)}. Load an EMA state saved from this model.")
-            if source is self._shadow and value.device == tensor.device:
-                placed = value  # already in place: keep the same tensor
+            if (source is not None and source is self._shadow and value.device == tensor.device
+                    and value.dtype == dtype):
+                placed = value  # an existing shadow already in place: keep the same tensor
             else:
                 placed = value.to(device=tensor.device, dtype=dtype, copy=True)
             by_tensor[id(tensor)] = shadow[name] = placed
