@@ -7,6 +7,13 @@ from hookloop.callbacks.ema import EMA
 from hookloop.callbacks.grad_accumulation import GradAccumulation
 from hookloop.callbacks.grad_clip import GradClip
 from hookloop.callbacks.lr_scheduler import LRScheduler
+from hookloop.callbacks.checkpoint import Checkpoint
+from hookloop.callbacks.ddp import DDP
+from hookloop.callbacks.early_stopping import EarlyStopping
+from hookloop.callbacks.metrics import Metrics
+from hookloop.callbacks.terminate_on_nan import TerminateOnNaN
 
 __all__: list[str] = []
 __all__ += ["AMP", "EMA", "GradAccumulation", "GradClip", "LRScheduler"]
+__all__ += ["Checkpoint", "EarlyStopping", "Metrics", "TerminateOnNaN"]
+__all__ += ["DDP"]

@@ -1,0 +1,235 @@
+"""`Metrics`: sample-weighted validation (and training) metrics, accumulated on the device."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hookloop import distributed
+from hookloop.callback import Callback
+from hookloop.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from hookloop.loop import Loop
+
+__all__ = ["Metrics"]
+
+
+def _is_stateful_metric(metric: Any) -> bool:
+    return all(callable(getattr(metric, method, None)) for method in ("update", "compute", "reset"))
+
+
+class _Pass:
+    """Accumulators of one pass (training or validation) on the device."""
+
+    def __init__(self, functions: dict[str, Callable[[Any, Any], Any]],
+                 objects: dict[str, Any]) -> None:
+        self.functions = functions
+        self.objects = objects
+        self.sums: dict[str, torch.Tensor] = {}
+        self.samples = 0
+
+    def reset(self, device: torch.device) -> None:
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        self.sums = {name: torch.zeros((), dtype=dtype, device=device) for name in self.functions}
+        self.samples = 0
+        for metric in self.objects.values():
+            metric.reset()
+
+    def update(self, outputs: Any, targets: Any, batch_size: int) -> None:
+        with torch.no_grad():
+            for name, function in self.functions.items():
+                value = function(outputs, targets)
+                accumulator = self.sums[name]
+                value = torch.as_tensor(value).detach()
+                if value.numel() != 1:
+                    raise ConfigurationError(
+                        f"Metric {name!r} returned a tensor of shape {tuple(value.shape)}; a metric "
+                        "function must return the batch mean as a scalar (e.g. .float().mean()).")
+                value = value.reshape(()).to(device=accumulator.device, dtype=accumulator.dtype)
+                self.sums[name] = torch.add(accumulator, value, alpha=batch_size)
+            for metric in self.objects.values():
+                metric.update(outputs, targets)
+        self.samples += batch_size
+
+    def results(self, prefix: str) -> dict[str, float]:
+        """Reduce over ranks (one collective, one host sync) and return the floats."""
+        values: dict[str, float] = {}
+        if self.functions:
+            first = next(iter(self.sums.values()))
+            totals = distributed.all_reduce_sum(
+                torch.stack([*self.sums.values(), first.new_tensor(self.samples)])).tolist()
+            count = totals[-1]
+            for name, total in zip(self.sums, totals):
+                values[prefix + name] = total / count if count else float("nan")
+        for name, metric in self.objects.items():
+            values[prefix + name] = float(torch.as_tensor(metric.compute()).detach().cpu().item())
+        return values
+
+
+class Metrics(Callback):
+    """Compute metrics over the validation set (and, on request, the training set).
+
+    A metric is either a function ``fn(outputs, targets)`` returning the mean over the batch
+    (a scalar tensor or a float), or an object with ``update(outputs, targets)``,
+    ``compute()`` and ``reset()`` (torchmetrics style; torchmetrics is not required).
+
+    Function metrics are averaged over samples: each batch mean is weighted by
+    ``loop.state.batch_size``, summed on the device (no host sync per batch), reduced over
+    ranks with one all-reduce and read once per pass. Under DDP with the samplers of the
+    ``DDP`` callback the value equals the single-process value. Object metrics are
+    reset at the start of each pass and their ``compute()`` is read once at its end
+    (torchmetrics objects synchronise across ranks inside ``compute()``).
+
+    The values are written into ``loop.state.metrics`` as floats: ``val_<name>`` at
+    ``on_validation_end`` and, with ``on_train=True``, ``train_<name>`` when the training
+    pass ends (at ``on_validation_start``, or ``on_epoch_end`` without validation data),
+    before the callbacks after this one read them. Put ``Metrics`` before the callbacks
+    that monitor its metrics (checked at fit start).
+
+    The training sums of function metrics are checkpointed at every step boundary, so a
+    single-process run resumed mid-epoch reports the same ``train_<name>`` as an
+    uninterrupted one (under DDP, and for object metrics, the resumed epoch's training
+    value covers the batches after the resume). The state is stored under
+    ``Metrics(<names>)`` (or ``name``).
+
+    Args:
+        on_train: Also compute each metric over the training batches (``train_<name>``),
+            from the outputs of the training forward pass (dropout on).
+        **metrics: ``name=metric`` pairs.
+
+    Raises:
+        ConfigurationError: no metric, or a metric that is neither callable nor an object
+            with ``update``/``compute``/``reset``.
+
+    Example:
+        >>> import torch
+        >>> from hookloop.callbacks import Metrics
+        >>> def accuracy(outputs, targets):
+        ...     return (outputs.argmax(dim=-1) == targets).float().mean()
+        >>> metrics = Metrics(acc=accuracy)
+        >>> sorted(metrics.produces(None))
+        ['val_acc']
+    """
+
+    def __init__(self, *, on_train: bool = False, **metrics: Any) -> None:
+        if not metrics:
+            raise ConfigurationError("Metrics() needs at least one metric: Metrics(acc=accuracy).")
+        if not isinstance(on_train, bool):
+            raise ConfigurationError(f"on_train must be True or False, got {on_train!r}.")
+        functions: dict[str, Callable[[Any, Any], Any]] = {}
+        objects: dict[str, Any] = {}
+        for metric_name, metric in metrics.items():
+            if _is_stateful_metric(metric):
+                objects[metric_name] = metric
+            elif callable(metric):
+                functions[metric_name] = metric
+            else:
+                raise ConfigurationError(
+                    f"Metric {metric_name!r} is a {type(metric).__name__}: pass a function "
+                    "fn(outputs, targets) -> batch mean, or an object with update(outputs, "
+                    "targets), compute() and reset().")
+        self.on_train = on_train
+        self.metrics = dict(metrics)
+        self._validation = _Pass(functions, objects)
+        # Objects keep their own state: the training pass needs separate instances.
+        self._training = _Pass(dict(functions), {key: copy.deepcopy(value)
+                                                 for key, value in objects.items()})
+        self._loop: Loop | None = None
+        self._train_pending = False
+        # Training sums at the last two step boundaries, keyed by the loop position
+        # (epoch, batches done) they belong to: see state_dict.
+        self._boundaries: dict[tuple[int, int], tuple[dict[str, torch.Tensor], int]] = {}
+        self._restored: tuple[int, int, dict[str, torch.Tensor], int] | None = None
+
+    @property
+    def state_key(self) -> str:
+        """``name`` when set, else ``Metrics(<metric names>)``: two stacks of metrics differ."""
+        return self.name or f"Metrics({','.join(self.metrics)})"
+
+    def __repr__(self) -> str:
+        return f"Metrics({', '.join(self.metrics)}{', on_train=True' if self.on_train else ''})"
+
+    def produces(self, loop: Loop | None) -> Iterable[str]:
+        """``val_<name>`` for each metric, and ``train_<name>`` with ``on_train``."""
+        names = [f"val_{name}" for name in self.metrics]
+        if self.on_train:
+            names += [f"train_{name}" for name in self.metrics]
+        return names
+
+    # ---------------------------------------------------------------- training
+    def setup(self, loop: Loop) -> None:
+        self._loop = loop
+
+    def on_epoch_start(self, loop: Loop) -> None:
+        if not self.on_train:
+            return
+        self._training.reset(loop.device)
+        self._boundaries.clear()
+        restored, self._restored = self._restored, None
+        position = loop.state_dict()
+        if (restored is not None and position["batch_idx"]
+                and (restored[0], restored[1]) == (position["epoch"], position["batch_idx"])
+                and restored[0] == loop.state.epoch):
+            sums, samples = restored[2], restored[3]
+            self._training.sums = {key: value.to(loop.device) for key, value in sums.items()}
+            self._training.samples = samples
+            self._boundaries[(restored[0], restored[1])] = (dict(self._training.sums), samples)
+        self._train_pending = True
+
+    def after_forward(self, loop: Loop) -> None:
+        if not self.on_train:
+            return
+        state = loop.state
+        self._training.update(state.outputs, state.targets, state.batch_size)
+        if state.step_boundary and self._training.functions:
+            # Tensors are replaced, never changed in place: keeping references is a snapshot.
+            self._boundaries[(state.epoch, state.batch_idx + 1)] = (
+                dict(self._training.sums), self._training.samples)
+            while len(self._boundaries) > 2:
+                del self._boundaries[next(iter(self._boundaries))]
+
+    def _write_train(self, loop: Loop) -> None:
+        if self._train_pending and self._training.samples:
+            loop.state.metrics.update(self._training.results("train_"))
+        self._train_pending = False
+
+    def on_epoch_end(self, loop: Loop) -> None:
+        if self.on_train:
+            self._write_train(loop)
+
+    # -------------------------------------------------------------- validation
+    def on_validation_start(self, loop: Loop) -> None:
+        if self.on_train:
+            self._write_train(loop)
+        self._validation.reset(loop.device)
+
+    def on_validation_batch_end(self, loop: Loop) -> None:
+        state = loop.state
+        self._validation.update(state.outputs, state.targets, state.batch_size)
+
+    def on_validation_end(self, loop: Loop) -> None:
+        if self._validation.samples:
+            loop.state.metrics.update(self._validation.results("val_"))
+
+    # ------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The training sums at the loop's resume position (empty without ``on_train``)."""
+        if not self.on_train or self._loop is None or distributed.world_size() > 1:
+            return {}  # under DDP each rank holds its own sums and only rank 0 writes
+        position = self._loop.state_dict()
+        key = (position["epoch"], position["batch_idx"])
+        if key not in self._boundaries:
+            return {}
+        sums, samples = self._boundaries[key]
+        return {"epoch": key[0], "batch_idx": key[1], "samples": samples,
+                "sums": {name: value.detach().cpu() for name, value in sums.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the training sums of an interrupted epoch (used at its next start)."""
+        if state and "sums" in state:
+            self._restored = (int(state["epoch"]), int(state["batch_idx"]),
+                              dict(state["sums"]), int(state["samples"]))
