@@ -7,6 +7,7 @@ world has one process, and reductions return their input.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -22,6 +23,8 @@ __all__ = [
     "all_reduce_max",
     "any_true",
     "broadcast_object",
+    "all_gather_object",
+    "all_reduce_sums",
     "barrier",
 ]
 
@@ -92,6 +95,42 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     holder = [obj]
     dist.broadcast_object_list(holder, src=src, device=_collective_device())
     return holder[0]
+
+
+def all_gather_object(obj: T) -> list[T]:
+    """Every rank's ``obj``, in rank order (a one-element list in a single process)."""
+    if world_size() == 1:
+        return [obj]
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def all_reduce_sums(sums: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
+    """Sum each value of ``sums`` over all ranks with one all-reduce; floats come back.
+
+    Made for per-epoch metric sums (``{"correct": ..., "samples": ...}``): the keys must be
+    the same on every rank, else a `ValueError` names the keys of each rank (a mismatch
+    would otherwise hang or add unrelated values together). Costs one host sync.
+
+    Example:
+        >>> all_reduce_sums({"correct": 3.0, "samples": 4})
+        {'correct': 3.0, 'samples': 4.0}
+    """
+    keys = sorted(sums)
+    if world_size() > 1:
+        every_rank = all_gather_object(keys)
+        if any(other != keys for other in every_rank):
+            listing = "; ".join(f"rank {index}: {other}" for index, other in enumerate(every_rank))
+            raise ValueError(
+                f"all_reduce_sums needs the same keys on every rank, got {listing}. "
+                "Write every metric on every rank, also on a rank that saw no batch.")
+    if not keys:
+        return {}
+    device = _collective_device()
+    values = torch.stack([torch.as_tensor(sums[key], dtype=torch.float64, device=device)
+                          .reshape(()) for key in keys])
+    return dict(zip(keys, all_reduce_sum(values).tolist()))
 
 
 def barrier() -> None:

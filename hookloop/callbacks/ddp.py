@@ -1,0 +1,368 @@
+"""Distributed data parallel training on torch.distributed, launched with torchrun."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+from torch.utils.data.distributed import DistributedSampler
+
+from hookloop import distributed
+from hookloop.callback import Callback
+from hookloop.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from hookloop.loop import Loop
+
+__all__ = ["DDP", "UnpaddedDistributedSampler"]
+
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_groups_created = 0  # process groups this module created in this process
+
+
+def _init_process_group(backend: str) -> None:
+    """``init_process_group`` from torchrun's environment, also after an earlier destroy.
+
+    torch names the default group's keys in the rendezvous store the same way each time
+    (its counter restarts when the group is destroyed), so a second init on one rank could
+    read the other ranks' addresses of the first group and fail to connect. Later groups
+    therefore get keys of their own, in the same order on every rank.
+    """
+    global _groups_created
+    if _groups_created == 0:
+        dist.init_process_group(backend=backend)
+    else:
+        store, rank, world_size = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"hookloop.ddp/{_groups_created}", store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
+    _groups_created += 1
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) is set."""
+    return all(name in os.environ for name in _TORCHRUN_VARIABLES)
+
+
+class UnpaddedDistributedSampler(Sampler[int]):
+    """Shards a dataset over ranks without padding: every sample is seen exactly once.
+
+    ``DistributedSampler`` pads the dataset with repeated samples so that every rank gets
+    the same number of them, which counts those samples twice in validation metrics. This
+    sampler gives rank ``r`` the indices ``r, r + world, r + 2 * world, ...`` (of a
+    permutation when ``shuffle``), so ranks may get one sample less than others. Use it only
+    where no per-batch collective runs, as in hookloop's validation pass.
+
+    Args:
+        dataset: A sized dataset.
+        num_replicas: Number of ranks (default: the world size).
+        rank: This rank (default: the current rank).
+        shuffle: Permute the indices, the same way on every rank, per ``set_epoch``.
+        seed: Seed of the permutation; must be the same on every rank.
+
+    Example:
+        >>> sampler = UnpaddedDistributedSampler(range(5), num_replicas=2, rank=1)
+        >>> list(sampler), len(sampler)
+        ([1, 3], 2)
+    """
+
+    def __init__(self, dataset: Any, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = False, seed: int = 0) -> None:
+        self.dataset = dataset
+        self.num_replicas = distributed.world_size() if num_replicas is None else num_replicas
+        self.rank = distributed.rank() if rank is None else rank
+        if not 0 <= self.rank < self.num_replicas:
+            raise ConfigurationError(
+                f"rank must be in [0, {self.num_replicas}), got {self.rank}.")
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the permutation of ``epoch`` (only matters with ``shuffle``)."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        size = len(self.dataset)
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(size, generator=generator).tolist()
+        else:
+            indices = list(range(size))
+        return iter(indices[self.rank::self.num_replicas])
+
+    def __len__(self) -> int:
+        return max(0, math.ceil((len(self.dataset) - self.rank) / self.num_replicas))
+
+
+def _loader_parts(loader: DataLoader) -> tuple[Sampler[Any], int | None, bool]:
+    """The index sampler, batch size and drop_last of a DataLoader, batch sampler unwrapped."""
+    if loader.batch_size is None and loader.batch_sampler is not None:
+        if type(loader.batch_sampler) is not BatchSampler:
+            raise ConfigurationError(
+                f"DDP cannot shard a DataLoader with a custom batch_sampler "
+                f"({type(loader.batch_sampler).__name__}). Give it a sampler that shards by "
+                "rank yourself (DDP then leaves the loader as it is) or use batch_size=.")
+        batch_sampler = loader.batch_sampler
+        return batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
+    return loader.sampler, loader.batch_size, loader.drop_last
+
+
+def _shuffles(sampler: Sampler[Any], which: str) -> bool:
+    if type(sampler) is SequentialSampler:
+        return False
+    if type(sampler) is RandomSampler and not sampler.replacement and \
+            sampler._num_samples is None:
+        return True
+    raise ConfigurationError(
+        f"DDP cannot shard the {which} DataLoader: its sampler {type(sampler).__name__} is "
+        "neither sequential (shuffle=False) nor a plain shuffle (shuffle=True). Build the "
+        "loader with a DistributedSampler (or another sampler that shards by rank) yourself; "
+        "DDP leaves such loaders as they are.")
+
+
+def _sampler_seed(loader: DataLoader, sampler: Sampler[Any]) -> int:
+    """The user's seed for the order: the loader's generator, else torch's default one."""
+    generator = getattr(sampler, "generator", None) or loader.generator
+    seed = generator.initial_seed() if generator is not None else torch.initial_seed()
+    return int(distributed.broadcast_object(seed % 2**62))
+
+
+def _rebuild(loader: DataLoader, sampler: Sampler[int], batch_size: int | None,
+             drop_last: bool) -> DataLoader:
+    """A DataLoader like ``loader`` in every setting, drawing its indices from ``sampler``."""
+    settings: dict[str, Any] = {
+        "batch_size": batch_size,
+        "sampler": sampler,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "drop_last": drop_last,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+    }
+    if hasattr(loader, "in_order"):
+        settings["in_order"] = loader.in_order
+    if loader.num_workers > 0:
+        settings["prefetch_factor"] = loader.prefetch_factor
+    try:
+        return type(loader)(loader.dataset, **settings)
+    except TypeError as error:
+        raise ConfigurationError(
+            f"DDP could not rebuild the {type(loader).__name__} with a distributed sampler "
+            f"({error}). Build it with a DistributedSampler yourself; DDP then leaves it as "
+            "it is.") from error
+
+
+def _shard(loader: Any, *, training: bool) -> Any:
+    """``loader`` rebuilt to read this rank's share of the data, or ``loader`` itself.
+
+    Training uses ``DistributedSampler`` (padded, so every rank runs the same number of
+    batches and no gradient all-reduce waits forever); validation uses
+    `UnpaddedDistributedSampler` so that every real sample counts exactly once.
+    """
+    which = "training" if training else "validation"
+    if not isinstance(loader, DataLoader):
+        warnings.warn(
+            f"DDP: the {which} data is a {type(loader).__name__}, not a DataLoader, so every "
+            "rank reads all of it. Pass a DataLoader to have it sharded across ranks.",
+            stacklevel=4)
+        return loader
+    if isinstance(loader.dataset, IterableDataset):
+        warnings.warn(
+            f"DDP: the {which} data is an IterableDataset, which a sampler cannot shard; it is "
+            "left as it is. Make it yield a different share on each rank "
+            "(hookloop.distributed.rank(), world_size()); in training every rank must yield "
+            "the same number of batches.", stacklevel=4)
+        return loader
+    sampler, batch_size, drop_last = _loader_parts(loader)
+    if isinstance(sampler, (DistributedSampler, UnpaddedDistributedSampler)):
+        return loader  # the user sharded it already
+    shuffle = _shuffles(sampler, which)
+    seed = _sampler_seed(loader, sampler) if shuffle else 0
+    world, rank = distributed.world_size(), distributed.rank()
+    new_sampler: Sampler[int]
+    if training:
+        new_sampler = DistributedSampler(loader.dataset, num_replicas=world, rank=rank,
+                                         shuffle=shuffle, seed=seed, drop_last=False)
+    else:
+        new_sampler = UnpaddedDistributedSampler(loader.dataset, num_replicas=world, rank=rank,
+                                                 shuffle=shuffle, seed=seed)
+    return _rebuild(loader, new_sampler, batch_size, drop_last)
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for candidate in (sampler, getattr(batch_sampler, "sampler", None)):
+        if callable(getattr(candidate, "set_epoch", None)):
+            candidate.set_epoch(epoch)
+            return
+
+
+class DDP(Callback):
+    """Data-parallel training over processes and machines, launched with ``torchrun``.
+
+    Under torchrun (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set) ``setup``:
+
+    * initialises the default process group unless one exists (``nccl`` on CUDA, ``gloo``
+      on CPU), and on CUDA selects ``cuda:LOCAL_RANK`` for ``loop.device``;
+    * wraps the model in ``DistributedDataParallel`` (``loop.model`` is the wrapper,
+      ``loop.unwrapped_model`` the user's module);
+    * rebuilds the training and validation DataLoaders with the same settings and a
+      distributed sampler. Training: ``DistributedSampler`` (padded so all ranks run the
+      same number of batches); a shuffling loader keeps shuffling through it, seeded by the
+      loader's generator (else ``torch.initial_seed()``) as rank 0 has it; a sequential
+      one keeps its order. Validation: `UnpaddedDistributedSampler`, so the reduced
+      ``val_loss`` and metrics count each real sample exactly once.
+
+    Every epoch the samplers get ``set_epoch``. Micro-batches inside a gradient
+    accumulation window run forward and backward under ``no_sync()``, so gradients are
+    all-reduced once per optimizer step. Validation calls the unwrapped module (no DDP
+    forward, hence no collective that unequal validation batch counts could hang). At the
+    end of a fit that ended cleanly, the process group is destroyed if this callback
+    created it (the model and loaders are put back, so a later ``fit`` sets up again).
+    After an exception nothing collective is called: the process exits with the traceback
+    and torchrun stops the other ranks.
+
+    Outside torchrun it does nothing and says so once, so one script runs both ways.
+
+    Args:
+        backend: Process group backend; None means ``nccl`` on CUDA, else ``gloo``.
+        find_unused_parameters: Passed to ``DistributedDataParallel``, for models whose
+            forward does not use every parameter.
+
+    Example:
+        >>> import torch
+        >>> from hookloop import Loop
+        >>> from hookloop.callbacks import DDP
+        >>> model = torch.nn.Linear(3, 1)
+        >>> data = torch.utils.data.DataLoader(
+        ...     torch.utils.data.TensorDataset(torch.randn(8, 3), torch.randn(8, 1)),
+        ...     batch_size=4)
+        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+        ...             loss_fn=torch.nn.functional.mse_loss, callbacks=[DDP()], device="cpu")
+        >>> # python train.py: one process; torchrun --nproc_per_node=2 train.py: two.
+    """
+
+    unique: ClassVar[bool] = True
+    roles: ClassVar[tuple[str, ...]] = ("distributed",)
+
+    def __init__(self, *, backend: str | None = None, find_unused_parameters: bool = False
+                 ) -> None:
+        self.backend = backend
+        self.find_unused_parameters = find_unused_parameters
+        self._active = False
+        self._noted = False
+        self._created_group = False
+        self._failed = False
+        self._originals: tuple[Any, Any] = (None, None)
+        self._sharded: tuple[Any, Any] = (None, None)
+
+    def __repr__(self) -> str:
+        return (f"DDP(backend={self.backend!r}, "
+                f"find_unused_parameters={self.find_unused_parameters!r})")
+
+    # ------------------------------------------------------------------- setup
+    def setup(self, loop: Loop) -> None:
+        self._failed = False
+        self._active = distributed.is_initialized() or launched_by_torchrun()
+        if not self._active:
+            if not self._noted:
+                self._noted = True
+                warnings.warn(
+                    "DDP: not launched by torchrun (RANK, WORLD_SIZE, LOCAL_RANK unset), so "
+                    "training runs in this one process. Launch with "
+                    "`torchrun --nproc_per_node=N script.py` to train on N processes.",
+                    stacklevel=2)
+            return
+        if loop.device.type == "cuda":
+            loop.device = torch.device("cuda", distributed.local_rank())
+            torch.cuda.set_device(loop.device)
+        if not distributed.is_initialized():
+            backend = self.backend or ("nccl" if loop.device.type == "cuda" else "gloo")
+            _init_process_group(backend)
+            self._created_group = True
+        if not isinstance(loop.model, DistributedDataParallel):
+            module = loop.model.to(loop.device)
+            device_ids = [loop.device.index] if loop.device.type == "cuda" else None
+            loop.model = DistributedDataParallel(
+                module, device_ids=device_ids,
+                find_unused_parameters=self.find_unused_parameters)
+        sharded_train, sharded_val = self._sharded
+        original_train, original_val = self._originals
+        if loop.train_data is not sharded_train:
+            original_train, sharded_train = loop.train_data, _shard(loop.train_data, training=True)
+            loop.train_data = sharded_train
+        if loop.val_data is not None and loop.val_data is not sharded_val:
+            original_val, sharded_val = loop.val_data, _shard(loop.val_data, training=False)
+            loop.val_data = sharded_val
+        self._originals = (original_train, original_val)
+        self._sharded = (sharded_train, sharded_val)
+
+    # ------------------------------------------------------------------ events
+    def on_epoch_start(self, loop: Loop) -> None:
+        if self._active:
+            _set_epoch(loop.train_data, loop.state.epoch)
+            if loop.val_data is not None:
+                _set_epoch(loop.val_data, loop.state.epoch)
+
+    def train_step_context(self, loop: Loop) -> AbstractContextManager[Any] | None:
+        # Forward and backward both inside no_sync: DDP decides in forward whether the
+        # coming backward all-reduces.
+        if loop.state.step_boundary or not isinstance(loop.model, DistributedDataParallel):
+            return None
+        return loop.model.no_sync()
+
+    def validation_context(self, loop: Loop) -> AbstractContextManager[Any] | None:
+        if not isinstance(loop.model, DistributedDataParallel):
+            return None
+        return self._unwrapped_for_validation(loop)
+
+    @contextmanager
+    def _unwrapped_for_validation(self, loop: Loop) -> Iterator[None]:
+        # DDP's forward may broadcast buffers on the first call after training: a collective
+        # that a rank with fewer (or no) validation batches would never join.
+        wrapper = loop.model
+        loop.model = wrapper.module
+        try:
+            yield
+        finally:
+            loop.model = wrapper
+
+    def on_exception(self, loop: Loop, exc: BaseException) -> None:
+        self._failed = True
+
+    def on_fit_end(self, loop: Loop) -> None:
+        if not self._active or self._failed or not self._created_group:
+            return  # on the error path: no collective; the process exits with the traceback
+        if isinstance(loop.model, DistributedDataParallel):
+            loop.model = loop.model.module
+        # Put back the user's loaders, so that a later fit shards them for its new group.
+        if loop.train_data is self._sharded[0]:
+            loop.train_data = self._originals[0]
+        if loop.val_data is not None and loop.val_data is self._sharded[1]:
+            loop.val_data = self._originals[1]
+        self._originals = self._sharded = (None, None)
+        if distributed.is_initialized():
+            dist.destroy_process_group()
+        self._created_group = False
