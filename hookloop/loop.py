@@ -349,7 +349,9 @@ class Loop:
             raise ConfigurationError(
                 "train_data is empty (len(train_data) == 0): check the dataset, the batch size "
                 "and drop_last.")
-        if self.val_data is not None and _sized(self.val_data) == 0:
+        # Under DDP one rank's validation shard may be empty; the pass checks the total.
+        if self.val_data is not None and _sized(self.val_data) == 0 and \
+                distributed.world_size() == 1:
             raise ConfigurationError("val_data is empty (len(val_data) == 0): pass val_data=None "
                                      "to train without validation, or check the dataset.")
         self.model.to(self.device)
