@@ -1,0 +1,306 @@
+"""DDP: real 2-process runs under torchrun (gloo, CPU) checked against hand-written loops.
+
+Each launch runs a script of tests/ddp_scripts/ with a timeout; a hang kills the whole
+process group and fails the test. Launches are shared by module-scoped fixtures, so the
+file costs a handful of torchrun starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset, WeightedRandomSampler
+from torch.utils.data.distributed import DistributedSampler
+
+from conftest import ROOT, subprocess_env
+
+sys.path.insert(0, str(ROOT / "tests" / "ddp_scripts"))
+import common  # noqa: E402  (the scripts' data and models, for the oracles)
+
+from hookloop import ConfigurationError, Loop, distributed  # noqa: E402
+from hookloop.callbacks import DDP  # noqa: E402
+from hookloop.callbacks import ddp as ddp_module  # noqa: E402
+from hookloop.callbacks.ddp import UnpaddedDistributedSampler  # noqa: E402
+
+SCRIPTS = ROOT / "tests" / "ddp_scripts"
+TIMEOUT = 150  # seconds per launch; a healthy one takes ~10 s on 2 busy cores
+
+
+def torchrun(script: Path, *args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` on 2 processes; kill the whole process group if it overruns."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", str(script), *args]
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env["PYTHONPATH"]])
+    env.pop("RANK", None)
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{script.name} hung: killed after {timeout} s\n{output[-6000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, output, "")
+
+
+def run_ok(script: Path, *args: str) -> str:
+    result = torchrun(script, *args)
+    assert result.returncode == 0, f"{script.name} failed:\n{result.stdout[-8000:]}"
+    return result.stdout
+
+
+def read(out: Path, name: str, rank: int) -> Any:
+    tensors = out / f"{name}.rank{rank}.pt"
+    if tensors.exists():
+        return torch.load(tensors, weights_only=True)
+    return json.loads((out / f"{name}.rank{rank}.json").read_text())
+
+
+def assert_close_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                         atol: float = 1e-5) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=atol, msg=key)
+
+
+# ------------------------------------------------------------------ hand-written oracles
+def hand_parity(epochs: int = 2) -> tuple[dict[str, torch.Tensor], list[float], float]:
+    """One process, batch 6 = 2 ranks x 3, in DistributedSampler's order (seed 7 + epoch)."""
+    dataset = common.regression_data(24, seed=2)
+    val_inputs, val_targets = common.regression_data(11, seed=3).tensors
+    model = common.make_model(seed=1)
+    optimizer = common.make_optimizer(model)
+    inputs, targets = dataset.tensors
+    train_losses = []
+    for epoch in range(epochs):
+        order = torch.randperm(24, generator=torch.Generator().manual_seed(7 + epoch))
+        total = 0.0
+        for start in range(0, 24, 6):
+            batch = order[start:start + 6]
+            loss = nn.functional.mse_loss(model(inputs[batch]), targets[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * 6
+        train_losses.append(total / 24)
+    with torch.no_grad():
+        val_loss = nn.functional.mse_loss(model(val_inputs), val_targets).item()
+    return model.state_dict(), train_losses, val_loss
+
+
+def hand_accumulation(epochs: int = 2) -> tuple[dict[str, torch.Tensor], int]:
+    """One process, micro-batches of 6 in order, windows of 2, 2, 1 averaged by real size."""
+    inputs, targets = common.regression_data(30, seed=5).tensors
+    model = common.make_model(seed=4)
+    optimizer = common.make_optimizer(model)
+    steps = 0
+    for _ in range(epochs):
+        micro = [slice(start, start + 6) for start in range(0, 30, 6)]
+        for window in (micro[0:2], micro[2:4], micro[4:5]):
+            optimizer.zero_grad()
+            for part in window:
+                loss = nn.functional.mse_loss(model(inputs[part]), targets[part]) / len(window)
+                loss.backward()
+            optimizer.step()
+            steps += 1
+    return model.state_dict(), steps
+
+
+# ------------------------------------------------------------- launch 1: tests/ddp_scripts/train.py
+@pytest.fixture(scope="module")
+def train_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ddp_train")
+    run_ok(SCRIPTS / "train.py", str(out))
+    return out
+
+
+def test_two_ranks_batch_b_equal_one_process_batch_2b(train_run: Path) -> None:
+    expected, train_losses, val_loss = hand_parity()
+    for rank in (0, 1):
+        assert_close_weights(read(train_run, "parity", rank), expected)
+        log = read(train_run, "parity_log", rank)
+        assert log["step"] == 8  # 24 samples / 2 ranks / batch 3 = 4 steps per epoch
+        assert [epoch["train_loss"] for epoch in log["metrics"]] == pytest.approx(
+            train_losses, rel=1e-5)
+        # 11 validation samples over 2 ranks: each counted once, none padded in.
+        assert log["metrics"][-1]["val_loss"] == pytest.approx(val_loss, rel=1e-5)
+
+
+def test_rank_zero_only_callbacks_run_on_rank_zero_only(train_run: Path) -> None:
+    assert read(train_run, "parity_log", 0)["recorded"] == ["on_fit_start"] + ["after_step"] * 8
+    assert read(train_run, "parity_log", 1)["recorded"] == []
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step(train_run: Path) -> None:
+    expected, steps = hand_accumulation()
+    for rank in (0, 1):
+        log = read(train_run, "accumulation_log", rank)
+        assert log["batches"] == 5  # per rank and epoch: 10 micro-batches in all
+        assert log["step"] == steps == 6
+        assert log["rounds"] == 6, "gradients must be all-reduced at step boundaries only"
+        assert_close_weights(read(train_run, "accumulation", rank), expected)
+
+
+def test_validation_with_an_empty_shard_and_buffers_does_not_hang(train_run: Path) -> None:
+    logs = [read(train_run, "buffers_log", rank) for rank in (0, 1)]
+    assert [log["val_batches"] for log in logs] == [1, 0]
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    model.load_state_dict(read(train_run, "buffers", 0))
+    model.eval()
+    inputs, labels = common.classification_data(1, seed=8).tensors
+    with torch.no_grad():
+        expected = nn.functional.cross_entropy(model(inputs), labels).item()
+    for log in logs:
+        assert log["metrics"][0]["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+# ------------------------------------------------------------- launch 2: an exception on one rank
+def test_an_exception_on_one_rank_ends_both_processes_with_the_error(tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = torchrun(SCRIPTS / "fail.py", str(tmp_path), timeout=120)
+    assert result.returncode != 0
+    assert "RuntimeError: injected failure on rank 1" in result.stdout
+    assert "raised in callback FailOnRankOne at event on_batch_start" in result.stdout
+    assert "unreachable" not in result.stdout
+    assert time.monotonic() - started < 120
+
+
+# --------------------------------------------------------------- in-process: no torchrun
+def _plain_loop(callbacks: list[Any]) -> tuple[Loop, nn.Module, DataLoader]:
+    model = common.make_model(seed=1)
+    data = DataLoader(common.regression_data(12, seed=2), batch_size=4)
+    loop = Loop(model, common.make_optimizer(model), data, loss_fn=nn.functional.mse_loss,
+                callbacks=callbacks, device="cpu")
+    return loop, model, data
+
+
+def test_outside_torchrun_ddp_does_nothing_and_says_so_once(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    loop, model, data = _plain_loop([DDP()])
+    with pytest.warns(UserWarning, match="not launched by torchrun") as record:
+        loop.fit(1)
+        loop.fit(2)
+    assert len([w for w in record if "torchrun" in str(w.message)]) == 1
+    assert loop.model is model and loop.train_data is data
+    # The same training as a hand loop over the same batches.
+    expected = common.make_model(seed=1)
+    optimizer = common.make_optimizer(expected)
+    inputs, targets = common.regression_data(12, seed=2).tensors
+    for _ in range(2):
+        for start in range(0, 12, 4):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(expected(inputs[start:start + 4]),
+                                   targets[start:start + 4]).backward()
+            optimizer.step()
+    assert_close_weights(model.state_dict(), expected.state_dict(), atol=0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("size", [0, 1, 5, 6, 7])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_unpadded_sampler_counts_every_sample_once(world: int, size: int, shuffle: bool) -> None:
+    shards = [UnpaddedDistributedSampler(range(size), num_replicas=world, rank=rank,
+                                         shuffle=shuffle, seed=3) for rank in range(world)]
+    for shard in shards:
+        shard.set_epoch(1)
+    seen = [list(shard) for shard in shards]
+    assert [len(indices) for indices in seen] == [len(shard) for shard in shards]
+    assert sorted(index for indices in seen for index in indices) == list(range(size))
+    assert max(map(len, seen)) - min(map(len, seen)) <= 1
+    if shuffle and size == 7:
+        order = torch.randperm(7, generator=torch.Generator().manual_seed(3 + 1)).tolist()
+        assert seen[0] == order[0::world]
+
+
+def _pretend_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
+    monkeypatch.setattr(distributed, "rank", lambda: rank)
+    monkeypatch.setattr(distributed, "world_size", lambda: world)
+    monkeypatch.setattr(distributed, "broadcast_object", lambda obj, src=0: obj)
+
+
+def _collate(batch: list[Any]) -> Any:
+    return torch.utils.data.default_collate(batch)
+
+
+def _init_worker(worker_id: int) -> None:
+    pass
+
+
+def test_loaders_are_rebuilt_with_the_same_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    _pretend_rank(monkeypatch, rank=1, world=2)
+    dataset = common.regression_data(10, seed=0)
+    generator = torch.Generator().manual_seed(123)
+    loader = DataLoader(dataset, batch_size=3, shuffle=True, num_workers=2, collate_fn=_collate,
+                        pin_memory=True, drop_last=True, timeout=5.0,
+                        worker_init_fn=_init_worker, generator=generator,
+                        persistent_workers=True, prefetch_factor=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pin_memory without an accelerator
+        sharded = ddp_module._shard(loader, training=True)
+    sampler = sharded.sampler
+    assert isinstance(sampler, DistributedSampler)
+    assert (sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed) == (2, 1, True, 123)
+    assert not sampler.drop_last  # padded: every rank runs the same number of batches
+    for setting in ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last",
+                    "timeout", "worker_init_fn", "generator", "persistent_workers",
+                    "prefetch_factor", "dataset"):
+        assert getattr(sharded, setting) == getattr(loader, setting), setting
+    assert len(sharded) == 1  # 5 samples on this rank, batches of 3, drop_last
+
+    ordered = DataLoader(dataset, batch_size=2)
+    sharded_val = ddp_module._shard(ordered, training=False)
+    assert isinstance(sharded_val.sampler, UnpaddedDistributedSampler)
+    assert not sharded_val.sampler.shuffle
+    assert [index for batch in sharded_val.batch_sampler for index in batch] == [1, 3, 5, 7, 9]
+    sharded_train = ddp_module._shard(ordered, training=True)
+    assert not sharded_train.sampler.shuffle  # a loader that does not shuffle keeps its order
+    assert list(sharded_train.sampler) == [1, 3, 5, 7, 9]
+
+
+def test_loaders_ddp_cannot_shard_are_reported_or_left_alone(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    _pretend_rank(monkeypatch, rank=0, world=2)
+    dataset = common.regression_data(8, seed=0)
+    weighted = DataLoader(dataset, sampler=WeightedRandomSampler([1.0] * 8, 8), batch_size=2)
+    with pytest.raises(ConfigurationError, match="DistributedSampler"):
+        ddp_module._shard(weighted, training=True)
+    replacing = DataLoader(dataset, sampler=RandomSampler(dataset, replacement=True))
+    with pytest.raises(ConfigurationError, match="WeightedRandomSampler|RandomSampler"):
+        ddp_module._shard(replacing, training=True)
+    mine = DataLoader(dataset, sampler=DistributedSampler(dataset, num_replicas=2, rank=0))
+    assert ddp_module._shard(mine, training=True) is mine
+    batches = [(torch.randn(2, 4), torch.randn(2, 1))]
+    with pytest.warns(UserWarning, match="not a DataLoader"):
+        assert ddp_module._shard(batches, training=True) is batches
+
+
+def test_train_step_context_is_no_sync_inside_a_window_only() -> None:
+    class FakeDDP(nn.parallel.DistributedDataParallel):
+        def __init__(self) -> None:  # no process group needed to test the choice
+            nn.Module.__init__(self)
+
+        def no_sync(self) -> str:  # type: ignore[override]
+            return "no_sync"
+
+    loop, _, _ = _plain_loop([])
+    loop.model = FakeDDP()
+    callback = DDP()
+    loop.state.step_boundary = False
+    assert callback.train_step_context(loop) == "no_sync"
+    loop.state.step_boundary = True
+    assert callback.train_step_context(loop) is None
