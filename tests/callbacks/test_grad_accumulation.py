@@ -1,0 +1,132 @@
+"""GradAccumulation against a hand-written accumulation loop with a partial last window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hookloop import Callback, CallbackOrderError, ConfigurationError, Loop
+from hookloop.callbacks import GradAccumulation
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def make_data(batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(5)
+    return [(torch.randn(6, 4, generator=generator), torch.randn(6, 1, generator=generator))
+            for _ in range(batches)]
+
+
+class Steps(Callback):
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int]] = []
+        self.batches = 0
+        self.losses: list[torch.Tensor] = []
+
+    def on_batch_start(self, loop: Loop) -> None:
+        self.batches += 1
+
+    def after_forward(self, loop: Loop) -> None:
+        self.losses.append(loop.state.loss.detach())
+
+    def after_step(self, loop: Loop) -> None:
+        self.steps.append((loop.state.epoch, loop.state.batch_idx))
+
+
+def test_partial_window_matches_hand_loop() -> None:
+    data, k, epochs = make_data(10), 4, 2
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    hand_steps = 0
+    for _ in range(epochs):
+        for batch_idx, (inputs, labels) in enumerate(data):
+            window = 4 if batch_idx < 8 else 2  # windows {0..3}, {4..7}, {8, 9}
+            (F.mse_loss(model(inputs), labels) / window).backward()
+            if (batch_idx + 1) % k == 0 or batch_idx == len(data) - 1:
+                optimizer.step()
+                optimizer.zero_grad()
+                hand_steps += 1
+
+    hook_model = make_model()
+    steps = Steps()
+    state = Loop(hook_model, torch.optim.SGD(hook_model.parameters(), lr=0.2, momentum=0.9), data,
+                 loss_fn=F.mse_loss, device="cpu", callbacks=[GradAccumulation(k), steps]).fit(epochs)
+    assert hand_steps == state.step == 6
+    assert steps.steps == [(0, 3), (0, 7), (0, 9), (1, 3), (1, 7), (1, 9)]
+    for p, hand in zip(hook_model.parameters(), model.parameters()):
+        assert torch.allclose(p, hand, atol=1e-6)
+    # The loss the loop reports is the true one, not divided by the window.
+    with torch.no_grad():
+        first = F.mse_loss(make_model()(data[0][0]), data[0][1])
+    assert torch.allclose(steps.losses[0], first)
+
+
+def test_dividing_the_last_window_by_steps_would_differ() -> None:
+    """The oracle above is discriminating: averaging 2 batches is not dividing by 4."""
+    data = make_data(10)
+    callback = GradAccumulation(4)
+    callback._batches = len(data)
+    assert [callback.window_size(i) for i in range(10)] == [4] * 8 + [2] * 2
+
+
+def test_an_epoch_shorter_than_a_window_still_steps() -> None:
+    data = make_data(3)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for inputs, labels in data:
+        (F.mse_loss(model(inputs), labels) / 3).backward()
+    optimizer.step()
+    hook_model = make_model()
+    state = Loop(hook_model, torch.optim.SGD(hook_model.parameters(), lr=0.1), data,
+                 loss_fn=F.mse_loss, device="cpu", callbacks=[GradAccumulation(8)]).fit(1)
+    assert state.step == 1
+    for p, hand in zip(hook_model.parameters(), model.parameters()):
+        assert torch.allclose(p, hand, atol=1e-6)
+
+
+def test_sets_the_loop_geometry() -> None:
+    model = make_model()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(10),
+                loss_fn=F.mse_loss, device="cpu", callbacks=[GradAccumulation(4)])
+    loop.fit(0)
+    assert loop.accumulation_steps == 4
+    assert loop.steps_per_epoch == 3
+
+
+def test_unsized_data_is_rejected_before_training() -> None:
+    class Stream:
+        def __iter__(self):  # noqa: ANN204
+            return iter(make_data(4))
+
+    steps = Steps()
+    model = make_model()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), Stream(), loss_fn=F.mse_loss,
+                device="cpu", callbacks=[GradAccumulation(2), steps])
+    with pytest.raises(ConfigurationError, match="len\\(train_data\\)"):
+        loop.fit(1)
+    assert steps.batches == 0
+
+
+def test_two_instances_are_rejected() -> None:
+    steps = Steps()
+    model = make_model()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(2), loss_fn=F.mse_loss,
+                device="cpu", callbacks=[GradAccumulation(2), GradAccumulation(4), steps])
+    with pytest.raises(CallbackOrderError, match="GradAccumulation"):
+        loop.fit(1)
+    assert steps.batches == 0
+
+
+@pytest.mark.parametrize("steps", [0, -1, 2.0, True])
+def test_bad_steps(steps: object) -> None:
+    with pytest.raises(ConfigurationError, match="positive int"):
+        GradAccumulation(steps)  # type: ignore[arg-type]
+
+
+def test_stateless() -> None:
+    assert GradAccumulation(2).state_dict() == {}

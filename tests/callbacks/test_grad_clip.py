@@ -1,0 +1,141 @@
+"""GradClip against hand-written clip_grad_norm_ / clip_grad_value_ loops (seed 004)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hookloop import Callback, CallbackOrderError, ConfigurationError, Loop
+from hookloop.callbacks import AMP, GradClip
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 12), nn.ReLU(), nn.Linear(12, 1))
+
+
+def make_data(batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(2)
+    return [(torch.randn(8, 5, generator=generator), 3 * torch.randn(8, 1, generator=generator))
+            for _ in range(batches)]
+
+
+def hand_norm(model: nn.Module, norm_type: float) -> torch.Tensor:
+    norms = [torch.linalg.vector_norm(p.grad, norm_type) for p in model.parameters()]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_by_value_matches_hand_loop(norm_type: float) -> None:
+    data, max_value = make_data(6), 0.05
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    norms = []
+    for _ in range(2):
+        for inputs, labels in data:
+            F.mse_loss(model(inputs), labels).backward()
+            norms.append(hand_norm(model, norm_type))
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=max_value)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    hook_model = make_model()
+    recorded: list[torch.Tensor] = []
+
+    class Norms(Callback):
+        def after_step(self, loop: Loop) -> None:
+            recorded.append(loop.state.grad_norm)
+
+    Loop(hook_model, torch.optim.SGD(hook_model.parameters(), lr=0.1, momentum=0.5), data,
+         loss_fn=F.mse_loss, device="cpu",
+         callbacks=[GradClip(max_value=max_value, norm_type=norm_type), Norms()]).fit(2)
+    for p, hand in zip(hook_model.parameters(), model.parameters()):
+        assert torch.allclose(p, hand, atol=1e-6)
+    assert all(isinstance(norm, torch.Tensor) and norm.dim() == 0 for norm in recorded)
+    assert torch.allclose(torch.stack(recorded), torch.stack(norms), atol=1e-5)
+    assert max(norms) > max_value  # clipping really happened
+
+
+def test_clip_by_norm_matches_hand_loop_and_keeps_the_pre_clip_norm() -> None:
+    data, max_norm = make_data(5), 0.5
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    norms = []
+    for inputs, labels in data:
+        F.mse_loss(model(inputs), labels).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        optimizer.step()
+        optimizer.zero_grad()
+    hook_model = make_model()
+    recorded: list[torch.Tensor] = []
+
+    class Norms(Callback):
+        def after_step(self, loop: Loop) -> None:
+            recorded.append(loop.state.grad_norm)
+
+    Loop(hook_model, torch.optim.SGD(hook_model.parameters(), lr=0.05), data,
+         loss_fn=F.mse_loss, device="cpu", callbacks=[GradClip(max_norm), Norms()]).fit(1)
+    for p, hand in zip(hook_model.parameters(), model.parameters()):
+        assert torch.allclose(p, hand, atol=1e-6)
+    assert torch.allclose(torch.stack(recorded), torch.stack(norms), atol=1e-6)
+    assert min(norms) > max_norm
+
+
+@contextmanager
+def no_host_reads():  # noqa: ANN201
+    """Fail on any method that copies a tensor value to the host (a sync on CUDA)."""
+    def forbidden(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("host sync during the update")
+    names = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+    with mock.patch.multiple(torch.Tensor, **{name: forbidden for name in names}):
+        yield
+
+
+class GuardedClip(GradClip):
+    def before_step(self, loop: Loop) -> None:
+        with no_host_reads():
+            super().before_step(loop)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_norm": 1.0}, {"max_value": 0.1}])
+def test_clipping_reads_nothing_back_to_the_host(kwargs: dict) -> None:
+    model = make_model()
+    state = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(2),
+                 loss_fn=F.mse_loss, device="cpu", callbacks=[GuardedClip(**kwargs)]).fit(1)
+    assert state.grad_norm is not None
+
+
+def test_clip_before_amp_is_rejected_before_the_first_batch() -> None:
+    batches = []
+
+    class Count(Callback):
+        def on_batch_start(self, loop: Loop) -> None:
+            batches.append(1)
+
+    model = make_model()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(2),
+                loss_fn=F.mse_loss, device="cpu",
+                callbacks=[GradClip(1.0), AMP(torch.float16), Count()])
+    with pytest.raises(CallbackOrderError, match=r"GradClip.*AMP|AMP.*GradClip"):
+        loop.fit(1)
+    assert batches == []
+
+
+def test_exactly_one_limit() -> None:
+    with pytest.raises(ConfigurationError, match="exactly one"):
+        GradClip()
+    with pytest.raises(ConfigurationError, match="exactly one"):
+        GradClip(1.0, max_value=0.5)
+    with pytest.raises(ConfigurationError, match="positive"):
+        GradClip(0.0)
+    with pytest.raises(ConfigurationError, match="norm_type"):
+        GradClip(1.0, norm_type=-1)
+
+
+def test_stateless() -> None:
+    assert GradClip(1.0).state_dict() == {}
