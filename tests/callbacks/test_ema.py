@@ -1,0 +1,258 @@
+"""EMA against seed 004's hand-written EMA class and hand computations."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hookloop import Callback, ConfigurationError, Loop
+from hookloop.callbacks import EMA
+
+
+def make_model(batch_norm: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 8)] + ([nn.BatchNorm1d(8)] if batch_norm else []) + [nn.Tanh(),
+                                                                               nn.Linear(8, 1)]
+    return nn.Sequential(*layers)
+
+
+def make_data(batches: int, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator))
+            for _ in range(batches)]
+
+
+class SeedEMA:
+    """Seed 004's EMA class, extended to buffers the way the docs describe."""
+
+    def __init__(self, model: nn.Module, decay: float, buffers: str = "average") -> None:
+        self.model, self.decay, self.buffers = model, decay, buffers
+        self.shadow = {name: value.detach().clone().float() if value.is_floating_point()
+                       else value.detach().clone() for name, value in model.state_dict().items()}
+        self.params = {name for name, _ in model.named_parameters()}
+
+    def update(self) -> None:
+        for name, value in self.model.state_dict().items():
+            average = value.is_floating_point() and (name in self.params or self.buffers == "average")
+            if average:
+                self.shadow[name] = self.decay * self.shadow[name] + (1.0 - self.decay) * value.float()
+            else:
+                self.shadow[name] = value.detach().clone()
+
+
+def hand_loop(data, epochs, decay, every=1, buffers="average", batch_norm=False):  # noqa: ANN001, ANN201
+    model = make_model(batch_norm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ema, step = SeedEMA(model, decay, buffers), 0
+    for _ in range(epochs):
+        model.train()
+        for inputs, labels in data:
+            F.mse_loss(model(inputs), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if step % every == 0:
+                ema.update()
+    return model, ema
+
+
+def hook_loop(data, epochs, ema, batch_norm=False, val_data=None):  # noqa: ANN001, ANN201
+    model = make_model(batch_norm)
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), data,
+                val_data=val_data, loss_fn=F.mse_loss, device="cpu", callbacks=[ema])
+    loop.fit(epochs)
+    return model, loop
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_matches_seed_ema(every: int) -> None:
+    data = make_data(5)
+    model, seed_ema = hand_loop(data, 2, 0.8, every)
+    ema = EMA(0.8, every_n_steps=every)
+    hook_model, _ = hook_loop(data, 2, ema)
+    for p, hand in zip(hook_model.parameters(), model.parameters()):
+        assert torch.allclose(p, hand, atol=1e-6)
+    averaged = ema.averaged_state_dict()
+    assert averaged.keys() == seed_ema.shadow.keys()
+    for name, value in seed_ema.shadow.items():
+        assert torch.allclose(averaged[name], value, atol=1e-6), name
+    assert ema.updates == 10 // every
+    assert not torch.allclose(averaged["0.weight"], hook_model[0].weight)  # really averaged
+
+
+@pytest.mark.parametrize("buffers", ["average", "copy"])
+def test_buffers(buffers: str) -> None:
+    data = make_data(4)
+    _, seed_ema = hand_loop(data, 2, 0.7, buffers=buffers, batch_norm=True)
+    ema = EMA(0.7, buffers=buffers)
+    hook_model, _ = hook_loop(data, 2, ema, batch_norm=True)
+    averaged = ema.averaged_state_dict()
+    for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked", "1.weight"):
+        assert torch.allclose(averaged[name].double(), seed_ema.shadow[name].double(), atol=1e-6), name
+    assert averaged["1.num_batches_tracked"].dtype == torch.int64
+    assert averaged["1.num_batches_tracked"].item() == 8
+    if buffers == "copy":
+        assert torch.equal(averaged["1.running_mean"], hook_model[1].running_mean)
+
+
+def test_shadow_is_float32_for_a_half_model() -> None:
+    model = make_model().to(torch.bfloat16)
+    theta = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    ema = EMA(0.5)
+    data = [(x.bfloat16(), y.bfloat16()) for x, y in make_data(1)]
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.mse_loss,
+         device="cpu", callbacks=[ema]).fit(1)
+    averaged = ema.averaged_state_dict()
+    for name, p in model.named_parameters():
+        assert averaged[name].dtype == torch.float32
+        expected = 0.5 * theta[name] + 0.5 * p.detach().float()
+        assert torch.allclose(averaged[name], expected, atol=1e-6)
+
+
+def test_validation_uses_the_ema_weights_and_restores_training_weights() -> None:
+    data, val = make_data(4), make_data(2, seed=9)
+    hand_model, _ = hand_loop(data, 2, 0.6)
+    for validate_with_ema in (True, False):
+        ema = EMA(0.6, validate_with_ema=validate_with_ema)
+        model, loop = hook_loop(data, 2, ema, val_data=val)
+        # Validation ran after epoch 0 too: the training weights came back every time.
+        for p, hand in zip(model.parameters(), hand_model.parameters()):
+            assert torch.allclose(p, hand, atol=1e-6)
+        evaluated = ema.averaged_model() if validate_with_ema else model
+        evaluated.eval()
+        with torch.no_grad():
+            expected = sum(F.mse_loss(evaluated(x), y).double() * len(x) for x, y in val) / 16
+        assert loop.state.metrics["val_loss"] == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_swapped_restores_on_exception() -> None:
+    ema = EMA(0.5)
+    model, _ = hook_loop(make_data(3), 1, ema)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    averaged = ema.averaged_state_dict()
+    with pytest.raises(RuntimeError, match="boom"):
+        with ema.swapped(model):
+            for name, value in model.state_dict().items():
+                assert torch.equal(value, averaged[name].to(value.dtype))
+            raise RuntimeError("boom")
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name])
+
+
+def test_copy_to_and_averaged_model() -> None:
+    ema = EMA(0.5)
+    model, _ = hook_loop(make_data(3), 1, ema)
+    target = make_model()
+    ema.copy_to(target)
+    copy = ema.averaged_model()
+    assert not copy.training and copy is not model
+    for (name, value), copied in zip(target.state_dict().items(), copy.state_dict().values()):
+        assert torch.equal(value, ema.averaged_state_dict()[name])
+        assert torch.equal(value, copied)
+    fresh = make_model()
+    fresh.load_state_dict(ema.averaged_state_dict())  # a plain model state dict
+
+
+@contextmanager
+def no_host_reads():  # noqa: ANN201
+    def forbidden(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("host sync during the EMA update")
+    names = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+    with mock.patch.multiple(torch.Tensor, **{name: forbidden for name in names}):
+        yield
+
+
+def test_update_reads_nothing_back_to_the_host() -> None:
+    class Guarded(EMA):
+        def after_step(self, loop: Loop) -> None:
+            with no_host_reads():
+                super().after_step(loop)
+
+    ema = Guarded(0.9, buffers="average")
+    hook_loop(make_data(3), 1, ema, batch_norm=True)
+    assert ema.updates == 3
+
+
+def test_state_round_trip_and_placement(tmp_path) -> None:  # noqa: ANN001
+    data = make_data(3)
+    ema = EMA(0.5)
+    hook_loop(data, 1, ema)
+    torch.save(ema.state_dict(), tmp_path / "ema.pt")
+    state = torch.load(tmp_path / "ema.pt", weights_only=True)
+    assert state["updates"] == 3 and "0.weight" in state["shadow"]
+
+    restored = EMA(0.5)
+    restored.load_state_dict(state)  # before any fit: kept until the model is known
+    other = make_model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)  # weights differ from the saved shadow
+    Loop(other, torch.optim.SGD(other.parameters(), lr=0.1), data, loss_fn=F.mse_loss,
+         device="cpu", callbacks=[restored]).fit(0)
+    for name, value in restored.averaged_state_dict().items():
+        assert torch.equal(value, state["shadow"][name])  # the loaded shadow, not theta
+    assert restored.updates == 3
+    assert restored.state_dict()["shadow"].keys() == state["shadow"].keys()
+
+
+def test_keys_are_the_unwrapped_names() -> None:
+    ema = EMA(0.5)
+    model = make_model()
+    wrapped = nn.DataParallel(model)  # without GPUs it only wraps
+    Loop(wrapped, torch.optim.SGD(model.parameters(), lr=0.1), make_data(2), loss_fn=F.mse_loss,
+         device="cpu", callbacks=[ema]).fit(1)
+    assert set(ema.state_dict()["shadow"]) == set(model.state_dict())
+    ema.copy_to(wrapped)  # wrapped targets are unwrapped too
+
+
+def test_mismatched_state_is_reported() -> None:
+    ema = EMA(0.5)
+    ema.load_state_dict({"shadow": {"nope": torch.zeros(1)}, "updates": 1})
+    model = make_model()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(1),
+                loss_fn=F.mse_loss, device="cpu", callbacks=[ema])
+    with pytest.raises(ConfigurationError, match="does not fit the model"):
+        loop.fit(1)
+    assert loop.state.step == 0
+
+
+def test_continues_across_fits() -> None:
+    data = make_data(3)
+    _, seed_ema = hand_loop(data, 2, 0.5)
+    ema = EMA(0.5)
+    model = make_model()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), data,
+                loss_fn=F.mse_loss, device="cpu", callbacks=[ema])
+    loop.fit(1)
+    loop.fit(2)
+    for name, value in seed_ema.shadow.items():
+        assert torch.allclose(ema.averaged_state_dict()[name], value, atol=1e-6)
+
+
+def test_bad_arguments_and_use_before_fit() -> None:
+    with pytest.raises(ConfigurationError, match="decay"):
+        EMA(1.5)
+    with pytest.raises(ConfigurationError, match="every_n_steps"):
+        EMA(every_n_steps=0)
+    with pytest.raises(ConfigurationError, match="buffers"):
+        EMA(buffers="ignore")
+    with pytest.raises(RuntimeError, match="fit"):
+        EMA().copy_to(make_model())
+
+
+def test_skipped_steps_do_not_update() -> None:
+    class CancelOdd(Callback):
+        def before_step(self, loop: Loop) -> None:
+            if loop.state.batch_idx % 2:
+                loop.cancel_step()
+
+    ema = EMA(0.5)
+    model = make_model()
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(6), loss_fn=F.mse_loss,
+         device="cpu", callbacks=[CancelOdd(), ema]).fit(1)
+    assert ema.updates == 3
