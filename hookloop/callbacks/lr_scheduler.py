@@ -141,6 +141,8 @@ class LRScheduler(Callback):
                     f"train_data ({type(loop.train_data).__name__}) has no length. Pass "
                     "fit(..., max_steps=N), give the data a __len__, or pass a scheduler "
                     "built by hand instead of a factory.")
+            if total == 0:  # fit(0) or nothing left to do: no step will need a scheduler
+                return
             if self._scheduler is None or (self._built_total != total and not self.is_plateau):
                 self._build(loop, total)
         if getattr(self._scheduler, "optimizer", loop.optimizer) is not loop.optimizer:

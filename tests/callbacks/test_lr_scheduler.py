@@ -1,0 +1,274 @@
+"""LRScheduler against hand-written scheduler loops (seed 004: Plateau, OneCycle, per-epoch)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim import lr_scheduler
+
+from hookloop import Callback, CallbackOrderError, ConfigurationError, Loop
+from hookloop.callbacks import GradAccumulation, LRScheduler
+from hookloop.schedules import warmup_cosine
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def make_data(batches: int, seed: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(6, 4, generator=generator), torch.randn(6, 1, generator=generator))
+            for _ in range(batches)]
+
+
+class LRLog(Callback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+        self.batches = 0
+
+    def on_batch_start(self, loop: Loop) -> None:
+        self.batches += 1
+
+    def on_epoch_end(self, loop: Loop) -> None:
+        self.lrs.append(loop.optimizer.param_groups[0]["lr"])
+
+
+def assert_same_weights(model: nn.Module, hand: nn.Module) -> None:
+    for p, q in zip(model.parameters(), hand.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_reduce_on_plateau_on_a_validation_metric_matches_hand_loop() -> None:
+    data, val, epochs = make_data(4), make_data(2, seed=8), 5
+    settings = dict(mode="min", factor=0.5, patience=0)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    scheduler = lr_scheduler.ReduceLROnPlateau(optimizer, **settings)
+    hand_lrs = []
+    for _ in range(epochs):
+        model.train()
+        for inputs, labels in data:
+            F.mse_loss(model(inputs), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            val_loss = sum(F.mse_loss(model(x), y).item() * len(x) for x, y in val) / 12
+        scheduler.step(val_loss)
+        hand_lrs.append(optimizer.param_groups[0]["lr"])
+
+    hook_model = make_model()
+    hook_optimizer = torch.optim.SGD(hook_model.parameters(), lr=0.2)
+    log = LRLog()
+    callback = LRScheduler(lr_scheduler.ReduceLROnPlateau(hook_optimizer, **settings),
+                           monitor="val_loss")
+    loop = Loop(hook_model, hook_optimizer, data, val_data=val, loss_fn=F.mse_loss, device="cpu",
+                callbacks=[callback, log])
+    loop.fit(epochs)
+    assert list(callback.monitors()) == ["val_loss"]
+    assert log.lrs == hand_lrs
+    assert min(hand_lrs) < 0.2  # the plateau rule fired
+    assert_same_weights(hook_model, model)
+    loop.validate()  # a standalone validation does not step the plateau scheduler
+    assert callback.scheduler.last_epoch == epochs
+
+
+def test_one_cycle_through_the_factory_matches_hand_loop() -> None:
+    data, k, epochs = make_data(10), 2, 3
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    total = math.ceil(len(data) / k) * epochs
+    scheduler = lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+    for _ in range(epochs):
+        for batch_idx, (inputs, labels) in enumerate(data):
+            (F.mse_loss(model(inputs), labels) / k).backward()
+            if (batch_idx + 1) % k == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+                scheduler.step()
+
+    totals: list[int] = []
+
+    def factory(optimizer: torch.optim.Optimizer, total_steps: int) -> lr_scheduler.OneCycleLR:
+        totals.append(total_steps)
+        return lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total_steps)
+
+    hook_model = make_model()
+    callback = LRScheduler(factory)
+    Loop(hook_model, torch.optim.SGD(hook_model.parameters(), lr=0.01, momentum=0.9), data,
+         loss_fn=F.mse_loss, device="cpu", callbacks=[GradAccumulation(k), callback]).fit(epochs)
+    assert totals == [total] == [15]
+    assert callback.scheduler.last_epoch == total
+    assert_same_weights(hook_model, model)
+
+
+def test_warmup_cosine_factory_matches_a_manual_lr_loop() -> None:
+    """Seed 000's manual warmup, then the cosine, set by hand before every step."""
+    data, epochs, base, warmup = make_data(5), 2, 0.1, 3
+    total = len(data) * epochs
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=base)
+    global_step = 0
+    for _ in range(epochs):
+        for inputs, labels in data:
+            if global_step < warmup:
+                lr = base * global_step / warmup
+            else:
+                progress = (global_step - warmup) / (total - warmup)
+                lr = base * 0.5 * (1 + math.cos(math.pi * progress))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            F.mse_loss(model(inputs), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            global_step += 1
+    hook_model = make_model()
+    Loop(hook_model, torch.optim.SGD(hook_model.parameters(), lr=base), data, loss_fn=F.mse_loss,
+         device="cpu",
+         callbacks=[LRScheduler(functools.partial(warmup_cosine, warmup_steps=warmup))]).fit(epochs)
+    assert_same_weights(hook_model, model)
+
+
+def test_epoch_interval_matches_hand_loop() -> None:
+    data, epochs = make_data(3), 4
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    for _ in range(epochs):
+        for inputs, labels in data:
+            F.mse_loss(model(inputs), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        scheduler.step()
+    hook_model = make_model()
+    hook_optimizer = torch.optim.SGD(hook_model.parameters(), lr=0.1)
+    callback = LRScheduler(lr_scheduler.StepLR(hook_optimizer, step_size=1, gamma=0.5),
+                           interval="epoch")
+    Loop(hook_model, hook_optimizer, data, loss_fn=F.mse_loss, device="cpu",
+         callbacks=[callback]).fit(epochs)
+    assert hook_optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 16)
+    assert_same_weights(hook_model, model)
+
+
+def test_plateau_without_validation_reads_train_loss_at_epoch_end() -> None:
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    callback = LRScheduler(lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=0),
+                           monitor="train_loss")
+    Loop(model, optimizer, make_data(3), loss_fn=F.mse_loss, device="cpu",
+         callbacks=[callback]).fit(3)
+    assert callback.scheduler.last_epoch == 3
+
+
+def test_cancelled_steps_do_not_advance_a_step_scheduler() -> None:
+    class CancelFirst(Callback):
+        def before_step(self, loop: Loop) -> None:
+            if loop.state.batch_idx == 0:
+                loop.cancel_step()
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    callback = LRScheduler(lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5))
+    state = Loop(model, optimizer, make_data(4), loss_fn=F.mse_loss, device="cpu",
+                 callbacks=[CancelFirst(), callback]).fit(1)
+    assert state.step == 3 and callback.scheduler.last_epoch == 3
+
+
+def test_factory_is_rebuilt_when_a_later_fit_has_more_steps() -> None:
+    model = make_model()
+    callback = LRScheduler(lambda opt, total: lr_scheduler.OneCycleLR(opt, max_lr=0.1,
+                                                                      total_steps=total))
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(4),
+                loss_fn=F.mse_loss, device="cpu", callbacks=[callback])
+    loop.fit(0)
+    assert callback.scheduler is None  # nothing to schedule yet
+    loop.fit(1)
+    first = callback.scheduler
+    loop.fit(3)  # would step past a 4-step OneCycleLR
+    assert callback.scheduler is not first
+    assert callback.scheduler.total_steps == 12 and callback.scheduler.last_epoch == 12
+
+
+def test_errors_before_the_first_batch() -> None:
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigurationError, match="interval"):
+        LRScheduler(lr_scheduler.StepLR(optimizer, 1), interval="batch")
+    with pytest.raises(ConfigurationError, match="monitor"):
+        LRScheduler(lr_scheduler.ReduceLROnPlateau(optimizer))
+    with pytest.raises(ConfigurationError, match="only used by ReduceLROnPlateau"):
+        LRScheduler(lr_scheduler.StepLR(optimizer, 1), monitor="val_loss")
+    with pytest.raises(ConfigurationError, match="factory"):
+        LRScheduler(42)  # type: ignore[arg-type]
+
+    class Stream:
+        def __iter__(self):  # noqa: ANN204
+            return iter(make_data(2))
+
+    cases = [
+        (Stream(), None, LRScheduler(lambda opt, total: lr_scheduler.StepLR(opt, 1)),
+         ConfigurationError, "max_steps"),
+        (make_data(2), None, LRScheduler(lambda opt, total: lr_scheduler.ReduceLROnPlateau(opt)),
+         ConfigurationError, "monitor"),
+        (make_data(2), None, LRScheduler(lr_scheduler.ReduceLROnPlateau(optimizer),
+                                         monitor="val_acc"), CallbackOrderError, "val_acc"),
+        (make_data(2), None, LRScheduler(lr_scheduler.StepLR(
+            torch.optim.SGD(make_model().parameters(), lr=0.1), 1)), ConfigurationError,
+         "another optimizer"),
+    ]
+    for data, _, callback, error, message in cases:
+        log = LRLog()
+        loop = Loop(model, optimizer, data, loss_fn=F.mse_loss, device="cpu",
+                    callbacks=[callback, log])
+        with pytest.raises(error, match=message):
+            loop.fit(1)
+        assert log.batches == 0
+
+
+def test_unsized_data_with_max_steps_builds_the_factory() -> None:
+    class Stream:
+        def __iter__(self):  # noqa: ANN204
+            return iter(make_data(3))
+
+    totals: list[int] = []
+
+    def factory(optimizer: torch.optim.Optimizer, total_steps: int) -> lr_scheduler.StepLR:
+        totals.append(total_steps)
+        return lr_scheduler.StepLR(optimizer, 1)
+
+    model = make_model()
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), Stream(), loss_fn=F.mse_loss,
+         device="cpu", callbacks=[LRScheduler(factory)]).fit(5, max_steps=7)
+    assert totals == [7]
+
+
+def test_state_round_trip(tmp_path) -> None:  # noqa: ANN001
+    data = make_data(4)
+    factory = functools.partial(warmup_cosine, warmup_steps=0.25, min_lr=0.01)
+    model = make_model()
+    callback = LRScheduler(factory)
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.mse_loss,
+         device="cpu", callbacks=[callback]).fit(1, max_steps=3)
+    torch.save(callback.state_dict(), tmp_path / "sched.pt")
+    state = torch.load(tmp_path / "sched.pt", weights_only=True)
+    assert state == callback.scheduler.state_dict() and state["last_epoch"] == 3
+
+    restored = LRScheduler(factory)
+    restored.load_state_dict(state)  # before the factory ran: applied when it runs
+    assert restored.state_dict() == state
+    other = make_model()
+    optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    loop = Loop(other, optimizer, data, loss_fn=F.mse_loss, device="cpu", callbacks=[restored])
+    loop.load_state_dict({"epoch": 0, "batch_idx": 3, "step": 3})  # resume at step 3 of 3
+    log = LRLog()
+    loop.callbacks.append(log)
+    loop.fit(1, max_steps=3)
+    assert log.batches == 0
+    assert restored.scheduler.last_epoch == 3
+    assert restored.scheduler.get_last_lr() == callback.scheduler.get_last_lr()
