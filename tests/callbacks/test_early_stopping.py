@@ -1,0 +1,140 @@
+"""EarlyStopping against the seeds' patience loop on scripted metric sequences."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from hookloop import CallbackOrderError, Callback, ConfigurationError, Loop
+from hookloop.callbacks import EarlyStopping
+
+
+def seed_patience_loop(values: list[float], patience: int, min_delta: float = 0.0,
+                       mode: str = "min") -> tuple[int, float, int]:
+    """The seeds' loop (000, 'early stopping outside the epoch'), with min_delta and mode.
+
+    Returns the number of epochs trained, the best value and the final bad-epoch count.
+    """
+    sign = 1.0 if mode == "min" else -1.0
+    best_loss = float("inf")
+    bad_epochs = 0
+    epochs = 0
+    for value in values:
+        epochs += 1
+        val_loss = sign * value
+        if val_loss < best_loss - min_delta:
+            best_loss = val_loss
+            bad_epochs = 0
+        else:
+            bad_epochs += 1
+        if bad_epochs >= patience:
+            break
+    return epochs, sign * best_loss, bad_epochs
+
+
+class Scripted(Callback):
+    """Writes the next scripted value as the metric at validation end."""
+
+    def __init__(self, values: list[float], metric: str = "val_score") -> None:
+        self.values, self.metric = list(values), metric
+
+    def produces(self, loop: Loop) -> list[str]:
+        return [self.metric]
+
+    def on_validation_end(self, loop: Loop) -> None:
+        loop.state.metrics[self.metric] = self.values[loop.state.epoch]
+
+
+def fit(values: list[float], stopper: EarlyStopping) -> Loop:
+    model = nn.Linear(2, 1)
+    data = [(torch.randn(3, 2), torch.randn(3, 1))]
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.01), data, val_data=data,
+                loss_fn=nn.functional.mse_loss,
+                callbacks=[Scripted(values), stopper], device="cpu")
+    loop.fit(len(values))
+    return loop
+
+
+SEQUENCES = [
+    [1.0, 0.9, 0.95, 0.97, 0.91, 0.8, 0.85, 0.86, 0.9, 0.99, 0.7],
+    [0.5, 0.5, 0.5, 0.5, 0.5, 0.5],  # equal is not an improvement
+    [3.0, 2.0, 1.0, 0.5, 0.25, 0.1],  # always improving: never stops
+    [1.0, math.nan, math.nan, 0.9, 0.95, 0.96, 0.97],  # NaN never improves
+    [0.3, 0.29, 0.289, 0.2885, 0.288, 0.2879, 0.1],  # small steps vs min_delta
+]
+
+
+@pytest.mark.parametrize("values", SEQUENCES)
+@pytest.mark.parametrize("patience", [1, 2, 3])
+@pytest.mark.parametrize("min_delta", [0.0, 0.005])
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_matches_the_seed_patience_loop(values: list[float], patience: int, min_delta: float,
+                                        mode: str) -> None:
+    epochs, best, wait = seed_patience_loop(values, patience, min_delta, mode)
+    stopper = EarlyStopping("val_score", mode=mode, patience=patience, min_delta=min_delta)
+    loop = fit(values, stopper)
+    assert loop.state.epoch + 1 == epochs
+    assert (stopper.best, stopper.wait) == (best, wait)
+    stopped = epochs < len(values) or wait >= patience
+    assert loop.stop_requested == stopped
+    if stopped:
+        assert "EarlyStopping: val_score did not improve" in (loop.stop_reason or "")
+
+
+def test_first_epoch_improves_even_with_patience_one() -> None:
+    stopper = EarlyStopping("val_score", patience=1)
+    loop = fit([5.0, 4.0, 3.0], stopper)
+    assert loop.state.epoch == 2 and not loop.stop_requested and stopper.best == 3.0
+
+
+def test_state_round_trip_continues_the_count() -> None:
+    values = [1.0, 0.5, 0.6, 0.7, 0.8, 0.9]
+    first = EarlyStopping("val_score", patience=3)
+    for value in values[:3]:
+        first.update(value)
+    second = EarlyStopping("val_score", patience=3)
+    second.load_state_dict(first.state_dict())
+    results = [second.update(value) for value in values[3:]]
+    assert results == [False, True, True]
+    assert seed_patience_loop(values, 3) == (5, 0.5, 3)
+
+
+def test_state_dict_is_plain() -> None:
+    state = EarlyStopping().state_dict()
+    assert state == {"best": math.inf, "wait": 0, "best_epoch": -1}
+
+
+def test_monitored_metric_must_exist_and_come_first() -> None:
+    model = nn.Linear(2, 1)
+    data = [(torch.randn(3, 2), torch.randn(3, 1))]
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.01), data,
+                loss_fn=nn.functional.mse_loss, callbacks=[EarlyStopping()], device="cpu")
+    with pytest.raises(CallbackOrderError, match="'val_loss'.*val_data"):
+        loop.fit(1)
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.01), data, val_data=data,
+                loss_fn=nn.functional.mse_loss,
+                callbacks=[EarlyStopping("val_score"), Scripted([1.0])], device="cpu")
+    with pytest.raises(CallbackOrderError, match="must come after"):
+        loop.fit(1)
+
+
+def test_monitoring_train_loss_without_validation() -> None:
+    model = nn.Linear(2, 1)
+    torch.manual_seed(0)
+    data = [(torch.randn(3, 2), torch.randn(3, 1))]
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=10.0), data,
+                loss_fn=nn.functional.mse_loss, callbacks=[EarlyStopping("train_loss", patience=2)],
+                device="cpu")
+    loop.fit(50)  # lr=10 diverges: the loss stops improving at once
+    assert loop.stop_requested and loop.state.epoch < 49
+
+
+@pytest.mark.parametrize("kwargs", [dict(patience=0), dict(patience=-1), dict(patience=1.5),
+                                    dict(mode="lowest"), dict(min_delta=-0.1),
+                                    dict(min_delta=math.nan), dict(monitor=""), dict(name="")])
+def test_bad_arguments(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigurationError):
+        EarlyStopping(**kwargs)  # type: ignore[arg-type]
