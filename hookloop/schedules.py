@@ -85,7 +85,7 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int,
 
     The warmup is the seeds' ``lr = base_lr * global_step / warmup_steps`` (so the very first
     step runs at lr 0 when ``W > 0``); the cosine part is ``CosineAnnealingLR(T_max=T - W,
-    eta_min=min_lr)``. After ``T`` steps the rate stays at ``min_lr``.
+    eta_min=min_lr)``. Past the end of the decay the rate stays at ``min_lr``.
 
     Args:
         optimizer: The optimizer whose groups' ``lr`` are scheduled.

@@ -57,7 +57,7 @@ def test_warmup_as_a_fraction_and_edge_cases() -> None:
     no_warmup = warmup_cosine(optimizer_with(0.1), 10, 0)
     assert no_warmup.get_last_lr() == [0.1]
     only_warmup = rates(warmup_cosine(optimizer_with(0.1), 4, 4), 5)
-    assert [lr[0] for lr in only_warmup] == pytest.approx([0.0, 0.025, 0.05, 0.075, 0.1, 0.1])
+    assert [lr[0] for lr in only_warmup] == pytest.approx([0.0, 0.025, 0.05, 0.075, 0.1, 0.0])
 
 
 @pytest.mark.parametrize("warmup", [1.0, 0.0, -1, 11, "5", True])
