@@ -76,28 +76,47 @@ def assert_close_weights(actual: dict[str, torch.Tensor], expected: dict[str, to
 
 
 # ------------------------------------------------------------------ hand-written oracles
-def hand_parity(epochs: int = 2) -> tuple[dict[str, torch.Tensor], list[float], float]:
-    """One process, batch 6 = 2 ranks x 3, in DistributedSampler's order (seed 7 + epoch)."""
-    dataset = common.regression_data(24, seed=2)
-    val_inputs, val_targets = common.regression_data(11, seed=3).tensors
-    model = common.make_model(seed=1)
+def hand_train(model: nn.Module, train: TensorDataset, loss_fn: Any, *, seed: int, epochs: int,
+               val: TensorDataset | None = None, metric: Any = None,
+               global_batch: int = 6) -> list[dict[str, float]]:
+    """One process, batches of 2 ranks x 3 samples taken in DistributedSampler's order.
+
+    DistributedSampler(shuffle=True) permutes with ``seed + epoch`` and gives rank r the
+    positions r, r + 2, ...; so batch k of both ranks together is ``order[6k:6k+6]``.
+    Returns the epoch metrics the loop should report (sample-weighted means).
+    """
     optimizer = common.make_optimizer(model)
-    inputs, targets = dataset.tensors
-    train_losses = []
+    inputs, targets = train.tensors
+    size = len(targets)
+    history = []
     for epoch in range(epochs):
-        order = torch.randperm(24, generator=torch.Generator().manual_seed(7 + epoch))
-        total = 0.0
-        for start in range(0, 24, 6):
-            batch = order[start:start + 6]
-            loss = nn.functional.mse_loss(model(inputs[batch]), targets[batch])
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch))
+        loss_total = metric_total = 0.0
+        for start in range(0, size, global_batch):
+            batch = order[start:start + global_batch]
+            outputs = model(inputs[batch])
+            loss = loss_fn(outputs, targets[batch])
+            if metric is not None:
+                metric_total += metric(outputs, targets[batch]).item() * len(batch)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            total += loss.item() * 6
-        train_losses.append(total / 24)
-    with torch.no_grad():
-        val_loss = nn.functional.mse_loss(model(val_inputs), val_targets).item()
-    return model.state_dict(), train_losses, val_loss
+            loss_total += loss.item() * len(batch)
+        record = {"train_loss": loss_total / size}
+        if metric is not None:
+            record["train_acc"] = metric_total / size
+        if val is not None:
+            with torch.no_grad():
+                outputs = model(val.tensors[0])
+                record["val_loss"] = loss_fn(outputs, val.tensors[1]).item()
+                if metric is not None:
+                    record["val_acc"] = metric(outputs, val.tensors[1]).item()
+        history.append(record)
+    return history
+
+
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (outputs.argmax(dim=-1) == targets).float().mean()
 
 
 def hand_accumulation(epochs: int = 2) -> tuple[dict[str, torch.Tensor], int]:
@@ -127,15 +146,16 @@ def train_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_two_ranks_batch_b_equal_one_process_batch_2b(train_run: Path) -> None:
-    expected, train_losses, val_loss = hand_parity()
+    model = common.make_model(seed=1)
+    history = hand_train(model, common.regression_data(24, seed=2), nn.functional.mse_loss,
+                         seed=7, epochs=2, val=common.regression_data(11, seed=3))
     for rank in (0, 1):
-        assert_close_weights(read(train_run, "parity", rank), expected)
+        assert_close_weights(read(train_run, "parity", rank), model.state_dict())
         log = read(train_run, "parity_log", rank)
         assert log["step"] == 8  # 24 samples / 2 ranks / batch 3 = 4 steps per epoch
-        assert [epoch["train_loss"] for epoch in log["metrics"]] == pytest.approx(
-            train_losses, rel=1e-5)
         # 11 validation samples over 2 ranks: each counted once, none padded in.
-        assert log["metrics"][-1]["val_loss"] == pytest.approx(val_loss, rel=1e-5)
+        for reported, expected in zip(log["metrics"], history, strict=True):
+            assert reported == pytest.approx(expected, rel=1e-5)
 
 
 def test_rank_zero_only_callbacks_run_on_rank_zero_only(train_run: Path) -> None:
@@ -167,7 +187,68 @@ def test_validation_with_an_empty_shard_and_buffers_does_not_hang(train_run: Pat
         assert log["metrics"][0]["val_loss"] == pytest.approx(expected, rel=1e-5)
 
 
-# ------------------------------------------------------------- launch 2: an exception on one rank
+# ------------------------------------------------ launches 2-3: tests/ddp_scripts/integration.py
+@pytest.fixture(scope="module")
+def integration_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ddp_integration")
+    run_ok(SCRIPTS / "integration.py", str(out), "first")
+    return out
+
+
+def test_metrics_and_losses_equal_single_process_values(integration_run: Path) -> None:
+    model = common.make_model(seed=21, outputs=3)
+    history = hand_train(model, common.classification_data(24, seed=22),
+                         nn.functional.cross_entropy, seed=23, epochs=2,
+                         val=common.classification_data(11, seed=24), metric=accuracy)
+    for rank in (0, 1):
+        assert_close_weights(read(integration_run, "metrics", rank), model.state_dict())
+        reported = read(integration_run, "metrics_log", rank)["metrics"]
+        for got, expected in zip(reported, history, strict=True):
+            assert got == pytest.approx(expected, rel=1e-5)
+    # 11 validation samples: an accuracy of k/11 shows no sample was counted twice.
+    assert [round(epoch["val_acc"] * 11, 6) % 1 for epoch in reported] == [0, 0]
+
+
+def test_ranks_with_different_local_val_losses_stop_at_the_same_epoch(integration_run: Path
+                                                                      ) -> None:
+    logs = [read(integration_run, "early_stopping_log", rank) for rank in (0, 1)]
+    assert logs[0] == logs[1], logs
+    # Rank 0's values decide (best 0.8 at epoch 2, patience 2): 5 epochs, not rank 1's 3.
+    assert logs[0]["epochs_run"] == 5 and "EarlyStopping" in logs[0]["reason"]
+
+
+def test_resume_of_a_two_process_run_continues_exactly(integration_run: Path) -> None:
+    checkpoints = sorted(path.name for path in (integration_run / "interrupted").iterdir())
+    assert checkpoints == ["epoch=0001-step=00000006.pt"]  # stopped mid-epoch 1
+    saved = torch.load(integration_run / "interrupted" / checkpoints[0], weights_only=True)
+    assert isinstance(saved, dict)
+    run_ok(SCRIPTS / "integration.py", str(integration_run), "resume")
+    uninterrupted = read(integration_run, "uninterrupted", 0)
+    for rank in (0, 1):
+        assert read(integration_run, "resumed_log", rank) == {"start_step": 6, "step": 12}
+        # Bitwise, dropout included: same samples, same per-rank random numbers.
+        assert_close_weights(read(integration_run, "resumed", rank), uninterrupted, atol=0)
+    assert_close_weights(read(integration_run, "uninterrupted", 1), uninterrupted, atol=0)
+
+
+# ------------------------------------------------------------- the example
+def test_example_runs_in_one_process_and_under_torchrun(tmp_path: Path) -> None:
+    example = ROOT / "examples" / "ddp.py"
+    plain = subprocess.run([sys.executable, str(example), "--epochs", "1", "--max-steps", "3"],
+                           cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                           timeout=TIMEOUT)
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    assert "training on 1 process(es)" in plain.stdout
+    assert "not launched by torchrun" in plain.stderr
+    output = run_ok(example, "--epochs", "1", "--accumulate", "2",
+                    "--checkpoint-dir", str(tmp_path / "checkpoints"))
+    assert output.count("training on 2 process(es), device cpu") == 1  # rank 0 prints
+    assert "epoch 1/1  step 12" in output  # 23 batches per rank, windows of 2
+    assert "val_acc" in output
+    assert len(list((tmp_path / "checkpoints").glob("epoch=*.pt"))) == 1
+
+
+# ------------------------------------------------------------- launch: an exception on one rank
 def test_an_exception_on_one_rank_ends_both_processes_with_the_error(tmp_path: Path) -> None:
     started = time.monotonic()
     result = torchrun(SCRIPTS / "fail.py", str(tmp_path), timeout=120)
