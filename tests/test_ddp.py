@@ -170,6 +170,7 @@ def test_accumulation_all_reduces_once_per_optimizer_step(train_run: Path) -> No
         assert log["batches"] == 5  # per rank and epoch: 10 micro-batches in all
         assert log["step"] == steps == 6
         assert log["rounds"] == 6, "gradients must be all-reduced at step boundaries only"
+        assert log["scheduler_total_steps"] == [6]  # LRScheduler counts the sharded loader
         assert_close_weights(read(train_run, "accumulation", rank), expected)
 
 
@@ -185,6 +186,24 @@ def test_validation_with_an_empty_shard_and_buffers_does_not_hang(train_run: Pat
         expected = nn.functional.cross_entropy(model(inputs), labels).item()
     for log in logs:
         assert log["metrics"][0]["val_loss"] == pytest.approx(expected, rel=1e-5)
+        # validate() after fit: a new process group, the data sharded again, same value.
+        assert log["validate"]["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_distributed_helpers_reduce_over_two_ranks(train_run: Path) -> None:
+    for rank in (0, 1):
+        results = read(train_run, "buffers_log", rank)["helpers"]
+        assert results["sums"] == {"n": 2.0, "x": 3.0}  # (0 + 1) + (1 + 1)
+        assert results["gathered"] == [{"rank": 0}, {"rank": 1}]
+        assert results["any"] == [True, False]
+        # Different keys on the ranks: the same clear error on both, no hang.
+        assert "rank 0: ['key0']; rank 1: ['key1']" in results["mismatch"]
+
+
+def test_distributed_helpers_fall_back_in_one_process() -> None:
+    assert distributed.all_reduce_sums({"b": torch.tensor(2), "a": 1.5}) == {"a": 1.5, "b": 2.0}
+    assert distributed.all_reduce_sums({}) == {}
+    assert distributed.all_gather_object("x") == ["x"]
 
 
 # ------------------------------------------------ launches 2-3: tests/ddp_scripts/integration.py

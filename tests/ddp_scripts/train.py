@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader
 
 from common import (classification_data, make_model, make_optimizer, rank, regression_data,
                     save, shuffled_loader)
-from hookloop import Callback, Loop
+from hookloop import Callback, Loop, distributed
+from hookloop.callbacks import LRScheduler
 from hookloop.callbacks.ddp import DDP
 
 try:
@@ -62,6 +63,23 @@ class CountAllReduces(Callback):
         loop.model.register_comm_hook(None, hook)
 
 
+class Helpers(Callback):
+    """Exercises hookloop.distributed's helpers while the group exists."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, object] = {}
+
+    def on_fit_start(self, loop: Loop) -> None:
+        me = distributed.rank()
+        self.results["sums"] = distributed.all_reduce_sums({"x": me + 1.0, "n": torch.tensor(1)})
+        self.results["gathered"] = distributed.all_gather_object({"rank": me})
+        self.results["any"] = [distributed.any_true(me == 1), distributed.any_true(False)]
+        try:
+            distributed.all_reduce_sums({f"key{me}": 1.0})
+        except ValueError as error:
+            self.results["mismatch"] = str(error)
+
+
 class Losses(Callback):
     def __init__(self) -> None:
         self.metrics: list[dict[str, float]] = []
@@ -99,14 +117,22 @@ def accumulation() -> None:
     model = make_model(seed=4)
     train = DataLoader(regression_data(30, seed=5), batch_size=3)
     counter, losses = CountAllReduces(), Losses()
+    totals: list[int] = []
+
+    def constant_schedule(optimizer: torch.optim.Optimizer, total_steps: int) -> object:
+        totals.append(total_steps)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
     window = GradAccumulation(2) if GradAccumulation is not None and \
         "--accumulate-with-callback" not in sys.argv else Window()
     loop = Loop(model, make_optimizer(model), train, loss_fn=nn.functional.mse_loss,
-                callbacks=[DDP(), window, counter, losses], device="cpu")
+                callbacks=[DDP(), window, counter, losses, LRScheduler(constant_schedule)],
+                device="cpu")
     state = loop.fit(2)
     save("accumulation", weights(model))
     save("accumulation_log", {"rounds": counter.rounds, "step": state.step,
                               "batches": losses.train_batches,
+                              "scheduler_total_steps": totals,
                               "window": type(window).__name__})
 
 
@@ -117,12 +143,16 @@ def uneven_validation_with_buffers() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
     train = DataLoader(classification_data(8, seed=7), batch_size=2)
     val = DataLoader(classification_data(1, seed=8), batch_size=4)
-    losses = Losses()
+    losses, helpers = Losses(), Helpers()
     loop = Loop(model, make_optimizer(model), train, val_data=val,
-                loss_fn=nn.functional.cross_entropy, callbacks=[DDP(), losses], device="cpu")
+                loss_fn=nn.functional.cross_entropy, callbacks=[DDP(), losses, helpers],
+                device="cpu")
     loop.fit(1)
     save("buffers", weights(model))
-    save("buffers_log", {"metrics": losses.metrics, "val_batches": losses.val_batches})
+    # validate() after fit: DDP sets up a new process group and shards the data again.
+    again = loop.validate()
+    save("buffers_log", {"metrics": losses.metrics, "val_batches": losses.val_batches,
+                         "validate": again, "helpers": helpers.results})
 
 
 if __name__ == "__main__":
