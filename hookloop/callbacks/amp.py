@@ -44,6 +44,10 @@ class AMP(Callback):
     any optimizer for the duration of ``scaler.step`` (the gradients are already unscaled
     in ``before_step``), so a skipped step really skips ``optimizer.step``.
 
+    The scaler lives as long as the callback and continues across ``fit`` calls on the same
+    loop; used with another loop (another optimizer) it starts afresh, unless a state was
+    loaded for it.
+
     AMP takes the optimizer step (it overrides ``optimizer_step``), so no other callback in
     the stack may route it. Its state (the scaler's scale and growth tracker, and the count
     of skipped steps) is checkpointed.
@@ -104,6 +108,7 @@ class AMP(Callback):
         self.name = name
         self._scaler: torch.amp.GradScaler | None = None
         self._scaler_device: str | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
         self._pending_state: dict[str, Any] | None = None
         self._unscaled = False  # unscale_ ran at this boundary and update() is still owed
         self._stepped = False
@@ -139,6 +144,11 @@ class AMP(Callback):
                 "optimizer) and let autocast compute in half precision, or use "
                 "AMP(torch.bfloat16) without a scaler.")
         device_type = loop.device.type
+        if self._optimizer is not None and self._optimizer is not loop.optimizer:
+            self._scaler = None  # another loop: a fresh scaler
+            if self._pending_state is None:
+                self.skipped_steps = 0
+        self._optimizer = loop.optimizer
         if self._scaler is None or self._scaler_device != device_type:
             previous = self._scaler.state_dict() if self._scaler is not None else None
             self._scaler = torch.amp.GradScaler(device_type, **self._scaler_kwargs)

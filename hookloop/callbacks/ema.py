@@ -57,7 +57,8 @@ class EMA(Callback):
       model's current buffers instead. Integer buffers (``num_batches_tracked``) are always
       copied, in their own dtype.
 
-    Later ``fit`` calls on the same loop continue the average (the shadow is created once).
+    Later ``fit`` calls on the same model continue the average; a fit on another model
+    starts a new one from that model's weights (unless a state was loaded for it).
     Its placement is decided at fit start, after the model moved, so a shadow loaded from
     a CPU checkpoint goes to the model's device. Keys are the unwrapped model's names (no
     ``module.`` from DDP, no ``_orig_mod.`` from ``torch.compile``), so the state loads
@@ -186,7 +187,10 @@ class EMA(Callback):
     # ------------------------------------------------------------------ events
     def on_fit_start(self, loop: Loop) -> None:
         """Create the shadow (``ema = theta_0``) or place a loaded one on the model's device."""
-        self._build(loop.unwrapped_model)
+        model = loop.unwrapped_model
+        if self._pending is None and self._model is not None and self._model is not model:
+            self._shadow, self.updates = None, 0  # another model: start from its weights
+        self._build(model)
 
     def after_step(self, loop: Loop) -> None:
         """Average after every ``every_n_steps``-th real step; device ops only."""

@@ -37,7 +37,7 @@ class LRScheduler(Callback):
     sharding, epochs and ``max_steps`` accounted (so ``OneCycleLR(total_steps=...)`` never
     steps past its end). A factory is called again at a later ``fit`` only when that total
     changed (``fit(2)`` then ``fit(4)``); the new scheduler is advanced to where the old one
-    was.
+    was. Used with another loop (another optimizer), a factory starts a fresh schedule.
 
     * ``interval="step"``: ``scheduler.step()`` in ``after_step``, which fires only for real
       optimizer steps: never inside an accumulation window, never for a step the
@@ -143,6 +143,8 @@ class LRScheduler(Callback):
                     "built by hand instead of a factory.")
             if total == 0:  # fit(0) or nothing left to do: no step will need a scheduler
                 return
+            if getattr(self._scheduler, "optimizer", None) is not loop.optimizer:
+                self._scheduler = None  # first fit, or a new loop: start the schedule afresh
             if self._scheduler is None or (self._built_total != total and not self.is_plateau):
                 self._build(loop, total)
         if getattr(self._scheduler, "optimizer", loop.optimizer) is not loop.optimizer:

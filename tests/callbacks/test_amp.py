@@ -318,3 +318,14 @@ def test_state_round_trip(tmp_path) -> None:  # noqa: ANN001
     live.load_state_dict(state)
     assert live.state_dict() == state
     assert AMP().state_dict() == {"scaler": {}, "skipped_steps": 0}
+
+
+def test_another_loop_gets_a_fresh_scaler() -> None:
+    amp = AMP(torch.float16, scaler={"init_scale": 256.0, "growth_interval": 1})
+    scales = []
+    for _ in range(2):
+        model = make_model()
+        Loop(model, torch.optim.SGD(model.parameters(), lr=0.01), make_data(2),
+             loss_fn=F.mse_loss, device="cpu", callbacks=[amp]).fit(1)
+        scales.append(amp.scaler.get_scale())
+    assert scales == [1024.0, 1024.0]  # 256 doubled twice, in each loop

@@ -272,3 +272,14 @@ def test_state_round_trip(tmp_path) -> None:  # noqa: ANN001
     assert log.batches == 0
     assert restored.scheduler.last_epoch == 3
     assert restored.scheduler.get_last_lr() == callback.scheduler.get_last_lr()
+
+
+def test_a_factory_starts_afresh_with_another_loop() -> None:
+    callback = LRScheduler(functools.partial(warmup_cosine, warmup_steps=2))
+    for _ in range(2):
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        Loop(model, optimizer, make_data(4), loss_fn=F.mse_loss, device="cpu",
+             callbacks=[callback]).fit(1)
+        assert callback.scheduler.optimizer is optimizer
+        assert callback.scheduler.last_epoch == 4
