@@ -201,9 +201,18 @@ def test_state_round_trip_and_placement(tmp_path) -> None:  # noqa: ANN001
 
 
 def test_keys_are_the_unwrapped_names() -> None:
+    class Compiled(nn.Module):  # stands for torch.compile's wrapper (its _orig_mod)
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self._orig_mod = module
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            return self._orig_mod(inputs)
+
     ema = EMA(0.5)
     model = make_model()
-    wrapped = nn.DataParallel(model)  # without GPUs it only wraps
+    wrapped = Compiled(model)
+    assert set(wrapped.state_dict()) != set(model.state_dict())
     Loop(wrapped, torch.optim.SGD(model.parameters(), lr=0.1), make_data(2), loss_fn=F.mse_loss,
          device="cpu", callbacks=[ema]).fit(1)
     assert set(ema.state_dict()["shadow"]) == set(model.state_dict())
