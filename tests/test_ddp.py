@@ -37,7 +37,8 @@ SCRIPTS = ROOT / "tests" / "ddp_scripts"
 TIMEOUT = 150  # seconds per launch; a healthy one takes ~10 s on 2 busy cores
 
 
-def torchrun(script: Path, *args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
+def torchrun(script: Path, *args: str, timeout: float = TIMEOUT
+             ) -> subprocess.CompletedProcess[str]:
     """Run ``script`` on 2 processes; kill the whole process group if it overruns."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", str(script), *args]

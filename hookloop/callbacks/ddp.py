@@ -185,14 +185,14 @@ def _shard(loader: Any, *, training: bool) -> Any:
         warnings.warn(
             f"DDP: the {which} data is a {type(loader).__name__}, not a DataLoader, so every "
             "rank reads all of it. Pass a DataLoader to have it sharded across ranks.",
-            stacklevel=4)
+            stacklevel=5)
         return loader
     if isinstance(loader.dataset, IterableDataset):
         warnings.warn(
             f"DDP: the {which} data is an IterableDataset, which a sampler cannot shard; it is "
             "left as it is. Make it yield a different share on each rank "
             "(hookloop.distributed.rank(), world_size()); in training every rank must yield "
-            "the same number of batches.", stacklevel=4)
+            "the same number of batches.", stacklevel=5)
         return loader
     sampler, batch_size, drop_last = _loader_parts(loader)
     if isinstance(sampler, (DistributedSampler, UnpaddedDistributedSampler)):
@@ -293,7 +293,7 @@ class DDP(Callback):
                     "DDP: not launched by torchrun (RANK, WORLD_SIZE, LOCAL_RANK unset), so "
                     "training runs in this one process. Launch with "
                     "`torchrun --nproc_per_node=N script.py` to train on N processes.",
-                    stacklevel=2)
+                    stacklevel=4)  # the user's fit() or validate() call
             return
         if loop.device.type == "cuda":
             loop.device = torch.device("cuda", distributed.local_rank())
