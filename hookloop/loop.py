@@ -437,7 +437,9 @@ class Loop:
         if self._snapshots and not skip:
             self._epoch_rng = capture_rng(self._generators)
         total = _sized(data)
-        if total is not None and skip >= total:
+        # skip == total still iterates: a sampler may draw from the loader's generator when
+        # its iterator is exhausted (RandomSampler does, after an even last batch).
+        if total is not None and skip > total:
             iterator: Any = iter(())
         else:
             iterator = iter(data)

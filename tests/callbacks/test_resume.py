@@ -210,3 +210,21 @@ def test_integration_with_ema_and_lr_scheduler(tmp_path: Path) -> None:
                             reference_callbacks[1].averaged_state_dict().values()):
         assert torch.equal(mine, theirs)
     assert os.path.exists(tmp_path / "b" / "best.pt")
+
+
+@pytest.mark.parametrize("k", [4, 5, 8])
+def test_crash_at_the_end_of_an_evenly_divided_epoch(tmp_path: Path, k: int) -> None:
+    """With 20 samples in batches of 5, RandomSampler draws one more permutation from the
+    loader's generator *after* the last batch (when the iterator is exhausted): a resume
+    from the last step of an epoch must replay that draw, or the next epoch's order differs."""
+    global SAMPLES
+    saved, SAMPLES = SAMPLES, 20
+    try:
+        expected = hand_written(epochs=2)
+        with pytest.raises(Crash):
+            run(tmp_path, [CrashAfterStep(k)], epochs=2)
+        loop, model = run(tmp_path, [], resume=True, epochs=2)
+        assert loop.state.step == 8
+        assert_same_weights(model, expected)
+    finally:
+        SAMPLES = saved
