@@ -351,6 +351,7 @@ class Checkpoint(Callback):
         self._fitting = False
         self._last_position: tuple[int, int, int] | None = None
         self._warned_not_finite = False
+        self._loop: Loop | None = None
 
     def __repr__(self) -> str:
         extra = f", monitor={self.monitor!r}" if self.monitor else ""
@@ -387,6 +388,10 @@ class Checkpoint(Callback):
 
     def on_fit_start(self, loop: Loop) -> None:
         self._fitting = False
+        if self._loop is not None and self._loop is not loop:  # reused in a new run
+            self.best, self.best_epoch, self.best_step = None, -1, -1
+            self.best_path, self.last_path, self._resumed = None, None, False
+        self._loop = loop
         if distributed.is_main():
             for file_name in os.listdir(self.dirpath):  # left by a crash during a save
                 if file_name.startswith(_TEMP_PREFIX) and file_name.endswith(_TEMP_SUFFIX):

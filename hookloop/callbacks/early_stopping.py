@@ -31,7 +31,8 @@ class EarlyStopping(Callback):
 
     The value is taken from rank 0 (``hookloop.distributed.broadcast_object``), so every
     rank makes the same decision and all ranks leave the loop together. A NaN value never
-    improves. ``best``, ``wait`` and ``best_epoch`` are checkpointed. An epoch cut short by
+    improves. ``best``, ``wait`` and ``best_epoch`` are checkpointed; they carry over to
+    a later ``fit`` of the same loop and start afresh in a new loop. An epoch cut short by
     ``loop.stop()`` (no validation ran) is not counted.
 
     Args:
@@ -83,6 +84,7 @@ class EarlyStopping(Callback):
         self.best = math.inf if mode == "min" else -math.inf
         self.wait = 0
         self.best_epoch = -1
+        self._loop: Loop | None = None
 
     def __repr__(self) -> str:
         return (f"EarlyStopping(monitor={self.monitor!r}, mode={self.mode!r}, "
@@ -106,6 +108,14 @@ class EarlyStopping(Callback):
         else:
             self.wait += 1
         return self.wait >= self.patience
+
+    def on_fit_start(self, loop: Loop) -> None:
+        # Another fit of the same loop continues the count; a new loop starts afresh
+        # (a resumed run gets its counters back from Checkpoint, which runs after this).
+        if self._loop is not None and self._loop is not loop:
+            self.best = math.inf if self.mode == "min" else -math.inf
+            self.wait, self.best_epoch = 0, -1
+        self._loop = loop
 
     def on_epoch_end(self, loop: Loop) -> None:
         metrics = loop.state.metrics

@@ -162,6 +162,9 @@ class Metrics(Callback):
 
     # ---------------------------------------------------------------- training
     def setup(self, loop: Loop) -> None:
+        if self._loop is not None and self._loop is not loop:  # reused in a new run
+            self._boundaries.clear()
+            self._restored = None
         self._loop = loop
 
     def on_epoch_start(self, loop: Loop) -> None:
