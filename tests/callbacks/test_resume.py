@@ -228,3 +228,26 @@ def test_crash_at_the_end_of_an_evenly_divided_epoch(tmp_path: Path, k: int) -> 
         assert_same_weights(model, expected)
     finally:
         SAMPLES = saved
+
+
+def test_integration_with_amp_float16_scaler(tmp_path: Path) -> None:
+    """The GradScaler's scale and growth tracker come back: the resumed run ends with the
+    weights and the scale of an uninterrupted one (CPU float16 autocast)."""
+    from hookloop.callbacks import AMP, GradClip
+
+    def fit(directory: Path, extra: list[Callback], resume: bool) -> tuple[Loop, Callback]:
+        model, optimizer, loader, val_loader = fresh_objects()
+        amp = AMP(torch.float16, scaler={"init_scale": 2.0 ** 10, "growth_interval": 3})
+        loop = Loop(model, optimizer, loader, val_data=val_loader, loss_fn=nn.functional.mse_loss,
+                    callbacks=[amp, GradClip(1.0), Checkpoint(directory, resume=resume), *extra],
+                    device="cpu")
+        loop.fit(EPOCHS)
+        return loop, amp
+
+    reference, reference_amp = fit(tmp_path / "a", [], False)
+    with pytest.raises(Crash):
+        fit(tmp_path / "b", [CrashAfterStep(8)], False)
+    resumed, resumed_amp = fit(tmp_path / "b", [], True)
+    assert resumed.state.step == reference.state.step
+    assert_same_weights(resumed.model, reference.model)
+    assert resumed_amp.state_dict() == reference_amp.state_dict()
