@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["move_to_device", "find_targets", "batch_size_of", "is_pair"]
+__all__ = ["move_to_device", "find_targets", "batch_size_of", "is_pair", "length_of"]
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -77,3 +77,11 @@ def batch_size_of(batch: Any, targets: Any = None) -> int:
     if tensor is None or tensor.dim() == 0:
         return 1
     return int(tensor.shape[0])
+
+
+def length_of(data: Any) -> int | None:
+    """``len(data)``, or None for data without a length (an iterable dataset, a generator)."""
+    try:
+        return len(data)
+    except TypeError:
+        return None
