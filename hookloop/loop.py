@@ -113,6 +113,15 @@ class Loop:
         """True when a callback cancelled the step of the current step boundary."""
         return self._step_cancelled
 
+    @property
+    def optimizer_stepped(self) -> bool:
+        """True when the optimizer really stepped at the current step boundary.
+
+        Observed through an optimizer step hook: False after a step a GradScaler skipped
+        (inf/NaN gradients) or a callback cancelled. Valid from the step to the next boundary.
+        """
+        return self._stepped
+
     def enable_resume_snapshots(self) -> None:
         """Record RNG states at every step boundary so `state_dict` can resume exactly.
 
@@ -352,8 +361,8 @@ class Loop:
         self._step_cancelled = False
         if table.before_step:
             self._emit(table.before_step)
+        self._stepped = False
         if not self._step_cancelled:
-            self._stepped = False
             if table.step is None:
                 self.optimizer.step()
             else:

@@ -111,8 +111,6 @@ class AMP(Callback):
         self._optimizer: torch.optim.Optimizer | None = None
         self._pending_state: dict[str, Any] | None = None
         self._unscaled = False  # unscale_ ran at this boundary and update() is still owed
-        self._stepped = False
-        self._hook: Any = None
         #: Steps the scaler skipped because of inf/NaN gradients, over the whole run.
         self.skipped_steps = 0
 
@@ -160,17 +158,9 @@ class AMP(Callback):
 
     def on_fit_start(self, loop: Loop) -> None:
         self._unscaled = False
-        if self._scaler is not None and self._hook is None:
-            self._hook = loop.optimizer.register_step_post_hook(self._mark_stepped)
 
     def on_fit_end(self, loop: Loop) -> None:
         self._finish_cancelled_step()
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-
-    def _mark_stepped(self, *_: Any) -> None:
-        self._stepped = True
 
     # -------------------------------------------------------------------- batch
     def forward_context(self, loop: Loop) -> AbstractContextManager[Any]:
@@ -194,7 +184,6 @@ class AMP(Callback):
         if scaler is None:
             optimizer.step()
             return
-        self._stepped = False
         self._unscaled = False
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # Fused/capturable optimizers would be stepped even for an inf step (their
@@ -213,7 +202,7 @@ class AMP(Callback):
         else:
             scaler.step(optimizer)
         scaler.update()
-        if not self._stepped:
+        if not loop.optimizer_stepped:  # the loop's step hook saw no optimizer.step
             self.skipped_steps += 1
 
     def on_batch_end(self, loop: Loop) -> None:
