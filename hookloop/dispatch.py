@@ -50,16 +50,24 @@ def entered(hooks: Handlers, loop: Any) -> AbstractContextManager[Any]:
     if not hooks:
         return _NULL_CONTEXT
     if len(hooks) == 1:
-        context = hooks[0](loop)
+        context = _make(hooks[0], loop)
         return _NULL_CONTEXT if context is None else context
     return _stacked(hooks, loop)
+
+
+def _make(hook: Callable[..., Any], loop: Any) -> Any:
+    try:
+        return hook(loop)
+    except BaseException as exc:
+        annotate(exc, hook)
+        raise
 
 
 @contextmanager
 def _stacked(hooks: Handlers, loop: Any) -> Iterator[None]:
     with ExitStack() as stack:  # exits those entered so far if a later one fails
         for hook in hooks:
-            context = hook(loop)
+            context = _make(hook, loop)
             if context is not None:
                 stack.enter_context(context)
         yield

@@ -89,6 +89,7 @@ class Loop:
         self._stop_requested = False
         self._step_cancelled = False
         self._stepped = False
+        self._step_observed = True
         self._table: Table | None = None
         self._generators: list[torch.Generator] = []
         self._position = Position()  # where the weights are, in data terms (see state_dict)
@@ -181,16 +182,20 @@ class Loop:
             raise ConfigurationError(f"epochs must be a non-negative int, got {epochs!r}.")
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
             raise ConfigurationError(f"max_steps must be a positive int or None, got {max_steps!r}.")
-        self._prepare()
-        table = self._table
-        assert table is not None
+        check_callbacks(self.callbacks, self)  # a stack that cannot work: nothing ran yet
         state = self.state
         state.epochs, state.max_steps = epochs, max_steps
         self._stop_requested, self.stop_reason = False, None
+        # Until setup has run (DDP may create the process group), every callback listens.
+        table = Table(self.callbacks)
         hook = getattr(self.optimizer, "register_step_post_hook", None)
         handle = hook(self._mark_stepped) if hook is not None else None
-        self.optimizer.zero_grad(set_to_none=True)
+        self._step_observed = handle is not None
         try:
+            self._setup()
+            table = self._table
+            assert table is not None
+            self.optimizer.zero_grad(set_to_none=True)
             self._emit(table.on_fit_start)
             epoch = self._position.epoch
             while epoch < epochs and not self._stop_requested and not self._steps_exhausted():
@@ -229,7 +234,8 @@ class Loop:
         """Run the validation pass alone, with its events; return the ``val_*`` metrics."""
         if self.val_data is None:
             raise ConfigurationError("validate() needs validation data: Loop(..., val_data=loader).")
-        self._prepare()
+        check_callbacks(self.callbacks, self)
+        self._setup()
         self._validate_pass()
         return {key: value for key, value in self.state.metrics.items() if key.startswith("val_")}
 
@@ -269,8 +275,8 @@ class Loop:
                 annotate(exc, handler)
                 raise
 
-    def _prepare(self) -> None:
-        check_callbacks(self.callbacks, self)
+    def _setup(self) -> None:
+        """Run the setup hooks, check the data, move the model, build the dispatch table."""
         for callback in self.callbacks:
             if overrides(callback, "setup"):
                 try:
@@ -338,7 +344,11 @@ class Loop:
                 if table.after_forward:
                     self._emit(table.after_forward)
                 for scale in table.scale_loss:
-                    loss = scale(self, loss)
+                    try:
+                        loss = scale(self, loss)
+                    except BaseException as exc:
+                        annotate(exc, scale)
+                        raise
                 loss.backward()
             if table.after_backward:
                 self._emit(table.after_backward)
@@ -371,6 +381,8 @@ class Loop:
                 except BaseException as exc:
                     annotate(exc, table.step)
                     raise
+            if not self._step_observed:  # an optimizer without step hooks: trust the call
+                self._stepped = True
             if self._stepped:
                 state.step += 1
                 if table.after_step:

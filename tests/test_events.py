@@ -199,3 +199,54 @@ def test_fit_counts_epochs_in_total_so_a_second_fit_continues() -> None:
     starts = [event[1] for event in recorder.events if event[0] == "on_epoch_start"]
     assert starts == [0, 1, 2]
     assert loop.state.step == 6
+
+
+def test_an_error_in_setup_still_fires_on_exception_and_on_fit_end() -> None:
+    class BadSetup(Callback):
+        def setup(self, loop):
+            raise ValueError("cannot set up")
+
+    recorder = Recorder()
+    loop = _loop(recorder)
+    loop.callbacks.append(BadSetup())
+    with pytest.raises(ValueError, match="cannot set up") as info:
+        loop.fit(1)
+    assert recorder.events == [("on_exception", "ValueError"), ("on_fit_end", 0, 0, 0)]
+    assert "BadSetup at event setup" in "\n".join(info.value.__notes__)
+
+
+def test_an_error_in_a_hook_names_the_callback() -> None:
+    class BadScale(Callback):
+        def scale_loss(self, loop, loss):
+            raise RuntimeError("no scaling today")
+
+    loop = _loop(Recorder())
+    loop.callbacks.append(BadScale())
+    with pytest.raises(RuntimeError) as info:
+        loop.fit(1)
+    assert "BadScale at event scale_loss" in "\n".join(info.value.__notes__)
+
+
+def test_an_optimizer_without_step_hooks_still_counts_its_steps() -> None:
+    class PlainSGD:
+        """Duck-typed optimizer: step, zero_grad and param_groups, no hook API."""
+
+        def __init__(self, params, lr):
+            self.param_groups = [{"params": list(params), "lr": lr}]
+
+        def step(self):
+            with torch.no_grad():
+                for p in self.param_groups[0]["params"]:
+                    p -= self.param_groups[0]["lr"] * p.grad
+
+        def zero_grad(self, set_to_none=True):
+            for p in self.param_groups[0]["params"]:
+                p.grad = None
+
+    recorder = Recorder()
+    model = torch.nn.Linear(3, 2)
+    data = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(3)]
+    loop = Loop(model, PlainSGD(model.parameters(), 0.1), data, loss_fn=F.cross_entropy,
+                callbacks=[recorder], device="cpu")
+    assert loop.fit(5, max_steps=4).step == 4
+    assert [event[0] for event in recorder.events].count("after_step") == 4
