@@ -58,7 +58,10 @@ class LRScheduler(Callback):
     Raises:
         ConfigurationError: a bad interval; a plateau scheduler without ``monitor`` (or a
             monitor for another scheduler); a factory with data that has no length (at fit
-            start: pass ``fit(..., max_steps=N)`` or a built scheduler).
+            start: pass ``fit(..., max_steps=N)`` or a built scheduler); at fit start, a
+            scheduler with a fixed ``total_steps`` (``OneCycleLR``) shorter than the steps
+            this fit will take (what is left of ``loop.total_steps`` after
+            ``loop.state.step``), instead of torch's "Tried to step N times" mid-run.
 
     Example:
         >>> import torch
@@ -151,6 +154,46 @@ class LRScheduler(Callback):
             raise ConfigurationError(
                 "The scheduler given to LRScheduler was built on another optimizer than "
                 "the loop's. Build it on loop.optimizer (the one passed to Loop).")
+        self._check_length(loop)
+
+    def _check_length(self, loop: Loop) -> None:
+        """Raise if a fixed-length scheduler (``total_steps``) would run out during this fit.
+
+        OneCycleLR raises "Tried to step N times" past its end; this says so before the
+        first batch. Its remaining length is ``total_steps - last_epoch`` (a loaded state
+        counts); the fit needs ``loop.total_steps - loop.state.step`` steps (what is left of
+        the run), or the epochs left with ``interval="epoch"``.
+        """
+        length = getattr(self._scheduler, "total_steps", None)
+        if isinstance(length, bool) or not isinstance(length, int) or self.is_plateau:
+            return
+        taken = int(getattr(self._scheduler, "last_epoch", 0) or 0)
+        left = length - max(taken, 0)
+        if self.interval == "step":
+            total = loop.total_steps
+            if total is None:
+                return
+            needed, unit = total - loop.state.step, "optimizer steps"
+            done = f"loop.total_steps={total} minus {loop.state.step} already taken"
+        else:
+            if loop.state.max_steps is not None:  # max_steps may end the run early
+                return
+            position = int(loop.state_dict()["epoch"])
+            needed, unit = loop.state.epochs - position, "epochs"
+            done = f"fit({loop.state.epochs}) minus {position} epochs already done"
+        if needed <= left:
+            return
+        name = type(self._scheduler).__name__
+        if self._factory is not None:
+            fix = ("Build the scheduler with the total the factory receives: "
+                   "lambda opt, total: OneCycleLR(opt, max_lr, total_steps=total).")
+        else:
+            fix = ("Pass a factory instead, so the loop supplies the total: "
+                   "LRScheduler(lambda opt, total: OneCycleLR(opt, max_lr, total_steps=total)).")
+        raise ConfigurationError(
+            f"LRScheduler: the {name} has total_steps={length} ({left} steps left after "
+            f"{taken} taken), but this fit will step it {needed} times ({unit}: {done}); it "
+            f"would fail mid-run with torch's 'Tried to step {left + 1} times'. {fix}")
 
     def _build(self, loop: Loop, total: int) -> None:
         previous = self._scheduler

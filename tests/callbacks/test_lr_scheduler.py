@@ -283,3 +283,61 @@ def test_a_factory_starts_afresh_with_another_loop() -> None:
              callbacks=[callback]).fit(1)
         assert callback.scheduler.optimizer is optimizer
         assert callback.scheduler.last_epoch == 4
+
+
+# ----------------------------------------------- hand-built fixed-length schedulers
+def one_cycle_loop(total_steps: int, batches: int = 4, **kwargs) -> tuple[Loop, LRLog]:  # noqa: ANN003
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = LRLog()
+    scheduler = lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total_steps)
+    loop = Loop(model, optimizer, make_data(batches), loss_fn=F.mse_loss, device="cpu",
+                callbacks=[LRScheduler(scheduler, **kwargs), log])
+    return loop, log
+
+
+def test_a_too_short_hand_built_one_cycle_is_reported_before_the_first_batch() -> None:
+    # 4 batches x 2 epochs = 8 optimizer steps; the scheduler has 5: torch would raise
+    # "Tried to step 6 times" at the sixth step.
+    loop, log = one_cycle_loop(total_steps=5)
+    weights = [p.detach().clone() for p in loop.model.parameters()]
+    with pytest.raises(ConfigurationError) as info:
+        loop.fit(2)
+    message = str(info.value)
+    assert "total_steps=5" in message and "8 times" in message
+    assert "total_steps=total" in message and "lambda opt, total" in message
+    assert log.batches == 0 and loop.state.step == 0
+    assert all(torch.equal(p, w) for p, w in zip(loop.model.parameters(), weights))
+
+
+def test_a_hand_built_one_cycle_of_exactly_the_right_length_runs_to_its_end() -> None:
+    loop, _ = one_cycle_loop(total_steps=8)
+    assert loop.fit(2).step == 8  # torch allows total_steps steps, and no more
+
+
+def test_the_length_check_counts_the_steps_already_taken_in_a_later_fit() -> None:
+    loop, log = one_cycle_loop(total_steps=8)
+    loop.fit(1)  # 4 steps taken, 4 left in the scheduler
+    with pytest.raises(ConfigurationError, match=r"4 steps left after 4 taken.*8 times"):
+        loop.fit(3)  # 12 - 4 = 8 more steps
+    assert log.batches == 4 and loop.state.step == 4
+
+
+def test_the_length_check_accounts_for_a_resumed_position() -> None:
+    first, _ = one_cycle_loop(total_steps=8)
+    first.fit(1)
+    position = first.state_dict()
+    # A fresh 4-step schedule for what is left after step 4: comparing it with the whole
+    # run's 8 steps would be wrong; the fit only takes 8 - 4 = 4.
+    loop, log = one_cycle_loop(total_steps=4)
+    loop.load_state_dict(position)
+    assert loop.fit(2).step == 8 and log.batches == 4
+
+
+def test_an_epoch_interval_fixed_length_scheduler_is_checked_in_epochs() -> None:
+    loop, log = one_cycle_loop(total_steps=2, interval="epoch")
+    with pytest.raises(ConfigurationError, match=r"3 times \(epochs"):
+        loop.fit(3)
+    assert log.batches == 0
+    loop, _ = one_cycle_loop(total_steps=2, interval="epoch")
+    assert loop.fit(2).epoch == 1
