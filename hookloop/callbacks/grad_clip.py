@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +42,10 @@ class GradClip(Callback):
     clipped are those of ``loop.optimizer``. The pre-clip total norm (``norm_type``) is put
     in ``loop.state.grad_norm`` as a tensor on the device, with no host sync: loggers read
     it when they log. Clipping by value computes that norm too.
+
+    When every parameter's ``.grad`` is None at a step (a detached graph, a frozen model),
+    it warns once (``RuntimeWarning``) instead of silently clipping nothing, and
+    ``grad_norm`` is 0; the check only reads ``.grad is None``, so it costs no device sync.
 
     Args:
         max_norm: Scale all gradients together so that their total norm is at most this
@@ -88,6 +93,7 @@ class GradClip(Callback):
         self.max_norm = None if max_norm is None else float(max_norm)
         self.max_value = None if max_value is None else float(max_value)
         self.norm_type = norm_type
+        self._warned_no_grad = False
 
     def __repr__(self) -> str:
         if self.max_norm is not None:
@@ -98,9 +104,26 @@ class GradClip(Callback):
         """Record the pre-clip total norm in ``loop.state.grad_norm``, then clip."""
         params = [param for group in loop.optimizer.param_groups for param in group["params"]
                   if param.grad is not None]
+        if not params:  # only `.grad is None` was read: no sync
+            # Nothing to clip (clip_grad_value_ would raise on an empty list): norm 0.
+            loop.state.grad_norm = torch.zeros((), device=loop.device)
+            self._warn_no_grad(loop)
+            return
         if self.max_norm is not None:
             loop.state.grad_norm = torch.nn.utils.clip_grad_norm_(
                 params, self.max_norm, norm_type=self.norm_type)
         else:
             loop.state.grad_norm = total_norm([param.grad for param in params], self.norm_type)
             torch.nn.utils.clip_grad_value_(params, self.max_value)
+
+    def _warn_no_grad(self, loop: Loop) -> None:
+        if self._warned_no_grad:
+            return
+        self._warned_no_grad = True
+        warnings.warn(
+            f"GradClip: at step {loop.state.step} every parameter of loop.optimizer has .grad "
+            "None, so there is nothing to clip (grad_norm is 0) and the optimizer step changes "
+            "nothing. Likely causes: the loss does not depend on the optimized parameters (a "
+            "graph detached by .detach(), .item(), .numpy() or torch.no_grad() in the forward), "
+            "a frozen model (requires_grad=False), or an optimizer built on other parameters "
+            "than the model's. (Warned once.)", RuntimeWarning, stacklevel=4)

@@ -139,3 +139,45 @@ def test_exactly_one_limit() -> None:
 
 def test_stateless() -> None:
     assert GradClip(1.0).state_dict() == {}
+
+
+def detached_loop(clip: GradClip) -> tuple[Loop, nn.Module]:
+    """The optimizer holds `model`, but the loss reaches it only through a detached graph."""
+    model = make_model()
+    torch.manual_seed(1)
+    head = nn.Linear(1, 1)  # trainable, not in the optimizer: backward still runs
+
+    def forward(loop: Loop, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+        inputs, labels = batch
+        outputs = head(loop.model(inputs).detach())
+        return outputs, F.mse_loss(outputs, labels)
+
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(3),
+                forward=forward, device="cpu", callbacks=[clip])
+    return loop, model
+
+
+@pytest.mark.parametrize("kwargs", [{"max_norm": 1.0}, {"max_value": 0.1}])
+def test_every_grad_none_warns_once_naming_gradclip_and_the_causes(kwargs: dict) -> None:
+    loop, model = detached_loop(GuardedClip(**kwargs))  # the check itself reads nothing back
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(RuntimeWarning) as caught:
+        state = loop.fit(2)  # 6 steps with no gradient: one warning
+    messages = [str(w.message) for w in caught if "GradClip" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert "at step 0" in messages[0] and ".grad None" in messages[0]
+    assert "detach" in messages[0] and "requires_grad=False" in messages[0]
+    assert state.step == 6
+    assert state.grad_norm.dim() == 0 and float(state.grad_norm) == 0.0  # nothing clipped
+    # Hand oracle: nothing reached the optimized parameters, so nothing changed.
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_no_warning_when_gradients_exist() -> None:
+    import warnings
+
+    model = make_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(2),
+             loss_fn=F.mse_loss, device="cpu", callbacks=[GradClip(1.0)]).fit(1)
