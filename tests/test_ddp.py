@@ -184,11 +184,18 @@ def test_validation_with_an_empty_shard_and_buffers_does_not_hang(train_run: Pat
     model.eval()
     inputs, labels = common.classification_data(1, seed=8).tensors
     with torch.no_grad():
-        expected = nn.functional.cross_entropy(model(inputs), labels).item()
+        outputs = model(inputs)
+    expected = {"val_loss": nn.functional.cross_entropy(outputs, labels).item(),
+                "val_acc": float(outputs.argmax(-1).item() == labels.item()),
+                "val_prob": outputs.softmax(-1)[0, labels.item()].item(),
+                "val_count": 1.0}  # the object's own all-reduce, joined by rank 1 too
     for log in logs:
-        assert log["metrics"][0]["val_loss"] == pytest.approx(expected, rel=1e-5)
-        # validate() after fit: a new process group, the data sharded again, same value.
-        assert log["validate"]["val_loss"] == pytest.approx(expected, rel=1e-5)
+        # Metrics in the stack: rank 1, with no validation batch, still joins the reduction;
+        # both ranks report the value of the one sample (nothing divided by a local zero).
+        assert log["metrics"][0] == pytest.approx({"train_loss": log["metrics"][0]["train_loss"],
+                                                   **expected}, rel=1e-5)
+        # validate() after fit: a new process group, the data sharded again, same values.
+        assert log["validate"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_distributed_helpers_reduce_over_two_ranks(train_run: Path) -> None:

@@ -31,11 +31,13 @@ class _Pass:
         self.objects = objects
         self.sums: dict[str, torch.Tensor] = {}
         self.samples = 0
+        self.device = torch.device("cpu")
 
     def reset(self, device: torch.device) -> None:
         dtype = torch.float32 if device.type == "mps" else torch.float64
         self.sums = {name: torch.zeros((), dtype=dtype, device=device) for name in self.functions}
         self.samples = 0
+        self.device = device
         for metric in self.objects.values():
             metric.reset()
 
@@ -55,18 +57,37 @@ class _Pass:
                 metric.update(outputs, targets)
         self.samples += batch_size
 
-    def results(self, prefix: str) -> dict[str, float]:
-        """Reduce over ranks (one collective, one host sync) and return the floats."""
-        values: dict[str, float] = {}
-        if self.functions:
-            first = next(iter(self.sums.values()))
-            totals = distributed.all_reduce_sum(
-                torch.stack([*self.sums.values(), first.new_tensor(self.samples)])).tolist()
-            count = totals[-1]
-            for name, total in zip(self.sums, totals):
-                values[prefix + name] = total / count if count else float("nan")
+    def results(self, prefix: str, where: str) -> dict[str, float]:
+        """Reduce over ranks (one collective, one host sync) and return the floats.
+
+        A collective: every rank calls it at the end of every pass, also a rank whose shard
+        held no batch (its sums are zeros). The division comes after the reduction, so the
+        values, and which metrics are written, are the same on every rank. A pass with no
+        sample on any rank writes nothing.
+        """
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        local = torch.stack([*self.sums.values(),
+                             torch.tensor(float(self.samples), dtype=dtype, device=self.device)])
+        totals = distributed.all_reduce_sum(local).tolist()
+        count = totals[-1]
+        if not count:
+            return {}
+        values = {prefix + name: total / count for name, total in zip(self.sums, totals)}
         for name, metric in self.objects.items():
-            values[prefix + name] = float(torch.as_tensor(metric.compute()).detach().cpu().item())
+            try:
+                value = metric.compute()
+            except Exception as error:
+                if self.samples:
+                    raise
+                raise ConfigurationError(
+                    f"Metric {name!r}: compute() raised {type(error).__name__}: {error} on rank "
+                    f"{distributed.rank()}, whose shard of the {where} data held no batch (the "
+                    f"ranks saw {int(count)} samples in all). Under DDP compute() runs on every "
+                    "rank, so that metrics which synchronise inside compute() (torchmetrics "
+                    "objects) do not hang: make compute() work before any update(), or pass "
+                    "a function fn(outputs, targets), which Metrics reduces over the ranks "
+                    "itself.") from error
+            values[prefix + name] = float(torch.as_tensor(value).detach().cpu().item())
         return values
 
 
@@ -80,9 +101,12 @@ class Metrics(Callback):
     Function metrics are averaged over samples: each batch mean is weighted by
     ``loop.state.batch_size``, summed on the device (no host sync per batch), reduced over
     ranks with one all-reduce and read once per pass. Under DDP with the samplers of the
-    ``DDP`` callback the value equals the single-process value. Object metrics are
-    reset at the start of each pass and their ``compute()`` is read once at its end
-    (torchmetrics objects synchronise across ranks inside ``compute()``).
+    ``DDP`` callback the value equals the single-process value. Every rank takes part in
+    that reduction at the end of every pass, also a rank whose shard held no batch (an
+    uneven validation set), and divides only after it, so every rank writes the same
+    values; a pass that saw no sample on any rank writes no value. Object metrics are
+    reset at the start of each pass and their ``compute()`` is read once at its end, on
+    every rank (torchmetrics objects synchronise across ranks inside ``compute()``).
 
     The values are written into ``loop.state.metrics`` as floats: ``val_<name>`` at
     ``on_validation_end`` and, with ``on_train=True``, ``train_<name>`` when the training
@@ -103,7 +127,8 @@ class Metrics(Callback):
 
     Raises:
         ConfigurationError: no metric, or a metric that is neither callable nor an object
-            with ``update``/``compute``/``reset``.
+            with ``update``/``compute``/``reset``; under DDP, an object whose ``compute()``
+            fails on a rank that saw no batch of the pass.
 
     Example:
         >>> import torch
@@ -196,8 +221,10 @@ class Metrics(Callback):
                 del self._boundaries[next(iter(self._boundaries))]
 
     def _write_train(self, loop: Loop) -> None:
-        if self._train_pending and self._training.samples:
-            loop.state.metrics.update(self._training.results("train_"))
+        # Every rank gets here at the same events: the reduction inside results() must not
+        # depend on this rank's own sample count (its shard may have been empty).
+        if self._train_pending:
+            loop.state.metrics.update(self._training.results("train_", "training"))
         self._train_pending = False
 
     def on_epoch_end(self, loop: Loop) -> None:
@@ -215,8 +242,8 @@ class Metrics(Callback):
         self._validation.update(state.outputs, state.targets, state.batch_size)
 
     def on_validation_end(self, loop: Loop) -> None:
-        if self._validation.samples:
-            loop.state.metrics.update(self._validation.results("val_"))
+        # Every rank, also one with an empty validation shard: results() is a collective.
+        loop.state.metrics.update(self._validation.results("val_", "validation"))
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from common import (classification_data, make_model, make_optimizer, rank, regression_data,
                     save, shuffled_loader)
 from hookloop import Callback, Loop, distributed
-from hookloop.callbacks import LRScheduler
+from hookloop.callbacks import LRScheduler, Metrics
 from hookloop.callbacks.ddp import DDP
 
 try:
@@ -93,6 +93,30 @@ class Losses(Callback):
         self.metrics.append(dict(loop.state.metrics))
 
 
+def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (outputs.argmax(dim=-1) == targets).float().mean()
+
+
+def target_probability(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return outputs.softmax(-1).gather(1, targets[:, None]).mean()
+
+
+class SyncedSampleCount:
+    """torchmetrics-style object that synchronises inside compute(), as torchmetrics does:
+    a rank that skipped compute() would leave the others waiting in the all-reduce."""
+
+    def reset(self) -> None:
+        self.count = torch.zeros(())
+
+    def update(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+        self.count = self.count + len(targets)
+
+    def compute(self) -> torch.Tensor:
+        total = self.count.clone()
+        dist.all_reduce(total)
+        return total
+
+
 def weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {key: value.detach().clone() for key, value in model.state_dict().items()}
 
@@ -138,14 +162,16 @@ def accumulation() -> None:
 
 def uneven_validation_with_buffers() -> None:
     # One validation sample for two ranks: rank 1 runs no validation batch at all. A model
-    # with buffers makes DDP's forward broadcast them, which would hang here.
+    # with buffers makes DDP's forward broadcast them, which would hang here. Metrics must
+    # still join the reduction (and the object's synchronising compute()) on rank 1.
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
     train = DataLoader(classification_data(8, seed=7), batch_size=2)
     val = DataLoader(classification_data(1, seed=8), batch_size=4)
     losses, helpers = Losses(), Helpers()
+    metrics = Metrics(acc=accuracy, prob=target_probability, count=SyncedSampleCount())
     loop = Loop(model, make_optimizer(model), train, val_data=val,
-                loss_fn=nn.functional.cross_entropy, callbacks=[DDP(), losses, helpers],
+                loss_fn=nn.functional.cross_entropy, callbacks=[DDP(), metrics, losses, helpers],
                 device="cpu")
     loop.fit(1)
     save("buffers", weights(model))
