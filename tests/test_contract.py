@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,6 +88,11 @@ def test_alone_and_twice_in_a_row_give_the_same_weights(kind: str, tmp_path: Pat
     callback = FACTORIES[kind](tmp_path)
     runs = []
     for _ in range(2):
+        if isinstance(callback, Checkpoint):
+            # A new run with resume=False refuses a directory that holds an earlier run's
+            # checkpoints (it would overwrite its best.pt): this is a user starting a new
+            # run after deleting the old one.
+            shutil.rmtree(callback.dirpath, ignore_errors=True)
         loop = _build(callback)
         state = loop.fit(3)
         assert state.metrics["val_loss"] == state.metrics["val_loss"]  # finite, computed

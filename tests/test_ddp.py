@@ -249,6 +249,22 @@ def test_resume_of_a_two_process_run_continues_exactly(integration_run: Path) ->
     assert checkpoints == ["epoch=0001-step=00000006.pt"]  # stopped mid-epoch 1
     saved = torch.load(integration_run / "interrupted" / checkpoints[0], weights_only=True)
     assert isinstance(saved, dict)
+    # Each rank's own loss sums of the interrupted epoch (2 batches of 3 so far), gathered
+    # at this collective save: the ranks' shards differ, so the sums do too.
+    interrupted = [read(integration_run, "interrupted_log", rank)["losses"] for rank in (0, 1)]
+    for rank in (0, 1):
+        done = [(loss, size) for epoch, _, loss, size in interrupted[rank] if epoch == 1]
+        assert saved["rank_sums"][rank]["train_samples"] == 6 == sum(size for _, size in done)
+        assert saved["rank_sums"][rank]["train_loss_sum"].item() == pytest.approx(
+            sum(loss * size for loss, size in done), rel=1e-6)
+    # The exception path (both ranks raised after step 6) has no collective: rank 0 alone
+    # writes, and drops the partial sums rather than give them to every rank.
+    crashed = torch.load(integration_run / "crashed" / "epoch=0001-step=00000006.pt",
+                         weights_only=True)
+    assert (crashed["loop"]["batch_idx"], crashed["loop"]["step"]) == (2, 6)
+    assert crashed["loop"]["train_loss_sum"] is None and crashed["loop"]["train_samples"] == 0
+    assert "rank_sums" not in crashed
+
     run_ok(SCRIPTS / "integration.py", str(integration_run), "resume")
     uninterrupted = read(integration_run, "uninterrupted", 0)
     for rank in (0, 1):
@@ -256,6 +272,32 @@ def test_resume_of_a_two_process_run_continues_exactly(integration_run: Path) ->
         # Bitwise, dropout included: same samples, same per-rank random numbers.
         assert_close_weights(read(integration_run, "resumed", rank), uninterrupted, atol=0)
     assert_close_weights(read(integration_run, "uninterrupted", 1), uninterrupted, atol=0)
+
+    # train_loss of the resumed epoch: each rank continued its own sums, so it is the
+    # uninterrupted run's value, and the sample-weighted mean of the 8 batch losses of that
+    # epoch (2 per rank before the interruption, 2 per rank after), counted once each.
+    resumed = [read(integration_run, "resumed_epochs", rank) for rank in (0, 1)]
+    epoch_one = [(loss, size) for rank in (0, 1)
+                 for epoch, _, loss, size in interrupted[rank] + resumed[rank]["losses"]
+                 if epoch == 1]
+    assert len(epoch_one) == 8
+    by_hand = sum(loss * size for loss, size in epoch_one) / sum(size for _, size in epoch_one)
+    reference = read(integration_run, "uninterrupted_log", 0)["metrics"]
+    for rank in (0, 1):
+        assert [epoch["train_loss"] for epoch in resumed[rank]["metrics"]] == pytest.approx(
+            [epoch["train_loss"] for epoch in reference[1:]], rel=1e-12)
+        assert resumed[rank]["metrics"][0]["train_loss"] == pytest.approx(by_hand, rel=1e-6)
+
+    # Resumed from the exception-path file: the epoch's train_loss covers the batches after
+    # the resume point (2 per rank), each counted once.
+    after_crash = [read(integration_run, "crash_resumed", rank) for rank in (0, 1)]
+    rest = [(loss, size) for log in after_crash for epoch, _, loss, size in log["losses"]
+            if epoch == 1]
+    assert len(rest) == 4
+    by_hand = sum(loss * size for loss, size in rest) / sum(size for _, size in rest)
+    for log in after_crash:
+        assert log["start_step"] == 6
+        assert log["metrics"][0]["train_loss"] == pytest.approx(by_hand, rel=1e-6)
 
 
 # ------------------------------------------------------------- the example

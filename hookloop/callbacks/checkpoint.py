@@ -31,6 +31,8 @@ FORMAT = 1
 _TEMP_PREFIX = ".tmp-"
 _TEMP_SUFFIX = ".part"
 _PRIMITIVES = (int, float, bool, str, bytes, complex, type(None))
+#: Entries of the loop's position that each rank has for itself (its shard's loss sums).
+_RANK_SUMS = ("train_loss_sum", "train_samples")
 _LEAVES = (torch.dtype, torch.device, torch.Size)
 
 
@@ -269,6 +271,16 @@ class Checkpoint(Callback):
     ``resume=True`` continues from the newest rotating checkpoint in ``dirpath`` (a fresh
     start when there is none); ``resume="path/to/file.pt"`` from that file. A file that
     cannot be read raises `hookloop.CheckpointError`: a run never silently starts over.
+    A new run (``resume=False``) in a ``dirpath`` that already holds this callback's files
+    from an earlier run (rotating files or ``best.pt``; temporary files do not count)
+    raises `hookloop.ConfigurationError` at fit start instead of overwriting them; later
+    fits of the same loop continue in their directory.
+
+    Under DDP each rank's position differs in its random generators and in the loss sums
+    of the interrupted epoch: step and epoch saves gather both from every rank, and each
+    rank resumes with its own. A save on the exception path uses no collective: it holds
+    rank 0's generators only and no partial loss sums, so the resumed epoch's
+    ``train_loss`` then covers the batches after the resume point.
 
     Must come after every other stateful callback (checked at fit start), so that their
     state in the file is up to date.
@@ -284,7 +296,8 @@ class Checkpoint(Callback):
         name: State key, and a prefix of the file names, for a second ``Checkpoint``.
 
     Raises:
-        ConfigurationError: for a bad argument, when the callback is created.
+        ConfigurationError: for a bad argument, when the callback is created; at fit start,
+            when ``resume=False`` and ``dirpath`` holds checkpoints of an earlier run.
         CheckpointError: when resuming from a file that is missing, corrupt or does not fit.
 
     Example:
@@ -386,8 +399,34 @@ class Checkpoint(Callback):
         if distributed.is_main():
             os.makedirs(self.dirpath, exist_ok=True)
 
+    def run_files(self) -> list[str]:
+        """This callback's files in ``dirpath``: rotating checkpoints, then ``best.pt``."""
+        files = self.checkpoints()
+        best = os.path.join(self.dirpath, f"{self._prefix}best.pt")
+        return files + [best] if os.path.isfile(best) else files
+
+    def _refuse_earlier_run(self) -> None:
+        """A new run must not overwrite (or mix its files with) the files of an earlier one."""
+        found = distributed.broadcast_object(self.run_files() if distributed.is_main() else None)
+        if not found:
+            return
+        names = [os.path.basename(path) for path in found]
+        listed = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        harm = ("overwrite its best.pt with a possibly worse one and " if
+                any(name.endswith("best.pt") for name in names) else "")
+        raise ConfigurationError(
+            f"Checkpoint: {self.dirpath} already holds checkpoints of an earlier run ({listed}), "
+            f"and resume=False starts a new run, which would {harm}mix its rotating files with "
+            "the earlier run's (a later resume=True could then pick the earlier run's file). "
+            "Pass Checkpoint(..., resume=True) to continue that run, or give a new or empty "
+            "directory (or delete those files) to start a new one.")
+
     def on_fit_start(self, loop: Loop) -> None:
         self._fitting = False
+        if self.resume is False and self._loop is not loop:
+            # A new run (not a later fit of the loop that wrote here): raises before
+            # self._loop is set, so a retry of the same fit checks again.
+            self._refuse_earlier_run()
         if self._loop is not None and self._loop is not loop:  # reused in a new run
             self.best, self.best_epoch, self.best_step = None, -1, -1
             self.best_path, self.last_path, self._resumed = None, None, False
@@ -484,7 +523,20 @@ class Checkpoint(Callback):
         rng = {name: position.pop(name) for name in ("rng", "epoch_rng") if name in position}
         if key == self._last_position:
             return  # this position is on disk already (or is where the run started)
-        rank_rng = _gather(rng) if collective else [rng]
+        # The epoch's loss sums so far are each rank's own, like its random generators.
+        sums = {name: position[name] for name in _RANK_SUMS}
+        if collective:
+            gathered = _gather({"rng": rng, "sums": sums})
+            rank_rng = [entry["rng"] for entry in gathered]
+            rank_sums: list[dict[str, Any]] | None = [entry["sums"] for entry in gathered]
+        else:
+            rank_rng, rank_sums = [rng], [sums]
+            if distributed.world_size() > 1:
+                # No collective on the exception path: the other ranks' sums are unknown, and
+                # rank 0's stand for none but its own. The resumed epoch's train_loss then
+                # covers the batches after the resume point.
+                position.update(train_loss_sum=None, train_samples=0)
+                rank_sums = None
         self._last_position = key
         if not distributed.is_main():
             return
@@ -505,6 +557,7 @@ class Checkpoint(Callback):
             "optimizer": loop.optimizer.state_dict(),
             "loop": position,
             "rng": rank_rng,
+            **({} if rank_sums is None else {"rank_sums": rank_sums}),
             "callbacks": {callback.state_key: callback.state_dict() for callback in stateful},
             "metrics": dict(state.metrics),
         }
@@ -594,7 +647,16 @@ class Checkpoint(Callback):
                 f"{meta.get('world_size')} process(es), or after an exception); rank {rank} "
                 "uses rank 0's, so its random draws differ from an uninterrupted run.",
                 RuntimeWarning, stacklevel=2)
-        if int(meta.get("world_size", 1)) != distributed.world_size() and distributed.is_main():
+        saved_world = int(meta.get("world_size", 1))
+        rank_sums = payload.get("rank_sums")
+        if (saved_world == distributed.world_size() and isinstance(rank_sums, list)
+                and rank < len(rank_sums) and isinstance(rank_sums[rank], Mapping)):
+            position.update({name: rank_sums[rank].get(name, position.get(name))
+                             for name in _RANK_SUMS})
+        elif saved_world > 1 or distributed.world_size() > 1:
+            # Not this rank's own sums: the resumed epoch's train_loss covers what follows.
+            position.update(train_loss_sum=None, train_samples=0)
+        if saved_world != distributed.world_size() and distributed.is_main():
             warnings.warn(
                 f"Checkpoint: {path} was written by {meta.get('world_size')} process(es), this "
                 f"run has {distributed.world_size()}: the position in the epoch does not carry "

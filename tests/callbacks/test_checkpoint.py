@@ -122,7 +122,7 @@ def test_write_is_atomic_when_interrupted(tmp_path: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(checkpoint_module.torch, "save", failing_save)
     with pytest.raises(OSError, match="disk full"):
-        make_loop(tmp_path, [Checkpoint(tmp_path, keep_last=1)]).fit(2)
+        make_loop(tmp_path, [Checkpoint(tmp_path, keep_last=1, resume=True)]).fit(2)
     monkeypatch.undo()
     assert names(tmp_path) == [good.name]  # no temp file, nothing pruned
     assert good.read_bytes() == before
@@ -305,3 +305,84 @@ def test_fit_twice_and_validate_alone(tmp_path: Path) -> None:
     loop.validate()
     assert loop.state.step == 8
     assert os.path.exists(tmp_path / "epoch=0001-step=00000008.pt")
+
+
+# -------------------------------------------------- a new run over an earlier one
+def test_a_new_run_refuses_a_directory_holding_an_earlier_run(tmp_path: Path) -> None:
+    """A fresh run (resume=False) would overwrite the earlier run's better best.pt with a
+    worse one and mix its rotating files with the earlier run's: it stops before any batch."""
+    make_loop(tmp_path, [Checkpoint(tmp_path, monitor="val_loss", keep_last=2)]).fit(3)
+    before = {name: (tmp_path / name).read_bytes() for name in names(tmp_path)}
+    assert set(before) == {"best.pt", "epoch=0001-step=00000008.pt",
+                           "epoch=0002-step=00000012.pt"}
+    best_value = torch.load(tmp_path / "best.pt", weights_only=True)["hookloop"]["value"]
+    (tmp_path / ".tmp-left.part").write_bytes(b"PK")  # temporary files are no checkpoints
+    loop = make_loop(tmp_path, [Checkpoint(tmp_path, monitor="val_loss", keep_last=2)])
+    with pytest.raises(ConfigurationError) as caught:
+        loop.fit(1)
+    message = str(caught.value)
+    for part in (str(tmp_path), "best.pt", "epoch=0001-step=00000008.pt",
+                 "epoch=0002-step=00000012.pt", "resume=True", "empty directory"):
+        assert part in message, (part, message)
+    assert ".tmp-left" not in message
+    assert loop.state.step == 0  # before the first batch
+    with pytest.raises(ConfigurationError):  # a retry of the same fit is refused too
+        loop.fit(1)
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert torch.load(tmp_path / "best.pt", weights_only=True)["hookloop"]["value"] == best_value
+
+
+def test_rotating_files_alone_are_an_earlier_run_too(tmp_path: Path) -> None:
+    make_loop(tmp_path).fit(1)
+    with pytest.raises(ConfigurationError, match=r"epoch=0000-step=00000004\.pt"):
+        make_loop(tmp_path).fit(1)
+    # The same callback in a new Loop is a new run as well.
+    checkpoint = Checkpoint(tmp_path / "again")
+    make_loop(tmp_path / "again", [checkpoint]).fit(1)
+    with pytest.raises(ConfigurationError, match="resume=True"):
+        make_loop(tmp_path / "again", [checkpoint]).fit(1)
+
+
+def test_what_a_new_run_may_start_over(tmp_path: Path) -> None:
+    # Temporary files only (a crash during a first save): a fresh start, and they are removed.
+    tmp_path.joinpath(".tmp-abc.part").write_bytes(b"PK\x03\x04 partial")
+    make_loop(tmp_path).fit(1)
+    assert names(tmp_path) == ["epoch=0000-step=00000004.pt"]
+    # Another name has its own files: the unnamed run's are neither overwritten nor mixed.
+    make_loop(tmp_path, [Checkpoint(tmp_path, name="other")]).fit(1)
+    assert names(tmp_path) == ["epoch=0000-step=00000004.pt", "other-epoch=0000-step=00000004.pt"]
+    # resume=True continues the earlier run.
+    assert make_loop(tmp_path, [Checkpoint(tmp_path, resume=True)]).fit(2).step == 8
+
+
+def test_later_fits_of_the_same_loop_continue_in_their_directory(tmp_path: Path) -> None:
+    checkpoint = Checkpoint(tmp_path, monitor="val_loss", keep_last=1)
+    loop = make_loop(tmp_path, [checkpoint])
+    loop.fit(3)
+    loop.fit(5)
+    assert loop.state.step == 20
+    assert names(tmp_path) == ["best.pt", "epoch=0004-step=00000020.pt"]
+    saved = torch.load(tmp_path / "epoch=0004-step=00000020.pt", weights_only=True)
+    assert saved["loop"]["step"] == 20 and saved["loop"]["epoch"] == 5
+
+
+def test_each_rank_s_loss_sums_are_stored(tmp_path: Path) -> None:
+    """The epoch's partial loss sums, per rank (one here), against a hand-written loop."""
+    loop = make_loop(tmp_path, [Checkpoint(tmp_path, every_n_steps=3, keep_last=None)], val=False)
+    data = list(loop.train_data)
+    loop.fit(1)
+    torch.manual_seed(0)  # the model make_loop builds
+    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    total = 0.0
+    for inputs, targets in data[:3]:
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        total += loss.item() * len(inputs)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    saved = torch.load(tmp_path / "epoch=0000-step=00000003.pt", weights_only=True)
+    assert saved["loop"]["batch_idx"] == 3
+    assert [set(entry) for entry in saved["rank_sums"]] == [{"train_loss_sum", "train_samples"}]
+    assert saved["rank_sums"][0]["train_samples"] == 12
+    assert saved["rank_sums"][0]["train_loss_sum"].item() == pytest.approx(total, rel=1e-6)

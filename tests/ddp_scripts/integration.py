@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -31,6 +32,29 @@ class Record(Callback):
 
     def on_epoch_end(self, loop: Loop) -> None:
         self.metrics.append(dict(loop.state.metrics))
+
+
+class BatchLosses(Callback):
+    """Each training batch this rank ran: epoch, index, loss and size (the oracle's data)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[float]] = []
+
+    def after_forward(self, loop: Loop) -> None:
+        state = loop.state
+        self.batches.append([state.epoch, state.batch_idx, state.loss.item(), state.batch_size])
+
+
+class CrashAfterStep(Callback):
+    """Raises on every rank once optimizer step ``k`` is done: Checkpoint saves on the
+    exception path (rank 0 alone, no collective)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def on_batch_end(self, loop: Loop) -> None:
+        if loop.state.step_boundary and loop.state.step == self.k:
+            raise RuntimeError(f"crash after step {self.k}")
 
 
 class RankLocalValLoss(Callback):
@@ -77,30 +101,46 @@ def early_stopping_run() -> None:
                                 "reason": loop.stop_reason})
 
 
-def checkpointed_loop(directory: str, resume: bool) -> tuple[Loop, nn.Module, Record]:
+def checkpointed_loop(directory: str, resume: bool, *extra: Callback
+                      ) -> tuple[Loop, nn.Module, Record, BatchLosses]:
     torch.manual_seed(41)
     model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 1))
     train = shuffled_loader(regression_data(24, seed=42), batch_size=3, seed=43)
-    record = Record()
-    callbacks = [DDP(), Checkpoint(out_dir() / directory, resume=resume), record]
+    record, losses = Record(), BatchLosses()
+    callbacks = [DDP(), Checkpoint(out_dir() / directory, resume=resume), record, losses,
+                 *extra]
     loop = Loop(model, make_optimizer(model), train, loss_fn=nn.functional.mse_loss,
                 callbacks=callbacks, device="cpu")
-    return loop, model, record
+    return loop, model, record, losses
 
 
 if __name__ == "__main__":
     if sys.argv[2] == "first":
         metrics_run()
         early_stopping_run()
-        loop, model, _ = checkpointed_loop("uninterrupted", resume=False)
+        loop, model, record, losses = checkpointed_loop("uninterrupted", resume=False)
         loop.fit(3)
         save("uninterrupted", weights(model))
-        loop, model, _ = checkpointed_loop("interrupted", resume=False)
+        save("uninterrupted_log", {"metrics": record.metrics, "losses": losses.batches})
+        loop, model, _, losses = checkpointed_loop("interrupted", resume=False)
         loop.fit(3, max_steps=6)  # stops mid-epoch 1 (4 steps per epoch and rank)
         save("interrupted", weights(model))
+        save("interrupted_log", {"losses": losses.batches})
+        # Last in this launch: after an exception DDP leaves the process group as it is.
+        loop, model, _, losses = checkpointed_loop("crashed", False, CrashAfterStep(6))
+        try:
+            loop.fit(3)
+        except RuntimeError as error:
+            assert "crash after step 6" in str(error), error
+        dist.destroy_process_group()
     else:
-        loop, model, record = checkpointed_loop("interrupted", resume=True)
+        loop, model, record, losses = checkpointed_loop("interrupted", resume=True)
         loop.fit(3)
         save("resumed", weights(model))
         save("resumed_log", {"start_step": record.start_step, "step": loop.state.step})
+        save("resumed_epochs", {"metrics": record.metrics, "losses": losses.batches})
+        loop, model, record, losses = checkpointed_loop("crashed", resume=True)
+        loop.fit(3)
+        save("crash_resumed", {"start_step": record.start_step, "metrics": record.metrics,
+                               "losses": losses.batches})
     print(f"rank {rank()} done", flush=True)
