@@ -445,6 +445,8 @@ class Checkpoint(Callback):
                 path = os.fspath(self.resume)
             if path is not None:
                 self._restore(loop, path)
+            else:
+                self._adopt_best(loop)
         position = loop.state_dict()
         self._last_position = (position["epoch"], position["batch_idx"], position["step"])
         self._fitting = True
@@ -604,6 +606,19 @@ class Checkpoint(Callback):
             _atomic_save(payload, path)
             self.best_path = path
         self.best, self.best_epoch, self.best_step = value, loop.state.epoch, loop.state.step
+
+    def _adopt_best(self, loop: Loop) -> None:
+        """Nothing to resume from, but a ``best.pt`` (a crash before the first rotating file):
+        keep its score, so it is only ever replaced by a better one."""
+        best = os.path.join(self.dirpath, f"{self._prefix}best.pt")
+        value = None
+        if self.monitor is not None and distributed.is_main() and os.path.exists(best):
+            meta = _read(best, "cpu")["hookloop"]
+            if meta.get("monitor") == self.monitor and meta.get("value") is not None:
+                value = float(meta["value"])
+        value = distributed.broadcast_object(value)
+        if value is not None:
+            self.best, self.best_path = value, best
 
     def _restore(self, loop: Loop, path: str) -> None:
         payload = _read(path, loop.device)

@@ -386,3 +386,27 @@ def test_each_rank_s_loss_sums_are_stored(tmp_path: Path) -> None:
     assert [set(entry) for entry in saved["rank_sums"]] == [{"train_loss_sum", "train_samples"}]
     assert saved["rank_sums"][0]["train_samples"] == 12
     assert saved["rank_sums"][0]["train_loss_sum"].item() == pytest.approx(total, rel=1e-6)
+
+
+def test_resume_with_only_a_best_file_keeps_it_unless_beaten(tmp_path: Path) -> None:
+    """A crash after best.pt but before the first rotating file: resume=True starts fresh,
+    and best.pt is replaced only by a better score, never by the new run's first one."""
+    import torch.nn.functional as F
+
+    from hookloop import Loop
+    from hookloop.callbacks import Checkpoint
+
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    model = torch.nn.Linear(3, 2)
+    sentinel = {"hookloop": {"version": "0", "format": 1, "kind": "best", "world_size": 1,
+                             "monitor": "val_loss", "value": 1e-9},
+                "model": model.state_dict(), "epoch": 0, "step": 1, "metrics": {"val_loss": 1e-9}}
+    torch.save(sentinel, directory / "best.pt")
+    data = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(3)]
+    callback = Checkpoint(directory, monitor="val_loss", resume=True)
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=data,
+         loss_fn=F.cross_entropy, callbacks=[callback], device="cpu").fit(2)
+    kept = torch.load(directory / "best.pt", weights_only=True)
+    assert kept["hookloop"]["value"] == 1e-9  # no real run reaches that loss: untouched
+    assert callback.best == 1e-9
