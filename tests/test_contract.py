@@ -28,6 +28,9 @@ from hookloop.callbacks import (
 )
 from hookloop.schedules import warmup_cosine
 
+# DDP outside torchrun is a no-op that says so; here that is expected.
+pytestmark = pytest.mark.filterwarnings("ignore:DDP. not launched by torchrun")
+
 
 def accuracy(outputs, targets):
     return (outputs.argmax(-1) == targets).float().mean()
