@@ -90,6 +90,7 @@ class Loop:
         self._step_cancelled = False
         self._stepped = False
         self._step_observed = True
+        self._epoch_completed = False
         self._table: Table | None = None
         self._generators: list[torch.Generator] = []
         self._position = Position()  # where the weights are, in data terms (see state_dict)
@@ -113,6 +114,15 @@ class Loop:
     def step_cancelled(self) -> bool:
         """True when a callback cancelled the step of the current step boundary."""
         return self._step_cancelled
+
+    @property
+    def epoch_completed(self) -> bool:
+        """In ``on_epoch_end``: True when the training pass ran through all the data.
+
+        False for an epoch that `stop` cut short (no validation ran in it): callbacks that
+        act once per epoch (epoch schedulers, early stopping) skip such an epoch.
+        """
+        return self._epoch_completed
 
     @property
     def optimizer_stepped(self) -> bool:
@@ -201,8 +211,9 @@ class Loop:
             while epoch < epochs and not self._stop_requested and not self._steps_exhausted():
                 state.epoch = epoch
                 state.metrics = {}
+                self._epoch_completed = False
                 self._emit(table.on_epoch_start)
-                completed = self._train_epoch()
+                self._epoch_completed = completed = self._train_epoch()
                 if completed and self.val_data is not None:
                     self._validate_pass()
                 if completed:
