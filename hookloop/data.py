@@ -54,29 +54,37 @@ def find_targets(batch: Any) -> Any:
     return None
 
 
-def _first_tensor(value: Any) -> torch.Tensor | None:
+def _batched_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor with a batch dimension: direct items first, then nested ones."""
     if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        for item in value:
-            found = _first_tensor(item)
+        return value if value.dim() > 0 else None
+    items = list(value.values()) if isinstance(value, Mapping) else value
+    if not isinstance(items, (tuple, list)):
+        return None
+    for item in items:
+        if isinstance(item, torch.Tensor) and item.dim() > 0:
+            return item
+    for item in items:
+        if isinstance(item, (Mapping, tuple, list)):
+            found = _batched_tensor(item)
             if found is not None:
                 return found
     return None
 
 
 def batch_size_of(batch: Any, targets: Any = None) -> int:
-    """Number of samples in a batch, read from shapes only (no device sync).
+    """Number of samples in a batch, read from shapes and lengths only (no device sync).
 
-    The targets' first dimension when they are a tensor, else the first dimension of the
-    first tensor found in the batch, else 1.
+    The length of the targets (a tensor's first dimension, or a list's length), else the
+    first dimension of the first batched tensor of the batch, looking at its direct items
+    before nested ones; else 1.
     """
-    tensor = targets if isinstance(targets, torch.Tensor) else _first_tensor(batch)
-    if tensor is None or tensor.dim() == 0:
-        return 1
-    return int(tensor.shape[0])
+    if isinstance(targets, torch.Tensor) and targets.dim() > 0:
+        return int(targets.shape[0])
+    if isinstance(targets, (list, tuple)) and targets:
+        return len(targets)
+    tensor = _batched_tensor(batch)
+    return 1 if tensor is None else int(tensor.shape[0])
 
 
 def length_of(data: Any) -> int | None:

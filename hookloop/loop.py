@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -91,13 +92,19 @@ class Loop:
         self._stepped = False
         self._step_observed = True
         self._epoch_completed = False
+        self._live_iterator: tuple[int, Any] | None = None  # an epoch stop() cut short
         self._table: Table | None = None
         self._generators: list[torch.Generator] = []
         self._position = Position()  # where the weights are, in data terms (see state_dict)
 
     # ------------------------------------------------------------------ control
     def stop(self, reason: str | None = None) -> None:
-        """End training at the next batch boundary; ``on_epoch_end``/``on_fit_end`` still fire."""
+        """End training at the next step boundary; ``on_epoch_end``/``on_fit_end`` still fire.
+
+        Without accumulation every batch ends a step; with ``GradAccumulation`` the current
+        window is finished first, so no gradient is thrown away. A later ``fit`` continues the
+        epoch where it stopped, with the same data order.
+        """
         self._stop_requested = True
         self.stop_reason = reason
 
@@ -229,13 +236,10 @@ class Loop:
                 except Exception as error:  # keep going: the first exception is what matters
                     exc.add_note(f"hookloop: {type(handler.__self__).__name__}.on_exception "
                                  f"also raised {error!r}")
-            try:
-                self._emit(table.on_fit_end)
-            except Exception as error:
-                exc.add_note(f"hookloop: on_fit_end also raised {error!r}")
+            self._emit_fit_end(table, exc)
             raise
         else:
-            self._emit(table.on_fit_end)
+            self._emit_fit_end(table, None)
         finally:
             if handle is not None:
                 handle.remove()
@@ -269,6 +273,7 @@ class Loop:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a position returned by `state_dict` at the next ``fit``."""
         self._position.load_state_dict(state, self.device)
+        self._live_iterator = None
         self.state.epoch, self.state.step = self._position.epoch, self._position.step
 
     # ------------------------------------------------------------------ inside
@@ -277,6 +282,31 @@ class Loop:
 
     def _steps_exhausted(self) -> bool:
         return self.state.max_steps is not None and self.state.step >= self.state.max_steps
+
+    def _emit_fit_end(self, table: Table, failure: BaseException | None) -> None:
+        """Every ``on_fit_end`` runs, even after one raised (they close files, groups...).
+
+        With ``failure`` (fit is already raising), their errors become notes on it;
+        otherwise the first error is raised once all have run. Ctrl-C stops at once.
+        """
+        first: BaseException | None = None
+        for handler in table.on_fit_end:
+            try:
+                handler(self)
+            except KeyboardInterrupt:
+                raise
+            except Exception as error:
+                annotate(error, handler)
+                if failure is not None:
+                    failure.add_note(f"hookloop: {type(handler.__self__).__name__}.on_fit_end "
+                                     f"also raised {error!r}")
+                elif first is None:
+                    first = error
+                else:
+                    first.add_note(f"hookloop: {type(handler.__self__).__name__}.on_fit_end "
+                                   f"also raised {error!r}")
+        if first is not None:
+            raise first
 
     def _emit(self, handlers: Handlers) -> None:
         for handler in handlers:
@@ -332,15 +362,30 @@ class Loop:
         assert table is not None
         self.model.train()
         state.training = True
+        live, self._live_iterator = self._live_iterator, None
         iterator, start, loss_sum, samples = self._position.start_epoch(
-            state.epoch, self.train_data, self._generators, self._accumulator)
+            state.epoch, self.train_data, self._generators, self._accumulator,
+            live=live[1] if live is not None and live[0] == state.epoch else None)
         window = self.accumulation_steps
-        last = (self.batches_per_epoch or 0) - 1
-        completed = True
-        for batch_idx, batch in enumerate(iterator, start):
-            if self._stop_requested or self._steps_exhausted():
+        total = self.batches_per_epoch
+        last = (total or 0) - 1
+        completed, boundary, batch_idx = True, True, start - 1
+        while True:
+            # A stop takes effect at a step boundary, never inside an accumulation window.
+            stopping = boundary and (self._stop_requested or self._steps_exhausted())
+            if stopping and (total is None or batch_idx + 1 < total):
+                self._live_iterator = (state.epoch, iterator)  # a later fit continues it
                 completed = False
                 break
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            if stopping:  # the data outlived its len(): keep it for a later fit
+                self._live_iterator = (state.epoch, itertools.chain([batch], iterator))
+                completed = False
+                break
+            batch_idx += 1
             batch = self._load_batch(batch, batch_idx)
             state.step_boundary = window == 1 or (batch_idx + 1) % window == 0 or batch_idx == last
             if table.on_batch_start:
@@ -369,6 +414,7 @@ class Loop:
                                       self._generators)
             if table.on_batch_end:
                 self._emit(table.on_batch_end)
+            boundary = state.step_boundary
         if completed and samples == 0 and start == 0:
             raise ConfigurationError("train_data yielded no batches in this epoch: it is empty.")
         if samples:

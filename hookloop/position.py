@@ -66,20 +66,24 @@ class Position:
         self._pending = state
 
     def start_epoch(self, epoch: int, data: Iterable[Any], generators: Sequence[torch.Generator],
-                    new_sum: Callable[[], torch.Tensor]) -> tuple[Any, int, torch.Tensor, int]:
+                    new_sum: Callable[[], torch.Tensor], live: Any = None
+                    ) -> tuple[Any, int, torch.Tensor, int]:
         """The epoch's iterator past the batches already trained on, the first batch index,
         and the training-loss sum and sample count so far.
 
         After `load_state_dict`, the generators are put back as they were when the
         interrupted run created this epoch's iterator (same data order), the trained batches
         are skipped, then the generators are put back as they were at the position (same
-        dropout and augmentation draws).
+        dropout and augmentation draws). ``live``, the iterator of an epoch that ``stop``
+        cut short in this process, is continued as it is.
         """
         skip = self.batches_done if self.epoch == epoch else 0
         if skip and self.loss_sum is not None:
             loss_sum, samples = self.loss_sum, self.samples
         else:
             loss_sum, samples = new_sum(), 0
+        if live is not None and skip and self._pending is None:
+            return live, skip, loss_sum, samples
         pending, self._pending = self._pending, None
         if pending is not None and skip and pending.get("epoch_rng") is not None:
             restore_rng(pending["epoch_rng"], generators)

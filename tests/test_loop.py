@@ -279,3 +279,105 @@ def test_nested_batches_are_moved_with_their_containers() -> None:
 def test_device_none_means_cuda_when_available_else_cpu() -> None:
     loop = Loop(MLP(), torch.optim.SGD(MLP().parameters(), lr=0.1), [])
     assert loop.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _shuffled_run(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.3), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 3))
+    loader = DataLoader(_dataset(samples=40), batch_size=4, shuffle=True,
+                        generator=torch.Generator().manual_seed(seed))
+    return model, Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                       loss_fn=F.cross_entropy, device="cpu")
+
+
+def test_a_fit_stopped_mid_epoch_continues_that_epoch_with_the_same_order() -> None:
+    reference, loop = _shuffled_run()
+    loop.fit(2)
+    model, loop = _shuffled_run()
+    assert loop.fit(2, max_steps=3).step == 3
+    assert loop.fit(2).step == 20
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(ours, theirs)
+
+
+def test_stop_inside_an_accumulation_window_finishes_the_window() -> None:
+    class Window(Callback):
+        def setup(self, loop):
+            loop.accumulation_steps = 3
+
+        def on_batch_end(self, loop):
+            seen.append(loop.state.batch_idx)
+            if loop.state.batch_idx == 0:
+                loop.stop("asked at the first micro-batch")
+
+    seen: list[int] = []
+    model, loop = _shuffled_run()
+    loop.callbacks = [Window()]
+    state = loop.fit(1)
+    assert seen == [0, 1, 2] and state.step == 1
+    assert all(p.grad is None for p in model.parameters())  # nothing left half-accumulated
+
+
+@pytest.mark.parametrize("batch,targets,size", [
+    ({"tokens": [[1, 2, 3, 4, 5, 6, 7], [1, 2], [3]], "labels": [0, 1, 1]}, [0, 1, 1], 3),
+    ({"scale": torch.tensor(2.0), "x": torch.zeros(4, 3)}, None, 4),
+    ({"meta": [torch.zeros(7)], "x": torch.zeros(5, 2)}, None, 5),
+    ((torch.zeros(6, 2), torch.zeros(6)), torch.zeros(6), 6),
+])
+def test_batch_size_comes_from_the_samples_not_from_a_nested_sequence(batch, targets, size) -> None:
+    from hookloop.data import batch_size_of
+
+    assert batch_size_of(batch, targets) == size
+
+
+def test_val_loss_of_dict_of_lists_batches_is_sample_weighted() -> None:
+    class Lengths(nn.Module):
+        """Loss of a batch = mean over its samples of (sequence length); one weight to train."""
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(()))
+
+        def forward(self, tokens, labels):
+            lengths = torch.tensor([float(len(t)) for t in tokens])
+            return {"loss": (lengths * self.weight).mean()}
+
+    val = [{"tokens": [[1] * 7, [1, 1]], "labels": [0, 1]},      # lengths 7, 2: mean 4.5
+           {"tokens": [[1], [1], [1], [1]], "labels": [0] * 4}]  # lengths 1 x 4: mean 1
+    model = Lengths()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.0), val, val_data=val,
+                device="cpu")
+    hand = (7 + 2 + 1 + 1 + 1 + 1) / 6  # every sample once
+    assert loop.validate()["val_loss"] == pytest.approx(hand)
+
+
+def test_every_on_fit_end_runs_even_when_one_raises() -> None:
+    closed = []
+
+    class Broken(Callback):
+        def on_fit_end(self, loop):
+            raise OSError("disk full")
+
+    class Closer(Callback):
+        def on_fit_end(self, loop):
+            closed.append(True)
+
+    model = MLP()
+    data = [(torch.randn(4, 6), torch.randint(0, 3, (4,)))]
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.cross_entropy,
+                callbacks=[Broken(), Closer()], device="cpu")
+    with pytest.raises(OSError, match="disk full") as info:
+        loop.fit(1)
+    assert closed == [True]
+    assert "Broken at event on_fit_end" in "\n".join(info.value.__notes__)
+
+    class Failing(Callback):
+        def on_batch_end(self, loop):
+            raise RuntimeError("mid-batch")
+
+    loop.callbacks = [Failing(), Broken(), Closer()]
+    with pytest.raises(RuntimeError, match="mid-batch") as info:
+        loop.fit(2)
+    assert closed == [True, True]
+    assert "on_fit_end also raised OSError('disk full')" in "\n".join(info.value.__notes__)
