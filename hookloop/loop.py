@@ -246,12 +246,19 @@ class Loop:
         return state
 
     def validate(self) -> dict[str, float]:
-        """Run the validation pass alone, with its events; return the ``val_*`` metrics."""
+        """Run the validation pass alone, with its events; return the ``val_*`` metrics.
+
+        The model's train/eval mode is restored afterwards.
+        """
         if self.val_data is None:
             raise ConfigurationError("validate() needs validation data: Loop(..., val_data=loader).")
         check_callbacks(self.callbacks, self)
         self._setup()
-        self._validate_pass()
+        was_training = self.model.training
+        try:
+            self._validate_pass()
+        finally:
+            self.model.train(was_training)  # a check in the middle of work changes nothing
         return {key: value for key, value in self.state.metrics.items() if key.startswith("val_")}
 
     def describe(self) -> str:

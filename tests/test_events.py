@@ -250,3 +250,13 @@ def test_an_optimizer_without_step_hooks_still_counts_its_steps() -> None:
                 callbacks=[recorder], device="cpu")
     assert loop.fit(5, max_steps=4).step == 4
     assert [event[0] for event in recorder.events].count("after_step") == 4
+
+
+def test_validate_alone_restores_the_model_mode() -> None:
+    loop = _loop(Recorder())
+    loop.model.train()
+    loop.validate()
+    assert loop.model.training
+    loop.model.eval()
+    loop.validate()
+    assert not loop.model.training
