@@ -42,11 +42,15 @@ class LRScheduler(Callback):
     * ``interval="step"``: ``scheduler.step()`` in ``after_step``, which fires only for real
       optimizer steps: never inside an accumulation window, never for a step the
       GradScaler skipped or a callback cancelled.
-    * ``interval="epoch"``: ``scheduler.step()`` at every ``on_epoch_end``.
+    * ``interval="epoch"``: ``scheduler.step()`` at the ``on_epoch_end`` of every epoch
+      that ran through all the data (``loop.epoch_completed``). An epoch cut short by
+      ``loop.stop()`` does not step it: a later ``fit`` or a resume trains that epoch
+      again, and the scheduler steps then, once.
     * ``ReduceLROnPlateau`` needs ``monitor`` and steps with ``loop.state.metrics[monitor]``
-      at ``on_validation_end`` of each fit epoch (at ``on_epoch_end`` for a loop without
-      validation data); ``interval`` does not apply. ``monitors()`` declares the metric,
-      so the stack check requires its producer to come first.
+      at ``on_validation_end`` of each fit epoch (at ``on_epoch_end`` of each complete
+      epoch for a loop without validation data); ``interval`` does not apply.
+      ``monitors()`` declares the metric, so the stack check requires its producer to
+      come first.
 
     Args:
         scheduler: A torch scheduler, or ``fn(optimizer, total_steps)`` returning one
@@ -225,6 +229,8 @@ class LRScheduler(Callback):
             self._scheduler.step(self._metric(loop))
 
     def on_epoch_end(self, loop: Loop) -> None:
+        if not loop.epoch_completed:  # cut short by stop(): the epoch is done again later
+            return
         if self.is_plateau:
             if loop.val_data is None and self.monitor in loop.state.metrics:
                 self._scheduler.step(self._metric(loop))

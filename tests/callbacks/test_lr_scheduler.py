@@ -341,3 +341,79 @@ def test_an_epoch_interval_fixed_length_scheduler_is_checked_in_epochs() -> None
     assert log.batches == 0
     loop, _ = one_cycle_loop(total_steps=2, interval="epoch")
     assert loop.fit(2).epoch == 1
+
+
+# ------------------------------------------------- an epoch cut short by loop.stop()
+class StopOnce(Callback):
+    """Calls loop.stop() once, after batch 1 of epoch 1, and keeps the state at that epoch end."""
+
+    def __init__(self, scheduler_callback: LRScheduler) -> None:
+        self.scheduler_callback = scheduler_callback
+        self.done = False
+        self.saved: dict[str, object] | None = None
+
+    def on_batch_end(self, loop: Loop) -> None:
+        if not self.done and loop.state.epoch == 1 and loop.state.batch_idx == 1:
+            self.done = True
+            loop.stop("test")
+
+    def on_epoch_end(self, loop: Loop) -> None:  # runs after LRScheduler: a checkpoint here
+        if self.done and self.saved is None:
+            self.saved = {"loop": loop.state_dict(),
+                          "model": {k: v.clone() for k, v in loop.model.state_dict().items()},
+                          "optimizer": loop.optimizer.state_dict(),
+                          "scheduler": self.scheduler_callback.state_dict()}
+
+
+@pytest.mark.parametrize("how", ["fit_again", "resume"])
+def test_an_epoch_cut_short_by_stop_does_not_step_an_epoch_scheduler(how: str) -> None:
+    data, epochs = make_data(4), 3
+    model = make_model()  # the hand loop: 3 whole epochs, one scheduler step after each
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    for _ in range(epochs):
+        for inputs, labels in data:
+            F.mse_loss(model(inputs), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        scheduler.step()
+
+    hook_model = make_model()
+    hook_optimizer = torch.optim.SGD(hook_model.parameters(), lr=0.1)
+    callback = LRScheduler(lr_scheduler.StepLR(hook_optimizer, step_size=1, gamma=0.5),
+                           interval="epoch")
+    stopper = StopOnce(callback)
+    loop = Loop(hook_model, hook_optimizer, data, loss_fn=F.mse_loss, device="cpu",
+                callbacks=[callback, stopper])
+    loop.fit(epochs)  # stopped in epoch 1 after batch 1: one whole epoch done
+    assert loop.stop_requested and callback.scheduler.last_epoch == 1
+    if how == "resume":  # a fresh process restoring what was saved at that on_epoch_end
+        saved = stopper.saved
+        assert saved is not None
+        hook_model = make_model()
+        hook_model.load_state_dict(saved["model"])
+        hook_optimizer = torch.optim.SGD(hook_model.parameters(), lr=0.1)
+        hook_optimizer.load_state_dict(saved["optimizer"])
+        callback = LRScheduler(lr_scheduler.StepLR(hook_optimizer, step_size=1, gamma=0.5),
+                               interval="epoch")
+        callback.load_state_dict(saved["scheduler"])
+        loop = Loop(hook_model, hook_optimizer, data, loss_fn=F.mse_loss, device="cpu",
+                    callbacks=[callback])
+        loop.load_state_dict(saved["loop"])
+    loop.fit(epochs)
+    assert callback.scheduler.last_epoch == epochs == scheduler.last_epoch
+    assert hook_optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** epochs)
+    assert_same_weights(hook_model, model)
+
+
+def test_an_epoch_cut_short_by_stop_does_not_step_a_plateau_without_validation() -> None:
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    callback = LRScheduler(lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=0),
+                           monitor="train_loss")
+    loop = Loop(model, optimizer, make_data(4), loss_fn=F.mse_loss, device="cpu",
+                callbacks=[callback, StopOnce(callback)])
+    loop.fit(3)
+    assert callback.scheduler.last_epoch == 1  # epoch 0 only; epoch 1 was cut short
+    loop.fit(3)
+    assert callback.scheduler.last_epoch == 3  # one step per whole epoch, 3 epochs
