@@ -36,7 +36,9 @@ class AMP(Callback):
 
     If a callback cancels the step (``loop.cancel_step()``) after AMP unscaled the
     gradients, AMP still calls ``scaler.update()`` (at ``on_batch_end``), so the next
-    ``unscale_`` does not fail with "unscale_() has already been called".
+    ``unscale_`` does not fail with "unscale_() has already been called". Likewise, if
+    ``optimizer.step`` raises (Ctrl-C during the step), the owed ``scaler.update()`` is
+    made at ``on_fit_end``, so a later ``fit`` of the same loop works.
 
     Fused or capturable optimizers (``Adam(fused=True)``...) normally receive the inf flag
     from GradScaler and skip the update inside their kernel, but their ``step`` is still
@@ -184,7 +186,6 @@ class AMP(Callback):
         if scaler is None:
             optimizer.step()
             return
-        self._unscaled = False
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # Fused/capturable optimizers would be stepped even for an inf step (their
             # kernel skips it on the device), and the loop would count that step. The
@@ -202,6 +203,8 @@ class AMP(Callback):
         else:
             scaler.step(optimizer)
         scaler.update()
+        # Only now is the unscale_ paired: if step raised (Ctrl-C), on_fit_end updates.
+        self._unscaled = False
         if not loop.optimizer_stepped:  # the loop's step hook saw no optimizer.step
             self.skipped_steps += 1
 

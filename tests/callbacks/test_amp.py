@@ -329,3 +329,48 @@ def test_another_loop_gets_a_fresh_scaler() -> None:
              loss_fn=F.mse_loss, device="cpu", callbacks=[amp]).fit(1)
         scales.append(amp.scaler.get_scale())
     assert scales == [1024.0, 1024.0]  # 256 doubled twice, in each loop
+
+
+def test_an_exception_inside_optimizer_step_still_pairs_the_scaler_update() -> None:
+    class InterruptedOnce(torch.optim.SGD):
+        armed = False
+
+        def step(self, closure=None):  # noqa: ANN001, ANN202
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt  # Ctrl-C while the optimizer steps
+            return super().step(closure)
+
+    data = make_data(4)
+    model = make_model()  # the hand loop: 4 float16 steps through a GradScaler
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for inputs, targets in data:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(model(inputs), targets)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+    class ArmAt1(Callback):
+        done = False
+
+        def before_step(self, loop: Loop) -> None:
+            if not self.done and loop.state.batch_idx == 1:
+                self.done = loop.optimizer.armed = True
+
+    hook_model = make_model()
+    hook_optimizer = InterruptedOnce(hook_model.parameters(), lr=0.1)
+    amp = AMP(torch.float16, scaler={"init_scale": 1024.0})
+    loop = Loop(hook_model, hook_optimizer, data, loss_fn=F.mse_loss, device="cpu",
+                callbacks=[amp, ArmAt1()])
+    with pytest.raises(KeyboardInterrupt):
+        loop.fit(1)
+    assert loop.state.step == 1
+    state = loop.fit(1)  # resumes at batch 1; failed with "unscale_() has already been called"
+    assert state.step == 4 and amp.skipped_steps == 0
+    assert amp.scaler.get_scale() == scaler.get_scale() == 1024.0
+    for p, q in zip(hook_model.parameters(), model.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
