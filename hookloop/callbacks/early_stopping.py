@@ -33,7 +33,8 @@ class EarlyStopping(Callback):
     rank makes the same decision and all ranks leave the loop together. A NaN value never
     improves. ``best``, ``wait`` and ``best_epoch`` are checkpointed; they carry over to
     a later ``fit`` of the same loop and start afresh in a new loop. An epoch cut short by
-    ``loop.stop()`` (no validation ran) is not counted.
+    ``loop.stop()`` (``loop.epoch_completed`` is False: no validation ran) is not counted,
+    even when the monitored metric (``train_loss``) was written for its partial pass.
 
     Args:
         monitor: The metric to watch, e.g. ``"val_loss"`` or ``"val_acc"`` (must be produced
@@ -118,9 +119,9 @@ class EarlyStopping(Callback):
         self._loop = loop
 
     def on_epoch_end(self, loop: Loop) -> None:
+        if not loop.epoch_completed:
+            return  # an epoch cut short by stop(): a partial value, nothing to compare
         metrics = loop.state.metrics
-        if self.monitor not in metrics and loop.stop_requested:
-            return  # an epoch cut short: no validation ran, nothing to compare
         value = metrics.get(self.monitor)
         if value is None:
             raise ConfigurationError(

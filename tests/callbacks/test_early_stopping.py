@@ -138,3 +138,55 @@ def test_monitoring_train_loss_without_validation() -> None:
 def test_bad_arguments(kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigurationError):
         EarlyStopping(**kwargs)  # type: ignore[arg-type]
+
+
+class EveryEpochEnd(Callback):
+    """Writes the next scripted value at every on_epoch_end, a cut-short epoch's too."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.values = list(values)
+
+    def produces(self, loop: Loop) -> list[str]:
+        return ["score"]
+
+    def on_epoch_end(self, loop: Loop) -> None:
+        loop.state.metrics["score"] = self.values.pop(0)
+
+
+class StopInEpoch(Callback):
+    def __init__(self, epoch: int) -> None:
+        self.epoch, self.done = epoch, False
+
+    def on_batch_end(self, loop: Loop) -> None:
+        if not self.done and loop.state.epoch == self.epoch and loop.state.batch_idx == 0:
+            self.done = True
+            loop.stop("test")
+
+
+def test_an_epoch_cut_short_by_stop_is_not_counted_even_with_the_metric_present() -> None:
+    whole = [1.0, 0.9, 0.95, 0.97, 0.99]  # the values of the whole epochs 0..4
+    decoy = 0.1  # written at the end of epoch 2, cut short: it must not become the best
+    stopper = EarlyStopping("score", patience=3)
+    model = nn.Linear(2, 1)
+    data = [(torch.randn(3, 2), torch.randn(3, 1)) for _ in range(3)]
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.01), data,
+                loss_fn=nn.functional.mse_loss, device="cpu",
+                callbacks=[EveryEpochEnd(whole[:2] + [decoy] + whole[2:]), StopInEpoch(2),
+                           stopper])
+    loop.fit(10)
+    assert loop.state.epoch == 2 and (stopper.best, stopper.wait) == (0.9, 0)
+    loop.fit(10)  # continues epoch 2, then 3 and 4
+    epochs, best, wait = seed_patience_loop(whole, patience=3)
+    assert (epochs, best, wait) == (5, 0.9, 3)
+    assert loop.state.epoch + 1 == epochs
+    assert (stopper.best, stopper.wait, stopper.best_epoch) == (best, wait, 1)
+
+
+def test_a_train_loss_of_a_cut_short_first_epoch_is_not_counted() -> None:
+    stopper = EarlyStopping("train_loss", patience=3)
+    model = nn.Linear(2, 1)
+    data = [(torch.randn(3, 2), torch.randn(3, 1)) for _ in range(3)]
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.01), data,
+         loss_fn=nn.functional.mse_loss, device="cpu",
+         callbacks=[StopInEpoch(0), stopper]).fit(3)
+    assert (stopper.best, stopper.wait, stopper.best_epoch) == (math.inf, 0, -1)
