@@ -220,17 +220,6 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
     return payload
 
 
-def _gather(obj: Any) -> list[Any]:
-    """``obj`` from every rank, in rank order (a collective: every rank must call it)."""
-    if distributed.world_size() == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    gathered: list[Any] = [None] * distributed.world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
 def _finite(weights: Mapping[str, Any]) -> bool:
     checks = [torch.isfinite(value).all() for value in weights.values()
               if isinstance(value, torch.Tensor) and value.is_floating_point()]
@@ -528,7 +517,7 @@ class Checkpoint(Callback):
         # The epoch's loss sums so far are each rank's own, like its random generators.
         sums = {name: position[name] for name in _RANK_SUMS}
         if collective:
-            gathered = _gather({"rng": rng, "sums": sums})
+            gathered = distributed.all_gather_object({"rng": rng, "sums": sums})
             rank_rng = [entry["rng"] for entry in gathered]
             rank_sums: list[dict[str, Any]] | None = [entry["sums"] for entry in gathered]
         else:
