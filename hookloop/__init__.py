@@ -13,7 +13,7 @@ from hookloop.errors import CallbackOrderError, CheckpointError, ConfigurationEr
 from hookloop.events import Event
 from hookloop.loop import Loop
 from hookloop.state import LoopState
-from hookloop.callbacks.checkpoint import load_checkpoint
+from hookloop.storage import load_checkpoint
 
 __version__ = "0.1.0"
 

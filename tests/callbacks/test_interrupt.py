@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hookloop import Callback, Loop
 from hookloop.callbacks import Checkpoint
-from hookloop.callbacks import checkpoint as checkpoint_module
+from hookloop import storage
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -103,7 +103,7 @@ def test_second_ctrl_c_during_the_save_aborts_at_once(tmp_path: Path,
 
         def on_batch_start(self, loop: Loop) -> None:
             if (loop.state.epoch, loop.state.batch_idx) == (1, 2):
-                monkeypatch.setattr(checkpoint_module.torch, "save", interrupted_save)
+                monkeypatch.setattr(storage.torch, "save", interrupted_save)
 
     loop.callbacks.insert(1, ArmSecondInterrupt())
     started = time.perf_counter()
@@ -173,7 +173,7 @@ def check_directory(directory: Path) -> int:
             continue
         payload = torch.load(path, weights_only=True)
         assert payload["hookloop"]["kind"] == "resume", path
-        checkpoint_module._read(path, "cpu")
+        storage.read_payload(path, "cpu")
     return temporary
 
 
