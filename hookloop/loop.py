@@ -13,7 +13,7 @@ from torch import nn
 from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.data import batch_size_of, find_targets, length_of, move_to_device
-from hookloop.dispatch import Handlers, Table, annotate, entered
+from hookloop.dispatch import Handlers, Table, Wrapper, annotate, entered
 from hookloop.errors import ConfigurationError
 from hookloop.forward import check_loss, compute
 from hookloop.ordering import check_callbacks, overrides
@@ -94,6 +94,10 @@ class Loop:
         self._epoch_completed = False
         self._live_iterator: tuple[int, Any] | None = None  # an epoch stop() cut short
         self._table: Table | None = None
+        #: ``fn(callback, event, method) -> callable`` wrapping every dispatched method
+        #: (set by a profiler or tracer in its ``setup``); None dispatches the methods as they are.
+        self.handler_wrapper: Wrapper | None = None
+        self._fitting = False
         self._generators: list[torch.Generator] = []
         self._position = Position()  # where the weights are, in data terms (see state_dict)
 
@@ -130,6 +134,11 @@ class Loop:
         act once per epoch (epoch schedulers, early stopping) skip such an epoch.
         """
         return self._epoch_completed
+
+    @property
+    def fitting(self) -> bool:
+        """True inside `fit` (from ``setup`` to ``on_fit_end``); False in `validate` alone."""
+        return self._fitting
 
     @property
     def optimizer_stepped(self) -> bool:
@@ -208,6 +217,7 @@ class Loop:
         hook = getattr(self.optimizer, "register_step_post_hook", None)
         handle = hook(self._mark_stepped) if hook is not None else None
         self._step_observed = handle is not None
+        self._fitting = True
         try:
             self._setup()
             table = self._table
@@ -226,6 +236,8 @@ class Loop:
                 if completed:
                     self._position.record(epoch + 1, 0, state.step, None, 0, self._generators)
                 self._emit(table.on_epoch_end)
+                if completed and self.val_data is None:
+                    self._record_history()
                 epoch += 1
         except BaseException as exc:
             for handler in table.on_exception:
@@ -234,13 +246,14 @@ class Loop:
                 except KeyboardInterrupt:
                     raise  # a second Ctrl-C while handling the first: stop at once
                 except Exception as error:  # keep going: the first exception is what matters
-                    exc.add_note(f"hookloop: {type(handler.__self__).__name__}.on_exception "
+                    exc.add_note(f"hookloop: {type(getattr(handler, '__self__', None)).__name__}.on_exception "
                                  f"also raised {error!r}")
             self._emit_fit_end(table, exc)
             raise
         else:
             self._emit_fit_end(table, None)
         finally:
+            self._fitting = False
             if handle is not None:
                 handle.remove()
         return state
@@ -284,6 +297,10 @@ class Loop:
         self.state.epoch, self.state.step = self._position.epoch, self._position.step
 
     # ------------------------------------------------------------------ inside
+    def _record_history(self) -> None:
+        state = self.state
+        state.history.append({"epoch": state.epoch, "step": state.step, **state.metrics})
+
     def _mark_stepped(self, *_: Any) -> None:
         self._stepped = True
 
@@ -305,12 +322,12 @@ class Loop:
             except Exception as error:
                 annotate(error, handler)
                 if failure is not None:
-                    failure.add_note(f"hookloop: {type(handler.__self__).__name__}.on_fit_end "
+                    failure.add_note(f"hookloop: {type(getattr(handler, '__self__', None)).__name__}.on_fit_end "
                                      f"also raised {error!r}")
                 elif first is None:
                     first = error
                 else:
-                    first.add_note(f"hookloop: {type(handler.__self__).__name__}.on_fit_end "
+                    first.add_note(f"hookloop: {type(getattr(handler, '__self__', None)).__name__}.on_fit_end "
                                    f"also raised {error!r}")
         if first is not None:
             raise first
@@ -347,7 +364,7 @@ class Loop:
         self.model.to(self.device)
         main = distributed.is_main()
         active = [c for c in self.callbacks if main or not c.rank_zero_only]
-        self._table = Table(active)
+        self._table = Table(active, self.handler_wrapper)
         self._generators = loader_generators(self.train_data)
 
     def _load_batch(self, batch: Any, batch_idx: int) -> Any:
@@ -482,3 +499,5 @@ class Loop:
                 raise ConfigurationError("val_data yielded no batches: it is empty.")
             state.metrics["val_loss"] = total_loss / total_samples
             self._emit(table.on_validation_end)
+        if self._fitting:
+            self._record_history()

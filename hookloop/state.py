@@ -33,6 +33,9 @@ class LoopState:
             (always True without gradient accumulation).
         epochs: Total number of epochs of the current ``fit``.
         max_steps: Step budget of the current ``fit``, or None.
+        history: The metrics of the whole run, one row per validation (and one per epoch
+            that ended without one): ``{"epoch": 0-based epoch, "step": global step,
+            **metrics}``. Restored on resume, so it survives a kill and a relaunch.
     """
 
     epoch: int = 0
@@ -49,6 +52,7 @@ class LoopState:
     step_boundary: bool = True
     epochs: int = 0
     max_steps: int | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
 
     def __repr__(self) -> str:
         # Counters and metrics only: the batch and outputs would flood a terminal.
