@@ -13,7 +13,7 @@ from hookloop.errors import ConfigurationError
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["compute", "check_loss"]
+__all__ = ["compute", "check_loss", "predict_outputs", "concatenate"]
 
 
 def compute(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
@@ -58,18 +58,72 @@ def compute(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
         "loss_fn=fn(outputs, targets); or mapping batches with a model returning a 'loss'.")
 
 
-def check_loss(loss: Any, training: bool) -> None:
+def check_loss(loss: Any, training: bool, replaced: bool = False) -> None:
     """Raise unless ``loss`` is a scalar tensor (that requires grad, in training).
 
-    Reads only metadata (type, shape, requires_grad): no device sync.
+    Reads only metadata (type, shape, requires_grad): no device sync. ``replaced``: the
+    loss is one a callback put in ``loop.state.loss`` in ``after_forward``.
     """
+    what = "The loss a callback put in loop.state.loss in after_forward" if replaced else "The loss"
     if not isinstance(loss, torch.Tensor):
-        raise ConfigurationError(f"The loss must be a scalar tensor, got {type(loss).__name__}.")
+        raise ConfigurationError(f"{what} must be a scalar tensor, got {type(loss).__name__}.")
     if loss.dim() != 0:
         raise ConfigurationError(
-            f"The loss must be a scalar tensor, but it has shape {tuple(loss.shape)}. "
+            f"{what} must be a scalar tensor, but it has shape {tuple(loss.shape)}. "
             "Reduce it (loss.mean()) or use a loss function with reduction='mean'.")
     if training and not loss.requires_grad:
         raise ConfigurationError(
-            "The loss does not require grad, so backward cannot run: it was detached, "
+            f"{what} does not require grad, so backward cannot run: it was detached, "
             "computed under torch.no_grad(), or no trainable parameter took part in it.")
+
+
+def predict_outputs(loop: Loop, batch: Any) -> Any:
+    """What the model returns for ``batch``, without needing targets or a loss.
+
+    ``forward(loop, batch)`` when given (its outputs); the inputs of a pair (or the first
+    item of any tuple or list); ``model(**batch)`` for a mapping; ``model(batch)`` otherwise.
+    """
+    if loop.forward is not None:
+        result = loop.forward(loop, batch)
+        return result[0] if isinstance(result, tuple) and len(result) == 2 else result
+    if isinstance(batch, Mapping):
+        return loop.model(**batch)
+    if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields") and batch:
+        return loop.model(batch[0])
+    return loop.model(batch)
+
+
+def concatenate(outputs: list[Any]) -> Any:
+    """Per-batch outputs joined along the batch dimension where they are tensors.
+
+    Tensors (with a batch dimension) are concatenated, also inside tuples, lists and
+    mappings of the same structure in every batch; anything else stays a list of batches.
+
+    Example:
+        >>> concatenate([torch.zeros(2, 3), torch.ones(1, 3)]).shape
+        torch.Size([3, 3])
+        >>> {k: v.shape for k, v in concatenate([{"logits": torch.zeros(2, 4)}] * 2).items()}
+        {'logits': torch.Size([4, 4])}
+    """
+    if not outputs:
+        return []
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        if all(isinstance(item, torch.Tensor) and item.dim() > 0
+               and item.shape[1:] == first.shape[1:] for item in outputs):
+            return torch.cat(outputs)
+        return outputs
+    if isinstance(first, Mapping) and all(isinstance(item, Mapping) and item.keys() == first.keys()
+                                          for item in outputs):
+        joined = {key: concatenate([item[key] for item in outputs]) for key in first}
+        try:
+            return type(first)(joined) if type(first) is not dict else joined
+        except TypeError:
+            return joined
+    if isinstance(first, (tuple, list)) and all(
+            isinstance(item, type(first)) and len(item) == len(first) for item in outputs):
+        columns = [concatenate([item[index] for item in outputs]) for index in range(len(first))]
+        if hasattr(first, "_fields"):
+            return type(first)(*columns)
+        return type(first)(columns)
+    return outputs

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -14,14 +16,26 @@ from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.data import batch_size_of, find_targets, length_of, move_to_device
 from hookloop.dispatch import Handlers, Table, Wrapper, annotate, entered
-from hookloop.errors import ConfigurationError
-from hookloop.forward import check_loss, compute
+from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.forward import check_loss, compute, concatenate, predict_outputs
+from hookloop.modules import unwrap
 from hookloop.ordering import check_callbacks, overrides
-from hookloop.position import Position
-from hookloop.rng import loader_generators
+from hookloop.position import Position, RunPosition
+from hookloop.rng import capture_rng, loader_generators, restore_rng
 from hookloop.state import LoopState
+from hookloop.storage import find_unplain, load_model_weights, load_optimizer_state
 
-__all__ = ["Loop"]
+__all__ = ["Loop", "default_device"]
+
+
+def default_device() -> torch.device:
+    """CUDA when available, else Apple's MPS when available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
 
 
 class Loop:
@@ -35,7 +49,17 @@ class Loop:
         loss_fn: ``fn(outputs, targets) -> scalar`` for ``(inputs, targets)`` batches.
         forward: ``fn(loop, batch) -> (outputs, loss)``; replaces the built-in rules.
         callbacks: Callbacks in execution order (the order of the list, at every event).
-        device: Where to train; None means CUDA when available, else CPU.
+        device: Where to train; None means CUDA when available, else Apple's MPS when
+            available, else CPU.
+        val_every_n_epochs: Validate at the end of every n-th epoch (counted from the start
+            of the run, so a resumed run keeps the cadence); None: never at epoch ends.
+        val_every_n_steps: Also validate after every n-th optimizer step (``state.step``),
+            for long epochs and streaming data; an epoch end right after such a validation
+            does not validate again. None: not by steps.
+        sanity_val_batches: Before training, run this many validation batches through the
+            validation events, so a metric of the wrong shape or a missing target fails in
+            seconds, not after an epoch. It changes no state, metric or random stream; 0 turns
+            it off.
 
     How the loss is computed, first rule that applies: ``forward`` if given; a pair batch
     with ``loss_fn``: ``loss_fn(model(inputs), targets)``; a mapping batch:
@@ -63,6 +87,9 @@ class Loop:
         forward: Callable[[Loop, Any], tuple[Any, torch.Tensor]] | None = None,
         callbacks: Iterable[Callback] = (),
         device: torch.device | str | None = None,
+        val_every_n_epochs: int | None = 1,
+        val_every_n_steps: int | None = None,
+        sanity_val_batches: int = 2,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -80,9 +107,20 @@ class Loop:
         self.loss_fn = loss_fn
         self.forward = forward
         self.callbacks: list[Callback] = list(callbacks)
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        for label, value in (("val_every_n_epochs", val_every_n_epochs),
+                             ("val_every_n_steps", val_every_n_steps)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ConfigurationError(f"{label} must be an int >= 1 or None, got {value!r}.")
+        if isinstance(sanity_val_batches, bool) or not isinstance(sanity_val_batches, int) \
+                or sanity_val_batches < 0:
+            raise ConfigurationError(
+                f"sanity_val_batches must be an int >= 0 (0 turns the check off), got "
+                f"{sanity_val_batches!r}.")
+        self.val_every_n_epochs = val_every_n_epochs
+        self.val_every_n_steps = val_every_n_steps
+        self.sanity_val_batches = sanity_val_batches
+        self.device = torch.device(device if device is not None else default_device())
         self.state = LoopState()
         #: Micro-batches per optimizer step; set by ``GradAccumulation`` in ``setup``.
         self.accumulation_steps = 1
@@ -98,16 +136,22 @@ class Loop:
         #: (set by a profiler or tracer in its ``setup``); None dispatches the methods as they are.
         self.handler_wrapper: Wrapper | None = None
         self._fitting = False
+        self._sanity_checking = False
+        self._validated_step = -1
         self._generators: list[torch.Generator] = []
         self._position = Position()  # where the weights are, in data terms (see state_dict)
+        self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
+        self._restored_end: Mapping[str, Any] | None = None  # why the restored run ended
 
     # ------------------------------------------------------------------ control
     def stop(self, reason: str | None = None) -> None:
         """End training at the next step boundary; ``on_epoch_end``/``on_fit_end`` still fire.
 
         Without accumulation every batch ends a step; with ``GradAccumulation`` the current
-        window is finished first, so no gradient is thrown away. A later ``fit`` continues the
-        epoch where it stopped, with the same data order.
+        window is finished first, so no gradient is thrown away. A later ``fit`` of this loop
+        continues the epoch where it stopped, with the same data order. The run is recorded
+        as ended by ``reason``: relaunched from a checkpoint with the same ``epochs``, it
+        trains nothing and says why.
         """
         self._stop_requested = True
         self.stop_reason = reason
@@ -130,8 +174,8 @@ class Loop:
     def epoch_completed(self) -> bool:
         """In ``on_epoch_end``: True when the training pass ran through all the data.
 
-        False for an epoch that `stop` cut short (no validation ran in it): callbacks that
-        act once per epoch (epoch schedulers, early stopping) skip such an epoch.
+        False for an epoch that `stop` cut short: callbacks that act once per epoch (epoch
+        schedulers) skip such an epoch.
         """
         return self._epoch_completed
 
@@ -139,6 +183,15 @@ class Loop:
     def fitting(self) -> bool:
         """True inside `fit` (from ``setup`` to ``on_fit_end``); False in `validate` alone."""
         return self._fitting
+
+    @property
+    def sanity_checking(self) -> bool:
+        """True during the short validation before training (``sanity_val_batches``).
+
+        Callbacks that decide on metrics (best checkpoint, early stopping, plateau
+        schedules, loggers) ignore that pass; its metrics are discarded.
+        """
+        return self._sanity_checking
 
     @property
     def optimizer_stepped(self) -> bool:
@@ -149,25 +202,27 @@ class Loop:
         """
         return self._stepped
 
-    def enable_resume_snapshots(self) -> None:
-        """Record RNG states at every step boundary so `state_dict` can resume exactly.
+    @property
+    def position(self) -> RunPosition:
+        """Where the weights are: ``(epoch, batch_idx, step)`` of the last step boundary.
 
-        Called by ``Checkpoint``; costs a few microseconds per optimizer step.
+        ``batch_idx`` batches of ``epoch`` were trained on; a checkpoint resumes here.
         """
-        self._position.snapshots = True
+        return self._position.public
+
+    def enable_resume_snapshots(self) -> None:
+        """Also record Python's and NumPy's generators at every step boundary.
+
+        Torch's generators are always recorded; ``Checkpoint`` calls this so that a resumed
+        run draws exactly what an uninterrupted one would (about 30 microseconds per step).
+        """
+        self._position.full_snapshots = True
 
     # ----------------------------------------------------------------- geometry
     @property
     def unwrapped_model(self) -> nn.Module:
         """The model without DDP/DataParallel or ``torch.compile`` wrappers."""
-        model = self.model
-        while True:
-            if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-                model = model.module
-            elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-                model = model._orig_mod
-            else:
-                return model
+        return unwrap(self.model)
 
     @property
     def batches_per_epoch(self) -> int | None:
@@ -193,12 +248,17 @@ class Loop:
     def fit(self, epochs: int, *, max_steps: int | None = None) -> LoopState:
         """Train until ``epochs`` epochs are done in all (a resumed run does what is left).
 
+        A restore asked for with `load_state_dict` (``Checkpoint(resume=...)`` asks for one)
+        is applied after every ``setup`` and before ``on_fit_start``. After an exception
+        (Ctrl-C in a notebook, a failed save), calling ``fit`` again continues from the last
+        step boundary with the same data order, as an uninterrupted run would have.
+
         Args:
             epochs: Total number of epochs of the run.
             max_steps: Optionally stop after this many optimizer steps in all.
 
         Returns:
-            The loop's final `LoopState`.
+            The loop's final `LoopState` (``history`` holds every validation's metrics).
 
         Raises:
             ConfigurationError: bad input, before the first batch where it can be seen then.
@@ -206,12 +266,15 @@ class Loop:
         """
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ConfigurationError(f"epochs must be a non-negative int, got {epochs!r}.")
-        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)
+                                      or max_steps < 1):
             raise ConfigurationError(f"max_steps must be a positive int or None, got {max_steps!r}.")
         check_callbacks(self.callbacks, self)  # a stack that cannot work: nothing ran yet
+        self._bind_callbacks()
         state = self.state
         state.epochs, state.max_steps = epochs, max_steps
         self._stop_requested, self.stop_reason = False, None
+        self._validated_step = -1
         # Until setup has run (DDP may create the process group), every callback listens.
         table = Table(self.callbacks)
         hook = getattr(self.optimizer, "register_step_post_hook", None)
@@ -223,7 +286,15 @@ class Loop:
             table = self._table
             assert table is not None
             self.optimizer.zero_grad(set_to_none=True)
+            idle = self._nothing_to_train(epochs, max_steps)
+            if idle is not None:
+                self.stop(idle)
+                if distributed.is_main():
+                    print(f"hookloop: {idle}", flush=True)
             self._emit(table.on_fit_start)
+            self._check_callback_states()
+            if idle is None:
+                self._sanity_check()
             epoch = self._position.epoch
             while epoch < epochs and not self._stop_requested and not self._steps_exhausted():
                 state.epoch = epoch
@@ -231,23 +302,26 @@ class Loop:
                 self._epoch_completed = False
                 self._emit(table.on_epoch_start)
                 self._epoch_completed = completed = self._train_epoch()
-                if completed and self.val_data is not None:
-                    self._validate_pass()
+                validated = completed and self._validation_due(epoch) and \
+                    self._validated_step != state.step
+                if validated:
+                    self._validate_pass(self.val_data, "val")
                 if completed:
                     self._position.record(epoch + 1, 0, state.step, None, 0, self._generators)
                 self._emit(table.on_epoch_end)
-                if completed and self.val_data is None:
+                if completed and not validated:
                     self._record_history()
                 epoch += 1
         except BaseException as exc:
+            self._position.rewind()  # a later fit continues from the last step boundary
+            self._live_iterator = None
             for handler in table.on_exception:
                 try:
                     handler(self, exc)
                 except KeyboardInterrupt:
                     raise  # a second Ctrl-C while handling the first: stop at once
                 except Exception as error:  # keep going: the first exception is what matters
-                    exc.add_note(f"hookloop: {type(getattr(handler, '__self__', None)).__name__}.on_exception "
-                                 f"also raised {error!r}")
+                    exc.add_note(f"hookloop: {_owner(handler)}.on_exception also raised {error!r}")
             self._emit_fit_end(table, exc)
             raise
         else:
@@ -256,6 +330,8 @@ class Loop:
             self._fitting = False
             if handle is not None:
                 handle.remove()
+            # Device memory of the last batch is not kept alive by the returned state.
+            state.batch = state.outputs = state.loss = state.targets = None
         return state
 
     def validate(self) -> dict[str, float]:
@@ -265,14 +341,86 @@ class Loop:
         """
         if self.val_data is None:
             raise ConfigurationError("validate() needs validation data: Loop(..., val_data=loader).")
-        check_callbacks(self.callbacks, self)
-        self._setup()
+        return self.evaluate(self.val_data, prefix="val")
+
+    def evaluate(self, data: Iterable[Any], *, prefix: str = "test") -> dict[str, float]:
+        """A validation pass over ``data``: ``{prefix}_loss`` and every metric under ``prefix``.
+
+        Runs the validation events and contexts (autocast with ``AMP``, the EMA weights with
+        ``EMA``), without gradients, in eval mode (the model's mode is restored after).
+        Values are reduced across ranks under DDP. They are also written into
+        ``loop.state.metrics``.
+
+        Args:
+            data: Batches of the same kind as the training data.
+            prefix: The metric prefix: ``"test"`` gives ``test_loss``, ``test_acc``...
+
+        Returns:
+            The metrics of this pass, as floats.
+
+        Example:
+            >>> import torch
+            >>> from hookloop import Loop
+            >>> model = torch.nn.Linear(3, 1)
+            >>> data = [(torch.randn(4, 3), torch.randn(4, 1))]
+            >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+            ...             loss_fn=torch.nn.functional.mse_loss, device="cpu")
+            >>> sorted(loop.evaluate(data, prefix="test"))
+            ['test_loss']
+        """
+        if not isinstance(prefix, str) or not prefix.isidentifier():
+            raise ConfigurationError(f"prefix must be a name such as 'test', got {prefix!r}.")
+        if data is None:
+            raise ConfigurationError("evaluate() needs data to evaluate, got None.")
+        self._prepare_alone()
         was_training = self.model.training
         try:
-            self._validate_pass()
+            self._validate_pass(data, prefix)
         finally:
             self.model.train(was_training)  # a check in the middle of work changes nothing
-        return {key: value for key, value in self.state.metrics.items() if key.startswith("val_")}
+        return {key: value for key, value in self.state.metrics.items()
+                if key.startswith(prefix + "_")}
+
+    @torch.no_grad()
+    def predict(self, data: Iterable[Any]) -> Any:
+        """The model's outputs for every batch of ``data``, in order, on the CPU.
+
+        Eval mode, no gradients, with the forward contexts (autocast with ``AMP``) and the
+        validation contexts (the EMA weights with ``EMA``). No loss is computed unless
+        ``forward`` computes one. A batch is fed as in training: ``forward(loop, batch)``
+        when given; else the inputs of an ``(inputs, targets)`` pair (or the first item of
+        a tuple or list), ``model(**batch)`` for a mapping, ``model(batch)`` for a tensor.
+        Tensor outputs are concatenated along the first dimension (also inside tuples and
+        mappings); other outputs come back as a list, one item per batch.
+
+        Example:
+            >>> import torch
+            >>> from hookloop import Loop
+            >>> model = torch.nn.Linear(3, 2)
+            >>> data = [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(2)]
+            >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+            ...             loss_fn=torch.nn.functional.mse_loss, device="cpu")
+            >>> loop.predict(data).shape
+            torch.Size([8, 2])
+        """
+        if data is None:
+            raise ConfigurationError("predict() needs data, got None.")
+        self._prepare_alone()
+        table = self._table
+        assert table is not None
+        was_training = self.model.training
+        self.model.eval()
+        outputs: list[Any] = []
+        try:
+            with entered(table.validation_context, self):
+                for batch in data:
+                    batch = move_to_device(batch, self.device)
+                    with entered(table.forward_context, self):
+                        outputs.append(move_to_device(predict_outputs(self, batch),
+                                                      torch.device("cpu")))
+        finally:
+            self.model.train(was_training)
+        return concatenate(outputs)
 
     def describe(self) -> str:
         """Print and return the table of which callback runs at which event."""
@@ -280,23 +428,219 @@ class Loop:
 
         return describe(self.callbacks)
 
-    # ------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The loop's position, consistent with the current weights (see `Position`).
+    # ---------------------------------------------------------------- run state
+    def state_dict(self, *, gather: bool = True) -> dict[str, Any]:
+        """The whole run, as tensors and plain values (``torch.load(weights_only=True)``).
 
-        The last step boundary (or epoch end) reached: a checkpoint taken mid-window or
-        mid-batch resumes from there, replaying the batches after it with the same random
-        numbers when `enable_resume_snapshots` was called.
+        ``model`` (unwrapped), ``optimizer``, ``loop`` (the position of the last step
+        boundary, the history, and whether and why the run ended), ``ranks`` (each rank's
+        random generators and the loss sums of its shard) and ``callbacks`` (each stateful
+        callback's state under its ``state_key``).
+
+        Args:
+            gather: Under DDP, gather every rank's own part (a collective: every rank must
+                call it). False keeps this rank's only (for the exception path).
         """
-        return self._position.state_dict()
+        shared, own = self._position.parts()
+        world = distributed.world_size()
+        if gather:
+            ranks = distributed.all_gather_object(own)
+        else:
+            if world > 1:  # the other ranks' sums are unknown: the resumed epoch recounts
+                own.update(train_loss_sum=None, train_samples=0)
+            ranks = [own]
+        optimizer = self.optimizer
+        return {
+            "model": self.unwrapped_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "loop": {
+                **shared,
+                "world_size": world,
+                "optimizer_class": type(optimizer).__qualname__,
+                "param_groups": [len(group["params"]) for group in optimizer.param_groups],
+                "epochs": self.state.epochs,
+                "max_steps": self.state.max_steps,
+                "ended": self._ended(),
+                "history": [dict(row) for row in self.state.history],
+            },
+            "ranks": ranks,
+            "callbacks": {callback.state_key: callback.state_dict() for callback in self.callbacks
+                          if overrides(callback, "state_dict")},
+        }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a position returned by `state_dict` at the next ``fit``."""
-        self._position.load_state_dict(state, self.device)
-        self._live_iterator = None
-        self.state.epoch, self.state.step = self._position.epoch, self._position.step
+    def load_state_dict(self, state: Mapping[str, Any], *, source: str | None = None) -> None:
+        """Continue the run of `state_dict` at the next ``fit`` (or ``validate``).
+
+        The state is applied after every callback's ``setup`` and before ``on_fit_start``:
+        the model, the optimizer, the position, the history, and each stateful callback's
+        state (a missing or unclaimed key is a warning).
+
+        Args:
+            state: What `state_dict` returned (a ``Checkpoint`` file holds it).
+            source: Where it came from (a file path), named in errors.
+
+        Raises:
+            CheckpointError: at that next fit, before the first batch, when the state does
+                not fit this run: another model architecture, another optimizer class or
+                param-group layout.
+        """
+        if not isinstance(state, Mapping):
+            raise CheckpointError(f"{source or 'state'}: expected the mapping Loop.state_dict() "
+                                  f"returns, got {type(state).__name__}.")
+        self._restore = (state, source or "the state given to Loop.load_state_dict")
 
     # ------------------------------------------------------------------ inside
+    def _bind_callbacks(self) -> None:
+        """A callback belongs to the first loop it runs in (it holds that run's state)."""
+        for callback in self.callbacks:
+            owner = getattr(callback, "_hookloop_loop", None)
+            if owner is not None and owner() is not self:
+                raise ConfigurationError(
+                    f"{callback!r} already ran in another Loop. A callback holds the state of "
+                    "one run (counters, averages, schedules, best scores), so it stays with the "
+                    f"loop it first ran in. Create a new {type(callback).__name__}(...) for this "
+                    "loop: build the list in a function, or call the preset again.")
+        for callback in self.callbacks:
+            try:
+                callback._hookloop_loop = weakref.ref(self)  # type: ignore[attr-defined]
+            except AttributeError:  # pragma: no cover - a callback with __slots__
+                pass
+
+    def _prepare_alone(self) -> None:
+        """Set up for a pass outside fit (validate, evaluate, predict)."""
+        check_callbacks(self.callbacks, self)
+        self._bind_callbacks()
+        self._setup()
+
+    def _ended(self) -> dict[str, Any] | None:
+        """Why the run ended (a stop, its epochs, ``max_steps``), or None while it goes on."""
+        state = self.state
+        if self._stop_requested:
+            reason = self.stop_reason or "loop.stop() was called"
+        elif state.epochs and self._position.epoch >= state.epochs:
+            reason = f"all {state.epochs} epochs are done"
+        else:
+            return None
+        return {"reason": reason, "epochs": state.epochs, "max_steps": state.max_steps}
+
+    def _nothing_to_train(self, epochs: int, max_steps: int | None) -> str | None:
+        """Why this fit trains nothing (said once, before on_fit_start), or None."""
+        ended, self._restored_end = self._restored_end, None
+        if ended is not None:
+            more_epochs = epochs > int(ended["epochs"])
+            more_steps = ended.get("max_steps") is not None and (
+                max_steps is None or max_steps > int(ended["max_steps"]))
+            if not (more_epochs or more_steps):
+                return (f"the run being resumed already ended ({ended['reason']}), so this fit "
+                        f"trains nothing. Pass a larger epochs than {ended['epochs']} to continue "
+                        "it, or start a new run.")
+        if epochs and self._position.epoch >= epochs:
+            return (f"all {epochs} epochs of this run are done, so this fit trains nothing; "
+                    f"pass a larger epochs than {epochs} to train more.")
+        if max_steps is not None and self.state.step >= max_steps:
+            return (f"max_steps={max_steps} is already reached (step {self.state.step}), so "
+                    "this fit trains nothing; pass a larger max_steps or none.")
+        return None
+
+    def _check_callback_states(self) -> None:
+        """Each stateful callback's state must round-trip through a checkpoint file."""
+        for callback in self.callbacks:
+            saves, loads = overrides(callback, "state_dict"), overrides(callback, "load_state_dict")
+            if saves != loads:
+                have, lack = ("state_dict", "load_state_dict") if saves else (
+                    "load_state_dict", "state_dict")
+                raise ConfigurationError(
+                    f"{callback!r} overrides {have} but not {lack}, so its state would be "
+                    f"{'saved but never restored' if saves else 'never saved'} on resume. "
+                    f"Implement {lack} too (or neither).")
+            if saves:
+                problem = find_unplain(callback.state_dict(), "state_dict()")
+                if problem:
+                    raise ConfigurationError(
+                        f"{callback!r} (state key {callback.state_key!r}): {problem}, which "
+                        "torch.load(weights_only=True) cannot read back from a checkpoint. "
+                        "Return only tensors, numbers, strings, None and lists/tuples/dicts of "
+                        "them (e.g. list(a_deque), a_tensor.tolist()).")
+
+    def _apply_restore(self) -> None:
+        """Apply the state `load_state_dict` asked for; raise before touching anything wrong."""
+        assert self._restore is not None
+        payload, source = self._restore
+        self._restore = None
+        loop_part = payload.get("loop")
+        if not isinstance(loop_part, Mapping) or not isinstance(payload.get("model"), Mapping) \
+                or not isinstance(payload.get("optimizer"), Mapping):
+            missing = [key for key in ("model", "optimizer", "loop")
+                       if not isinstance(payload.get(key), Mapping)]
+            raise CheckpointError(f"{source}: not a training state: {', '.join(missing)} "
+                                  "missing or not a mapping.")
+        self._check_optimizer_fits(loop_part, payload["optimizer"], source)
+        load_model_weights(source, self.unwrapped_model, payload["model"])
+        load_optimizer_state(source, self.optimizer, payload["optimizer"])
+        ranks = payload.get("ranks") or [{}]
+        rank, world = distributed.rank(), distributed.world_size()
+        saved_world = int(loop_part.get("world_size", 1))
+        own = dict(ranks[rank] if rank < len(ranks) else ranks[0])
+        if rank >= len(ranks):
+            warnings.warn(
+                f"{source} has no random-generator state for rank {rank} (it was written by "
+                f"{saved_world} process(es), or after an exception); rank {rank} uses rank 0's, "
+                "so its random draws differ from an uninterrupted run.", RuntimeWarning,
+                stacklevel=4)
+        if saved_world != world or (world > 1 and len(ranks) < world):
+            own.update(train_loss_sum=None, train_samples=0)  # not this rank's own sums
+        if saved_world != world and distributed.is_main():
+            warnings.warn(
+                f"{source} was written by {saved_world} process(es), this run has {world}: "
+                "the position in the epoch does not carry over exactly.", RuntimeWarning,
+                stacklevel=4)
+        self._position.load(loop_part, own, self.device)
+        self._live_iterator = None
+        self.state.epoch, self.state.step = self._position.epoch, self._position.step
+        self.state.history = [dict(row) for row in loop_part.get("history") or []]
+        self._restored_end = loop_part.get("ended")
+        saved = dict(payload.get("callbacks") or {})
+        for callback in self.callbacks:
+            if not overrides(callback, "state_dict"):
+                continue
+            if callback.state_key in saved:
+                try:
+                    callback.load_state_dict(saved.pop(callback.state_key))
+                except BaseException as exc:
+                    annotate(exc, callback.load_state_dict)
+                    raise
+            elif distributed.is_main():
+                warnings.warn(f"{source} has no state for {callback!r} (key "
+                              f"{callback.state_key!r}); it starts fresh.", RuntimeWarning,
+                              stacklevel=4)
+        if saved and distributed.is_main():
+            warnings.warn(
+                f"{source} holds state that no callback in the stack claims: "
+                f"{', '.join(sorted(saved))}. Add those callbacks (with the same name=) to "
+                "restore it, or ignore this if you removed them on purpose.", RuntimeWarning,
+                stacklevel=4)
+
+    def _check_optimizer_fits(self, loop_part: Mapping[str, Any], saved: Mapping[str, Any],
+                              source: str) -> None:
+        ours = type(self.optimizer).__qualname__
+        theirs = loop_part.get("optimizer_class")
+        if theirs is not None and theirs != ours:
+            raise CheckpointError(
+                f"{source}: the run was trained with {theirs}, but this loop's optimizer is "
+                f"{ours}; its state (momentum buffers, moments, hyper-parameters) cannot be "
+                f"loaded into another class. Create a {theirs} as in the saved run, or load only "
+                "the weights with hookloop.load_checkpoint(path, model) and start a new run.")
+        layout = [len(group["params"]) for group in self.optimizer.param_groups]
+        groups = saved.get("param_groups")
+        saved_layout = ([len(group.get("params", ())) for group in groups]
+                        if isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups)
+                        else loop_part.get("param_groups"))
+        if saved_layout is not None and list(saved_layout) != layout:
+            raise CheckpointError(
+                f"{source}: the saved optimizer has param groups of sizes {list(saved_layout)}, "
+                f"this loop's {ours} has {layout}. Build the optimizer over the same parameters "
+                "in the same groups as the saved run.")
+
     def _record_history(self) -> None:
         state = self.state
         state.history.append({"epoch": state.epoch, "step": state.step, **state.metrics})
@@ -306,6 +650,11 @@ class Loop:
 
     def _steps_exhausted(self) -> bool:
         return self.state.max_steps is not None and self.state.step >= self.state.max_steps
+
+    def _validation_due(self, epoch: int) -> bool:
+        """At the end of ``epoch`` (0-based): does the epoch cadence ask for a validation?"""
+        every = self.val_every_n_epochs
+        return self.val_data is not None and every is not None and (epoch + 1) % every == 0
 
     def _emit_fit_end(self, table: Table, failure: BaseException | None) -> None:
         """Every ``on_fit_end`` runs, even after one raised (they close files, groups...).
@@ -321,14 +670,13 @@ class Loop:
                 raise
             except Exception as error:
                 annotate(error, handler)
+                note = f"hookloop: {_owner(handler)}.on_fit_end also raised {error!r}"
                 if failure is not None:
-                    failure.add_note(f"hookloop: {type(getattr(handler, '__self__', None)).__name__}.on_fit_end "
-                                     f"also raised {error!r}")
+                    failure.add_note(note)
                 elif first is None:
                     first = error
                 else:
-                    first.add_note(f"hookloop: {type(getattr(handler, '__self__', None)).__name__}.on_fit_end "
-                                   f"also raised {error!r}")
+                    first.add_note(note)
         if first is not None:
             raise first
 
@@ -341,7 +689,9 @@ class Loop:
                 raise
 
     def _setup(self) -> None:
-        """Run the setup hooks, check the data, move the model, build the dispatch table."""
+        """Run the setup hooks, check the data, move the model, restore, build the table."""
+        self.accumulation_steps = 1  # the step geometry is read afresh at every fit
+        self.handler_wrapper = None
         for callback in self.callbacks:
             if overrides(callback, "setup"):
                 try:
@@ -349,7 +699,8 @@ class Loop:
                 except BaseException as exc:
                     annotate(exc, callback.setup)
                     raise
-        if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
+        if isinstance(self.accumulation_steps, bool) or not isinstance(
+                self.accumulation_steps, int) or self.accumulation_steps < 1:
             raise ConfigurationError(
                 f"accumulation_steps must be a positive int, got {self.accumulation_steps!r}.")
         if self.batches_per_epoch == 0:
@@ -362,6 +713,8 @@ class Loop:
             raise ConfigurationError("val_data is empty (len(val_data) == 0): pass val_data=None "
                                      "to train without validation, or check the dataset.")
         self.model.to(self.device)
+        if self._restore is not None:
+            self._apply_restore()
         main = distributed.is_main()
         active = [c for c in self.callbacks if main or not c.rank_zero_only]
         self._table = Table(active, self.handler_wrapper)
@@ -392,15 +745,19 @@ class Loop:
             live=live[1] if live is not None and live[0] == state.epoch else None)
         window = self.accumulation_steps
         total = self.batches_per_epoch
+        if total is None and window > 1:  # the last window ends where the data does: look ahead
+            iterator = Lookahead(iterator)
         last = (total or 0) - 1
+        every_n_steps = self.val_every_n_steps if self.val_data is not None else None
         completed, boundary, batch_idx = True, True, start - 1
         while True:
             # A stop takes effect at a step boundary, never inside an accumulation window.
             stopping = boundary and (self._stop_requested or self._steps_exhausted())
             if stopping and (total is None or batch_idx + 1 < total):
-                self._live_iterator = (state.epoch, iterator)  # a later fit continues it
-                completed = False
-                break
+                if total is not None or _has_more(iterator):
+                    self._live_iterator = (state.epoch, iterator)  # a later fit continues it
+                    completed = False
+                    break
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -411,7 +768,11 @@ class Loop:
                 break
             batch_idx += 1
             batch = self._load_batch(batch, batch_idx)
-            state.step_boundary = window == 1 or (batch_idx + 1) % window == 0 or batch_idx == last
+            if total is None:
+                ends_data = window > 1 and iterator.exhausted  # type: ignore[union-attr]
+            else:
+                ends_data = batch_idx == last
+            state.step_boundary = window == 1 or (batch_idx + 1) % window == 0 or ends_data
             if table.on_batch_start:
                 self._emit(table.on_batch_start)
             with entered(table.train_step_context, self):
@@ -419,10 +780,13 @@ class Loop:
                     outputs, loss = compute(self, batch)
                 check_loss(loss, training=True)
                 state.outputs, state.loss = outputs, loss
-                loss_sum = torch.add(loss_sum, loss.detach(), alpha=state.batch_size)
-                samples += state.batch_size
                 if table.after_forward:
                     self._emit(table.after_forward)
+                    if state.loss is not loss:  # replaced by a callback (a penalty term)
+                        check_loss(state.loss, training=True, replaced=True)
+                        loss = state.loss
+                loss_sum = torch.add(loss_sum, loss.detach(), alpha=state.batch_size)
+                samples += state.batch_size
                 for scale in table.scale_loss:
                     try:
                         loss = scale(self, loss)
@@ -433,12 +797,15 @@ class Loop:
             if table.after_backward:
                 self._emit(table.after_backward)
             if state.step_boundary:
-                self._optimizer_step(table)
-                self._position.record(state.epoch, batch_idx + 1, state.step, loss_sum, samples,
-                                      self._generators)
+                self._optimizer_step(table, batch_idx + 1, loss_sum, samples)
             if table.on_batch_end:
                 self._emit(table.on_batch_end)
             boundary = state.step_boundary
+            if (every_n_steps is not None and boundary and self._stepped
+                    and state.step % every_n_steps == 0):
+                self._validate_pass(self.val_data, "val")
+                self.model.train()
+                state.training = True
         if completed and samples == 0 and start == 0:
             raise ConfigurationError("train_data yielded no batches in this epoch: it is empty.")
         if samples:
@@ -447,7 +814,8 @@ class Loop:
             state.metrics["train_loss"] = sums[0] / sums[1]
         return completed
 
-    def _optimizer_step(self, table: Table) -> None:
+    def _optimizer_step(self, table: Table, batches_done: int, loss_sum: torch.Tensor,
+                        samples: int) -> None:
         state = self.state
         self._step_cancelled = False
         if table.before_step:
@@ -466,38 +834,113 @@ class Loop:
                 self._stepped = True
             if self._stepped:
                 state.step += 1
-                if table.after_step:
-                    self._emit(table.after_step)
+        # The weights now match this position, whatever an after_step callback does next.
+        self._position.record(state.epoch, batches_done, state.step, loss_sum, samples,
+                              self._generators)
+        if self._stepped and table.after_step:
+            self._emit(table.after_step)
         self.optimizer.zero_grad(set_to_none=True)
         if self._steps_exhausted():
             self.stop(f"max_steps={state.max_steps} reached")
 
-    def _validate_pass(self) -> None:
-        state, table = self.state, self._table
-        assert table is not None and self.val_data is not None
+    def _sanity_check(self) -> None:
+        """A short validation before training: errors in it surface in seconds.
+
+        Runs the first ``sanity_val_batches`` validation batches with the validation
+        contexts, and sends the validation events only to the callbacks that produce metrics
+        (``Metrics``...: the ones whose mistakes it is meant to find). The metrics, the
+        model's mode and every random generator are put back afterwards.
+        """
+        if self.val_data is None or not self.sanity_val_batches:
+            return
+        main = distributed.is_main()
+        producers = [c for c in self.callbacks if (main or not c.rank_zero_only)
+                     and list(c.produces(self))]
+        state = self.state
+        saved_state = (dict(state.metrics), state.history, state.batch_idx, state.batch,
+                       state.outputs, state.loss, state.targets, state.batch_size, state.training)
+        val_generators = loader_generators(self.val_data)
+        saved_rng = capture_rng([*self._generators, *val_generators])
+        was_training = self.model.training
+        self._sanity_checking = True
+        try:
+            self._validate_pass(self.val_data, "val", limit=self.sanity_val_batches,
+                                events=Table(producers, self.handler_wrapper))
+        finally:
+            self._sanity_checking = False
+            self.model.train(was_training)
+            restore_rng(saved_rng, [*self._generators, *val_generators])
+            (state.metrics, state.history, state.batch_idx, state.batch, state.outputs,
+             state.loss, state.targets, state.batch_size, state.training) = saved_state
+
+    def _validate_pass(self, data: Iterable[Any], prefix: str, limit: int | None = None,
+                       events: Table | None = None) -> None:
+        """One pass over ``data`` without gradients; ``events`` (default: the loop's table)
+        receives the events, the loop's table gives the contexts."""
+        state, contexts = self.state, self._table
+        assert contexts is not None
+        table = events if events is not None else contexts
         self.model.eval()
         state.training = False
+        state.prefix = prefix
         loss_sum, samples = self._accumulator(), 0
-        with entered(table.validation_context, self):
-            self._emit(table.on_validation_start)
-            with torch.no_grad():
-                for batch_idx, batch in enumerate(self.val_data):
-                    batch = self._load_batch(batch, batch_idx)
-                    if table.on_validation_batch_start:
-                        self._emit(table.on_validation_batch_start)
-                    with entered(table.forward_context, self):
-                        outputs, loss = compute(self, batch)
-                    check_loss(loss, training=False)
-                    state.outputs, state.loss = outputs, loss
-                    loss_sum = torch.add(loss_sum, loss.detach(), alpha=state.batch_size)
-                    samples += state.batch_size
-                    if table.on_validation_batch_end:
-                        self._emit(table.on_validation_batch_end)
-            totals = distributed.all_reduce_sum(torch.stack([loss_sum, loss_sum.new_tensor(samples)]))
-            total_loss, total_samples = totals.tolist()
-            if total_samples == 0:
-                raise ConfigurationError("val_data yielded no batches: it is empty.")
-            state.metrics["val_loss"] = total_loss / total_samples
-            self._emit(table.on_validation_end)
-        if self._fitting:
+        try:
+            with entered(contexts.validation_context, self):
+                self._emit(table.on_validation_start)
+                with torch.no_grad():
+                    for batch_idx, batch in enumerate(data):
+                        if limit is not None and batch_idx >= limit:
+                            break
+                        batch = self._load_batch(batch, batch_idx)
+                        if table.on_validation_batch_start:
+                            self._emit(table.on_validation_batch_start)
+                        with entered(contexts.forward_context, self):
+                            state.outputs, state.loss = compute(self, batch)
+                        check_loss(state.loss, training=False)
+                        loss_sum = torch.add(loss_sum, state.loss.detach(), alpha=state.batch_size)
+                        samples += state.batch_size
+                        if table.on_validation_batch_end:
+                            self._emit(table.on_validation_batch_end)
+                totals = distributed.all_reduce_sum(
+                    torch.stack([loss_sum, loss_sum.new_tensor(samples)]))
+                total_loss, total_samples = totals.tolist()
+                if total_samples == 0:
+                    which = "val_data" if prefix == "val" else "the data given to evaluate()"
+                    raise ConfigurationError(f"{which} yielded no batches: it is empty.")
+                state.metrics[f"{prefix}_loss"] = total_loss / total_samples
+                self._emit(table.on_validation_end)
+        finally:
+            state.prefix = "val"
+        if self._fitting and not self._sanity_checking and prefix == "val":
+            self._validated_step = state.step
             self._record_history()
+
+
+class Lookahead:
+    """An iterator that knows, once it has yielded an item, whether another one follows."""
+
+    __slots__ = ("_iterator", "_next", "exhausted")
+    _EMPTY = object()
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self._iterator = iterator
+        self._next = next(iterator, self._EMPTY)
+        self.exhausted = self._next is self._EMPTY
+
+    def __iter__(self) -> Lookahead:
+        return self
+
+    def __next__(self) -> Any:
+        if self._next is self._EMPTY:
+            raise StopIteration
+        item, self._next = self._next, next(self._iterator, self._EMPTY)
+        self.exhausted = self._next is self._EMPTY
+        return item
+
+
+def _has_more(iterator: Any) -> bool:
+    return not isinstance(iterator, Lookahead) or not iterator.exhausted
+
+
+def _owner(handler: Callable[..., Any]) -> str:
+    return type(getattr(handler, "__self__", None)).__name__

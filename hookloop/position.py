@@ -3,67 +3,87 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from hookloop.data import length_of
 from hookloop.rng import capture_rng, restore_rng
 
-__all__ = ["Position"]
+__all__ = ["Position", "RunPosition"]
+
+
+class RunPosition(NamedTuple):
+    """Where the weights are: ``batch_idx`` batches of ``epoch`` done, ``step`` steps taken.
+
+    ``batch_idx == 0`` means the epoch has not started (a finished epoch ``e`` reads as
+    ``(e + 1, 0, step)``).
+    """
+
+    epoch: int
+    batch_idx: int
+    step: int
 
 
 class Position:
-    """The last step boundary (or epoch end) the loop reached: what a checkpoint resumes from.
+    """The last step boundary (or epoch end) the loop reached: where a resume starts.
 
     A checkpoint taken mid-window or mid-batch resumes from here, and the batches after it
-    are trained again. With ``snapshots`` on (``Loop.enable_resume_snapshots``), the random
-    generators are recorded at every position and at every epoch start, so the replay draws
-    the same data order and the same dropout as the interrupted run.
+    are trained again with the same data order and the same random draws: the generators
+    are recorded at every step boundary and at every epoch start. Torch's generators (CPU,
+    CUDA, the DataLoader's) are always recorded, so ``fit()`` after an exception replays
+    exactly; with ``full_snapshots`` (turned on by ``Checkpoint``) Python's and NumPy's
+    global generators are recorded too.
     """
 
-    __slots__ = ("epoch", "batches_done", "step", "loss_sum", "samples", "snapshots", "rng",
-                 "epoch_rng", "_pending")
+    __slots__ = ("epoch", "batches_done", "step", "loss_sum", "samples", "full_snapshots",
+                 "rng", "epoch_rng", "_replay")
 
     def __init__(self) -> None:
         self.epoch = self.batches_done = self.step = self.samples = 0
         self.loss_sum: torch.Tensor | None = None
-        self.snapshots = False
+        self.full_snapshots = False
         self.rng: dict[str, Any] | None = None
         self.epoch_rng: dict[str, Any] | None = None
-        self._pending: Mapping[str, Any] | None = None
+        self._replay = False  # the next epoch start replays from the recorded generators
+
+    @property
+    def public(self) -> RunPosition:
+        return RunPosition(self.epoch, self.batches_done, self.step)
 
     def record(self, epoch: int, batches_done: int, step: int, loss_sum: torch.Tensor | None,
                samples: int, generators: Sequence[torch.Generator]) -> None:
         """The weights now are those after ``batches_done`` batches of ``epoch``."""
         self.epoch, self.batches_done, self.step = epoch, batches_done, step
         self.loss_sum, self.samples = loss_sum, samples
-        if self.snapshots:
-            self.rng = capture_rng(generators)
+        self.rng = capture_rng(generators, full=self.full_snapshots)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Tensors and plain values only (``torch.load(weights_only=True)`` reads them)."""
-        state: dict[str, Any] = {
-            "epoch": self.epoch,
-            "batch_idx": self.batches_done,
-            "step": self.step,
+    def rewind(self) -> None:
+        """After an exception: the next epoch start continues from the recorded position."""
+        self._replay = True
+
+    def parts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(shared, own)``: what every rank agrees on, and what is this rank's own
+        (its generators and the loss sums of its shard). Tensors and plain values only."""
+        shared = {"epoch": self.epoch, "batch_idx": self.batches_done, "step": self.step}
+        own: dict[str, Any] = {
             "train_loss_sum": None if self.loss_sum is None else self.loss_sum.detach().cpu(),
             "train_samples": self.samples,
         }
-        if self.snapshots and self.rng is not None:
-            state["rng"] = self.rng
+        if self.rng is not None:
+            own["rng"] = self.rng
             if self.batches_done and self.epoch_rng is not None:
-                state["epoch_rng"] = self.epoch_rng
-        return state
+                own["epoch_rng"] = self.epoch_rng
+        return shared, own
 
-    def load_state_dict(self, state: Mapping[str, Any], device: torch.device) -> None:
-        """Continue from ``state`` at the next epoch iteration."""
-        loss_sum = state.get("train_loss_sum")
-        self.epoch, self.batches_done = int(state["epoch"]), int(state["batch_idx"])
-        self.step, self.samples = int(state["step"]), int(state.get("train_samples", 0))
+    def load(self, shared: Mapping[str, Any], own: Mapping[str, Any], device: torch.device) -> None:
+        """Continue from `parts` at the next epoch start."""
+        loss_sum = own.get("train_loss_sum")
+        self.epoch, self.batches_done = int(shared["epoch"]), int(shared["batch_idx"])
+        self.step, self.samples = int(shared["step"]), int(own.get("train_samples") or 0)
         self.loss_sum = None if loss_sum is None else loss_sum.to(device)
-        self.rng, self.epoch_rng = state.get("rng"), state.get("epoch_rng")
-        self._pending = state
+        self.rng, self.epoch_rng = own.get("rng"), own.get("epoch_rng")
+        self._replay = True
 
     def start_epoch(self, epoch: int, data: Iterable[Any], generators: Sequence[torch.Generator],
                     new_sum: Callable[[], torch.Tensor], live: Any = None
@@ -71,7 +91,7 @@ class Position:
         """The epoch's iterator past the batches already trained on, the first batch index,
         and the training-loss sum and sample count so far.
 
-        After `load_state_dict`, the generators are put back as they were when the
+        After `load` or `rewind`, the generators are put back as they were when the
         interrupted run created this epoch's iterator (same data order), the trained batches
         are skipped, then the generators are put back as they were at the position (same
         dropout and augmentation draws). ``live``, the iterator of an epoch that ``stop``
@@ -82,15 +102,15 @@ class Position:
             loss_sum, samples = self.loss_sum, self.samples
         else:
             loss_sum, samples = new_sum(), 0
-        if live is not None and skip and self._pending is None:
+        replay, self._replay = self._replay, False
+        if live is not None and skip and not replay:
             return live, skip, loss_sum, samples
-        pending, self._pending = self._pending, None
-        if pending is not None and skip and pending.get("epoch_rng") is not None:
-            restore_rng(pending["epoch_rng"], generators)
-        elif pending is not None and not skip and pending.get("rng") is not None:
-            restore_rng(pending["rng"], generators)
-        if self.snapshots and not skip:
-            self.epoch_rng = capture_rng(generators)
+        if replay and skip and self.epoch_rng is not None:
+            restore_rng(self.epoch_rng, generators)
+        elif replay and not skip and self.rng is not None:
+            restore_rng(self.rng, generators)
+        if not skip:
+            self.epoch_rng = capture_rng(generators, full=self.full_snapshots)
         total = length_of(data)
         # skip == total still iterates: a sampler may draw from the loader's generator when
         # its iterator is exhausted (RandomSampler does, after an even last batch).
@@ -100,6 +120,6 @@ class Position:
             iterator = iter(data)
             for _ in range(skip):
                 next(iterator)
-        if pending is not None and skip and pending.get("rng") is not None:
-            restore_rng(pending["rng"], generators)
+        if replay and skip and self.rng is not None:
+            restore_rng(self.rng, generators)
         return iterator, skip, loss_sum, samples

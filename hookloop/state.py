@@ -36,6 +36,9 @@ class LoopState:
         history: The metrics of the whole run, one row per validation (and one per epoch
             that ended without one): ``{"epoch": 0-based epoch, "step": global step,
             **metrics}``. Restored on resume, so it survives a kill and a relaunch.
+        prefix: The metric prefix of the evaluation pass running now: ``"val"`` in
+            validation, the ``prefix`` of `Loop.evaluate` otherwise (``"test"``...). Metric
+            callbacks write ``f"{prefix}_{name}"``.
     """
 
     epoch: int = 0
@@ -53,6 +56,7 @@ class LoopState:
     epochs: int = 0
     max_steps: int | None = None
     history: list[dict[str, float]] = field(default_factory=list)
+    prefix: str = "val"
 
     def __repr__(self) -> str:
         # Counters and metrics only: the batch and outputs would flood a terminal.

@@ -24,7 +24,7 @@ __all__ = ["FORMAT", "TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "find_unplain
            "all_finite"]
 
 #: Version of the file layout written by `Checkpoint`.
-FORMAT = 1
+FORMAT = 2
 TEMP_PREFIX = ".tmp-"
 TEMP_SUFFIX = ".part"
 _PRIMITIVES = (int, float, bool, str, bytes, complex, type(None))

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import hookloop.callbacks as builtins
-from hookloop import Callback, Loop, describe
+from hookloop import Callback, ConfigurationError, Loop, describe
+from hookloop.ordering import overrides
 from hookloop.callbacks import (
     AMP,
     DDP,
@@ -80,6 +81,14 @@ def _equal(a, b) -> bool:
     return a == b or (a != a and b != b)
 
 
+def _nonempty(value) -> bool:
+    if isinstance(value, dict):
+        return any(_nonempty(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_nonempty(item) for item in value)
+    return value is not None
+
+
 def test_every_public_callback_is_under_contract() -> None:
     public = {name for name in builtins.__all__ if isinstance(getattr(builtins, name), type)}
     covered = {name.split("-")[0] for name in FACTORIES}
@@ -88,35 +97,40 @@ def test_every_public_callback_is_under_contract() -> None:
 
 @pytest.mark.parametrize("kind", sorted(FACTORIES))
 def test_alone_and_twice_in_a_row_give_the_same_weights(kind: str, tmp_path: Path) -> None:
-    callback = FACTORIES[kind](tmp_path)
     runs = []
-    for _ in range(2):
-        if isinstance(callback, Checkpoint):
-            # A new run with resume=False refuses a directory that holds an earlier run's
-            # checkpoints (it would overwrite its best.pt): this is a user starting a new
-            # run after deleting the old one.
-            shutil.rmtree(callback.dirpath, ignore_errors=True)
-        loop = _build(callback)
+    for attempt in range(2):
+        # A callback holds one run's state: each run gets its own instance (and directory).
+        loop = _build(FACTORIES[kind](tmp_path / str(attempt)))
         state = loop.fit(3)
         assert state.metrics["val_loss"] == state.metrics["val_loss"]  # finite, computed
         runs.append([p.detach().clone() for p in loop.model.parameters()])
     for first, second in zip(*runs):
-        assert torch.equal(first, second), f"{kind} carried state from one fit into the next"
+        assert torch.equal(first, second), f"{kind} is not deterministic from one run to the next"
+
+
+@pytest.mark.parametrize("kind", sorted(FACTORIES))
+def test_reuse_in_another_loop_is_a_clear_error(kind: str, tmp_path: Path) -> None:
+    callback = FACTORIES[kind](tmp_path)
+    _build(callback).fit(1)
+    with pytest.raises(ConfigurationError, match=f"already ran in another Loop.*new {type(callback).__name__}"):
+        _build(callback).fit(1)
 
 
 @pytest.mark.parametrize("kind", sorted(FACTORIES))
 def test_state_round_trips_and_loads_weights_only(kind: str, tmp_path: Path) -> None:
     callback = FACTORIES[kind](tmp_path)
     loop = _build(callback)
-    loop.fit(2)
+    loop.fit(2, max_steps=10)  # stops in the middle of epoch 1: state mid-epoch too
     state = callback.state_dict()
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
+    if overrides(callback, "state_dict"):
+        assert _nonempty(state), f"{kind} is stateful but its state_dict() is empty after a fit"
     fresh_loop = _build(FACTORIES[kind](tmp_path / "fresh"))
     fresh = fresh_loop.callbacks[0]
-    fresh_loop.fit(1)  # let it build what it builds at fit start, then overwrite it
+    fresh_loop.fit(2, max_steps=10)  # let it build what it builds at fit start, then overwrite it
     fresh.load_state_dict(loaded)
     assert _equal(fresh.state_dict(), state)
 

@@ -152,7 +152,7 @@ def test_custom_forward_is_used_as_is() -> None:
     model = MLP()
     data = [(torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(2)]
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=data[:1],
-                loss_fn=F.mse_loss, forward=forward, device="cpu")
+                loss_fn=F.mse_loss, forward=forward, device="cpu", sanity_val_batches=0)
     state = loop.fit(1)
     assert calls == [True, True, False]
     assert state.metrics["train_loss"] == pytest.approx(2.5)

@@ -33,10 +33,16 @@ class Saver(Callback):
     def state_dict(self):
         return {}
 
+    def load_state_dict(self, state):
+        pass
+
 
 class Counter(Callback):
     def state_dict(self):
         return {"n": 1}
+
+    def load_state_dict(self, state):
+        pass
 
 
 class BatchCounter(Callback):

@@ -46,9 +46,8 @@ class AMP(Callback):
     any optimizer for the duration of ``scaler.step`` (the gradients are already unscaled
     in ``before_step``), so a skipped step really skips ``optimizer.step``.
 
-    The scaler lives as long as the callback and continues across ``fit`` calls on the same
-    loop; used with another loop (another optimizer) it starts afresh, unless a state was
-    loaded for it.
+    The scaler is created at the first ``setup`` and continues across ``fit`` calls on the
+    same loop; a resumed run's scale is loaded into it before ``on_fit_start``.
 
     AMP takes the optimizer step (it overrides ``optimizer_step``), so no other callback in
     the stack may route it. Its state (the scaler's scale and growth tracker, and the count
@@ -110,8 +109,6 @@ class AMP(Callback):
         self.name = name
         self._scaler: torch.amp.GradScaler | None = None
         self._scaler_device: str | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._pending_state: dict[str, Any] | None = None
         self._unscaled = False  # unscale_ ran at this boundary and update() is still owed
         #: Steps the scaler skipped because of inf/NaN gradients, over the whole run.
         self.skipped_steps = 0
@@ -144,19 +141,12 @@ class AMP(Callback):
                 "optimizer) and let autocast compute in half precision, or use "
                 "AMP(torch.bfloat16) without a scaler.")
         device_type = loop.device.type
-        if self._optimizer is not None and self._optimizer is not loop.optimizer:
-            self._scaler = None  # another loop: a fresh scaler
-            if self._pending_state is None:
-                self.skipped_steps = 0
-        self._optimizer = loop.optimizer
         if self._scaler is None or self._scaler_device != device_type:
             previous = self._scaler.state_dict() if self._scaler is not None else None
             self._scaler = torch.amp.GradScaler(device_type, **self._scaler_kwargs)
             self._scaler_device = device_type
-            state = self._pending_state or previous
-            if state:
-                self._scaler.load_state_dict(state)
-            self._pending_state = None
+            if previous:
+                self._scaler.load_state_dict(previous)
 
     def on_fit_start(self, loop: Loop) -> None:
         self._unscaled = False
@@ -221,19 +211,15 @@ class AMP(Callback):
     # -------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state (scale, growth tracker...) and the skipped-step count."""
-        if self._scaler is not None:
-            scaler_state = self._scaler.state_dict()
-        else:
-            scaler_state = dict(self._pending_state or {})
+        scaler_state = self._scaler.state_dict() if self._scaler is not None else {}
         return {"scaler": scaler_state, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the scaler (now, or when it is created at setup) and the counters."""
+        """Restore the scaler and the counters (the loop calls it after ``setup``).
+
+        A saved scale is ignored when this AMP runs without a scaler (bfloat16).
+        """
         self.skipped_steps = int(state.get("skipped_steps", 0))
         scaler_state = state.get("scaler") or None
-        if scaler_state is None:
-            return
-        if self._scaler is not None:
+        if scaler_state is not None and self._scaler is not None:
             self._scaler.load_state_dict(scaler_state)
-        else:
-            self._pending_state = dict(scaler_state)

@@ -6,9 +6,11 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from hookloop import distributed
+import torch
+
 from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
+from hookloop.monitor import Monitor
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -16,36 +18,62 @@ if TYPE_CHECKING:
 __all__ = ["EarlyStopping"]
 
 
+def _optional_number(label: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigurationError(f"EarlyStopping {label} must be a finite number or None, got "
+                                 f"{value!r}.")
+    return float(value)
+
+
 class EarlyStopping(Callback):
-    """End training after ``patience`` epochs without improvement of ``monitor``.
+    """End training after ``patience`` validations without improvement of ``monitor``.
 
-    The patience loop of a hand-written training script, evaluated at the end of every
-    epoch::
+    The patience loop of a hand-written training script, evaluated at every validation
+    (at every epoch end when the loop has no validation data)::
 
-        if improved(value, best):   # value < best - min_delta (mode="min")
-            best, wait = value, 0   # the first epoch always improves (best starts at inf)
+        if better(value, best):          # value < best - min_delta (mode="min")
+            best = value                 # the first value always improves
+            if baseline is None or better(value, baseline):
+                wait = 0
+            else:
+                wait += 1
         else:
             wait += 1
         if wait >= patience:
-            stop after this epoch
+            stop after this validation
 
-    The value is taken from rank 0 (``hookloop.distributed.broadcast_object``), so every
-    rank makes the same decision and all ranks leave the loop together. A NaN value never
-    improves. ``best``, ``wait`` and ``best_epoch`` are checkpointed; they carry over to
-    a later ``fit`` of the same loop and start afresh in a new loop. An epoch cut short by
-    ``loop.stop()`` (``loop.epoch_completed`` is False: no validation ran) is not counted,
-    even when the monitored metric (``train_loss``) was written for its partial pass.
+    The value is taken from rank 0, so every rank makes the same decision and all ranks
+    leave the loop together. A validation in the middle of an epoch
+    (``Loop(val_every_n_steps=...)``) counts like one at an epoch end; validations before
+    ``start_from_epoch`` are not counted. ``best``, ``wait``, ``best_epoch`` (and the best
+    weights with ``restore_best_weights``) are checkpointed and carry over to a later
+    ``fit`` of the same loop.
 
     Args:
         monitor: The metric to watch, e.g. ``"val_loss"`` or ``"val_acc"`` (must be produced
             by the loop or a callback before this one; checked at fit start).
-        mode: ``"min"`` when lower is better, ``"max"`` when higher is better.
-        patience: Number of epochs without improvement after which training stops (>= 1).
+        mode: ``"auto"`` (max for accuracy-like names, min for loss-like names; other names
+            need an explicit mode), ``"min"`` or ``"max"``.
+        patience: Validations without improvement after which training stops (>= 1).
         min_delta: How much the metric must improve to count as an improvement (>= 0).
+        baseline: Stop unless the metric beats this value within ``patience`` validations.
+        start_from_epoch: Validations in epochs before this one (0-based) are not counted
+            (a warm-up in which the metric may not improve yet).
+        stopping_threshold: Stop as soon as the metric is better than this value.
+        divergence_threshold: Stop as soon as the metric is worse than this value.
+        check_finite: Stop at once, with a message, when the metric is NaN or infinite.
+        restore_best_weights: When the fit ends normally (its epochs, ``max_steps`` or a
+            stop), put the weights of the best validation back into the model (the weights
+            that were validated: the EMA weights when ``EMA`` validates with them). The copy
+            is kept on the device the weights are on. Not done after an exception, so that
+            a later ``fit`` continues from where it was.
         name: State key in checkpoints (set it to use two ``EarlyStopping`` callbacks).
 
     Raises:
-        ConfigurationError: for a bad argument, when the callback is created.
+        ConfigurationError: for a bad argument, when the callback is created; at fit start,
+            for ``mode="auto"`` with a metric name that says nothing about its direction.
 
     Example:
         >>> from hookloop.callbacks import EarlyStopping
@@ -58,34 +86,48 @@ class EarlyStopping(Callback):
         True
     """
 
-    def __init__(self, monitor: str = "val_loss", mode: str = "min", patience: int = 5,
-                 min_delta: float = 0.0, *, name: str | None = None) -> None:
-        if not isinstance(monitor, str) or not monitor:
-            raise ConfigurationError(f"monitor must be a metric name such as 'val_loss', got {monitor!r}.")
-        if mode not in ("min", "max"):
-            raise ConfigurationError(
-                f"mode must be 'min' (lower is better, e.g. a loss) or 'max' (higher is better, "
-                f"e.g. accuracy), got {mode!r}.")
+    def __init__(self, monitor: str = "val_loss", mode: str = "auto", patience: int = 5,
+                 min_delta: float = 0.0, *, baseline: float | None = None,
+                 start_from_epoch: int = 0, stopping_threshold: float | None = None,
+                 divergence_threshold: float | None = None, check_finite: bool = True,
+                 restore_best_weights: bool = False, name: str | None = None) -> None:
+        self._monitor = Monitor(monitor, mode, owner="EarlyStopping", min_delta=min_delta)
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
             raise ConfigurationError(
-                f"patience must be an int >= 1 (epochs without improvement before stopping), "
-                f"got {patience!r}.")
-        if (isinstance(min_delta, bool) or not isinstance(min_delta, (int, float))
-                or not math.isfinite(min_delta) or min_delta < 0):
+                f"patience must be an int >= 1 (validations without improvement before "
+                f"stopping), got {patience!r}.")
+        if isinstance(start_from_epoch, bool) or not isinstance(start_from_epoch, int) \
+                or start_from_epoch < 0:
             raise ConfigurationError(
-                f"min_delta must be a finite number >= 0 (the improvement that counts), got "
-                f"{min_delta!r}. The direction comes from mode.")
+                f"start_from_epoch must be an int >= 0, got {start_from_epoch!r}.")
+        for label, flag in (("check_finite", check_finite),
+                            ("restore_best_weights", restore_best_weights)):
+            if not isinstance(flag, bool):
+                raise ConfigurationError(f"EarlyStopping {label} must be True or False, got "
+                                         f"{flag!r}.")
         if name is not None and (not isinstance(name, str) or not name):
             raise ConfigurationError(f"name must be a non-empty string or None, got {name!r}.")
         self.monitor = monitor
         self.mode = mode
         self.patience = patience
         self.min_delta = float(min_delta)
+        self.baseline = _optional_number("baseline", baseline)
+        self.start_from_epoch = start_from_epoch
+        self.stopping_threshold = _optional_number("stopping_threshold", stopping_threshold)
+        self.divergence_threshold = _optional_number("divergence_threshold", divergence_threshold)
+        self.check_finite = check_finite
+        self.restore_best_weights = restore_best_weights
         self.name = name
-        self.best = math.inf if mode == "min" else -math.inf
+        #: The best value so far (+inf/-inf before the first; None while ``mode="auto"``
+        #: has not been resolved from an unclear name).
+        self.best: float | None = self._monitor.worst if self._monitor.mode else None
         self.wait = 0
         self.best_epoch = -1
-        self._loop: Loop | None = None
+        self.best_step = -1
+        #: Why this callback stopped the run, or None.
+        self.stopped_reason: str | None = None
+        self._best_weights: dict[str, torch.Tensor] | None = None
+        self._failed = False
 
     def __repr__(self) -> str:
         return (f"EarlyStopping(monitor={self.monitor!r}, mode={self.mode!r}, "
@@ -97,48 +139,98 @@ class EarlyStopping(Callback):
 
     def improved(self, value: float) -> bool:
         """True when ``value`` beats ``best`` by more than ``min_delta`` (NaN never does)."""
-        if self.mode == "min":
-            return value < self.best - self.min_delta
-        return value > self.best + self.min_delta
+        return self._monitor.better(value, self.best)
 
-    def update(self, value: float, epoch: int | None = None) -> bool:
-        """Count one epoch's ``value``; return True when patience has run out."""
+    def update(self, value: float, epoch: int | None = None, step: int | None = None) -> bool:
+        """Count one validation's ``value``; return True when training should stop."""
+        monitor = self._monitor
+        if self.check_finite and not math.isfinite(value):
+            self.stopped_reason = (f"EarlyStopping: {self.monitor} is {value} (not finite); "
+                                   "stopping at once")
+            return True
+        lower = monitor.resolve() == "min"
+        threshold = self.stopping_threshold
+        if threshold is not None and (value <= threshold if lower else value >= threshold):
+            self.stopped_reason = (f"EarlyStopping: {self.monitor}={value:.6g} reached the "
+                                   f"stopping threshold {threshold:.6g}")
+            return True
+        threshold = self.divergence_threshold
+        if threshold is not None and (value > threshold if lower else value < threshold):
+            self.stopped_reason = (f"EarlyStopping: {self.monitor}={value:.6g} is worse than the "
+                                   f"divergence threshold {threshold:.6g}")
+            return True
         if self.improved(value):
-            self.best, self.wait = value, 0
+            self.best = value
             self.best_epoch = -1 if epoch is None else epoch
+            self.best_step = -1 if step is None else step
+            beats_baseline = self.baseline is None or monitor.better(value, self.baseline)
+            self.wait = 0 if beats_baseline else self.wait + 1
         else:
             self.wait += 1
-        return self.wait >= self.patience
+        if self.wait >= self.patience:
+            best = ("none yet" if self.best is None or math.isinf(self.best)
+                    else f"best {self.best:.6g} at epoch {self.best_epoch}")
+            target = "" if self.baseline is None else f" beyond the baseline {self.baseline:.6g}"
+            self.stopped_reason = (f"EarlyStopping: {self.monitor} did not improve{target} for "
+                                   f"{self.wait} validations ({best})")
+            return True
+        return False
 
-    def on_fit_start(self, loop: Loop) -> None:
-        # Another fit of the same loop continues the count; a new loop starts afresh
-        # (a resumed run gets its counters back from Checkpoint, which runs after this).
-        if self._loop is not None and self._loop is not loop:
-            self.best = math.inf if self.mode == "min" else -math.inf
-            self.wait, self.best_epoch = 0, -1
-        self._loop = loop
+    # ------------------------------------------------------------------ events
+    def setup(self, loop: Loop) -> None:
+        self._monitor.resolve()  # mode="auto" with an unclear name fails before training
+
+    def on_validation_end(self, loop: Loop) -> None:
+        if loop.fitting and not loop.sanity_checking and loop.state.prefix == "val":
+            self._check(loop)
 
     def on_epoch_end(self, loop: Loop) -> None:
-        if not loop.epoch_completed:
-            return  # an epoch cut short by stop(): a partial value, nothing to compare
-        metrics = loop.state.metrics
-        value = metrics.get(self.monitor)
-        if value is None:
-            raise ConfigurationError(
-                f"EarlyStopping monitors {self.monitor!r} but it is not in loop.state.metrics at "
-                f"the end of epoch {loop.state.epoch} (available: {', '.join(sorted(metrics))}). "
-                "Check that the callback producing it runs every epoch.")
-        value = float(distributed.broadcast_object(float(value)))
-        if self.update(value, loop.state.epoch):
-            loop.stop(f"EarlyStopping: {self.monitor} did not improve for {self.wait} epochs "
-                      f"(best {self.best:.6g} at epoch {self.best_epoch})")
+        if loop.val_data is None and loop.epoch_completed:
+            self._check(loop)
 
+    def on_fit_start(self, loop: Loop) -> None:
+        self._failed = False
+        if self._best_weights is not None:  # loaded from a file: back to the weights' device
+            entries = loop.unwrapped_model.state_dict()
+            self._best_weights = {key: value.to(entries[key].device) if key in entries else value
+                                  for key, value in self._best_weights.items()}
+
+    def on_exception(self, loop: Loop, exc: BaseException) -> None:
+        self._failed = True
+
+    def on_fit_end(self, loop: Loop) -> None:
+        if self.restore_best_weights and self._best_weights is not None and not self._failed:
+            loop.unwrapped_model.load_state_dict(self._best_weights)
+
+    def _check(self, loop: Loop) -> None:
+        state = loop.state
+        if state.epoch < self.start_from_epoch:
+            return
+        value = self._monitor.read(loop, when=f"at epoch {state.epoch}")
+        before = self.best
+        stop = self.update(value, state.epoch, state.step)
+        if self.restore_best_weights and self.best is not None and self.best != before:
+            self._best_weights = {key: tensor.detach().clone() for key, tensor
+                                  in loop.unwrapped_model.state_dict().items()}
+        if stop:
+            loop.stop(self.stopped_reason)
+
+    # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """``best``, ``wait`` and ``best_epoch``."""
-        return {"best": self.best, "wait": self.wait, "best_epoch": self.best_epoch}
+        """``best``, ``wait``, ``best_epoch``, ``best_step`` (and the best weights)."""
+        state: dict[str, Any] = {"best": self.best, "wait": self.wait,
+                                 "best_epoch": self.best_epoch, "best_step": self.best_step}
+        if self.restore_best_weights and self._best_weights is not None:
+            state["best_weights"] = {key: tensor.detach().cpu()
+                                     for key, tensor in self._best_weights.items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the counters of `state_dict`."""
-        self.best = float(state["best"])
+        """Restore the counters of `state_dict` (and the best weights)."""
+        best = state.get("best")
+        self.best = None if best is None else float(best)
         self.wait = int(state["wait"])
         self.best_epoch = int(state.get("best_epoch", -1))
+        self.best_step = int(state.get("best_step", -1))
+        weights = state.get("best_weights")
+        self._best_weights = dict(weights) if weights else None

@@ -12,6 +12,7 @@ from torch import nn
 
 from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
+from hookloop.modules import unwrap
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -19,17 +20,6 @@ if TYPE_CHECKING:
 __all__ = ["EMA"]
 
 _BUFFER_MODES = ("average", "copy")
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The module without DDP/DataParallel or ``torch.compile`` wrappers."""
-    while True:
-        if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            module = module.module
-        elif isinstance(getattr(module, "_orig_mod", None), nn.Module):
-            module = module._orig_mod
-        else:
-            return module
 
 
 def _entries(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -57,10 +47,9 @@ class EMA(Callback):
       model's current buffers instead. Integer buffers (``num_batches_tracked``) are always
       copied, in their own dtype.
 
-    Later ``fit`` calls on the same model continue the average; a fit on another model
-    starts a new one from that model's weights (unless a state was loaded for it).
-    Its placement is decided at fit start, after the model moved, so a shadow loaded from
-    a CPU checkpoint goes to the model's device. Keys are the unwrapped model's names (no
+    Later ``fit`` calls continue the average. Its placement is decided at fit start, after
+    the model moved and a resumed run's state was loaded, so a shadow loaded from a CPU
+    checkpoint goes to the model's device. Keys are the unwrapped model's names (no
     ``module.`` from DDP, no ``_orig_mod.`` from ``torch.compile``), so the state loads
     whatever the wrapping, and ``model.load_state_dict(ema.averaged_state_dict())`` works.
 
@@ -112,7 +101,6 @@ class EMA(Callback):
         #: Number of averaging updates made so far.
         self.updates = 0
         self._shadow: dict[str, torch.Tensor] | None = None
-        self._pending: dict[str, torch.Tensor] | None = None
         self._model: nn.Module | None = None
         # Cached per fit: (shadows, sources) to lerp in float32, and to copy.
         self._lerp: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
@@ -124,9 +112,9 @@ class EMA(Callback):
 
     # ------------------------------------------------------------------ shadow
     def _build(self, model: nn.Module) -> None:
-        """Create (or place) the shadow for ``model``: from the pending state, else theta."""
+        """Create the shadow for ``model`` from its weights, or place the existing one."""
         entries = _entries(model)
-        source = self._pending if self._pending is not None else self._shadow
+        source = self._shadow
         if source is not None:
             missing = [name for name in entries if name not in source]
             unexpected = [name for name in source if name not in entries]
@@ -146,14 +134,12 @@ class EMA(Callback):
                 raise ConfigurationError(
                     f"The EMA state for {name!r} has shape {tuple(value.shape)} but the model's "
                     f"is {tuple(tensor.shape)}. Load an EMA state saved from this model.")
-            if (source is not None and source is self._shadow and value.device == tensor.device
-                    and value.dtype == dtype):
+            if source is not None and value.device == tensor.device and value.dtype == dtype:
                 placed = value  # an existing shadow already in place: keep the same tensor
             else:
                 placed = value.to(device=tensor.device, dtype=dtype, copy=True)
             by_tensor[id(tensor)] = shadow[name] = placed
         self._shadow = shadow
-        self._pending = None
         self._model = model
         lerp_shadows, lerp_sources, casts, copy_shadows, copy_sources = [], [], [], [], []
         params = {id(param) for param in model.parameters()}
@@ -177,7 +163,7 @@ class EMA(Callback):
         self._copy = (copy_shadows, copy_sources)
 
     def _require_shadow(self) -> dict[str, torch.Tensor]:
-        shadow = self._shadow if self._shadow is not None else self._pending
+        shadow = self._shadow
         if shadow is None:
             raise RuntimeError(
                 "EMA has no averaged weights yet: they are created when fit starts. Run "
@@ -187,10 +173,7 @@ class EMA(Callback):
     # ------------------------------------------------------------------ events
     def on_fit_start(self, loop: Loop) -> None:
         """Create the shadow (``ema = theta_0``) or place a loaded one on the model's device."""
-        model = loop.unwrapped_model
-        if self._pending is None and self._model is not None and self._model is not model:
-            self._shadow, self.updates = None, 0  # another model: start from its weights
-        self._build(model)
+        self._build(loop.unwrapped_model)
 
     def after_step(self, loop: Loop) -> None:
         """Average after every ``every_n_steps``-th real step; device ops only."""
@@ -214,7 +197,7 @@ class EMA(Callback):
 
     def validation_context(self, loop: Loop) -> AbstractContextManager[Any] | None:
         """Swap the EMA weights in for the validation pass when ``validate_with_ema``."""
-        if not self.validate_with_ema or (self._shadow is None and self._pending is None):
+        if not self.validate_with_ema or self._shadow is None:
             return None
         return self.swapped(loop.unwrapped_model)
 
@@ -227,7 +210,7 @@ class EMA(Callback):
         unwrapped module.
         """
         shadow = self._require_shadow()
-        entries = _entries(_unwrap(module))
+        entries = _entries(unwrap(module))
         missing = [name for name in entries if name not in shadow]
         if missing:
             raise ConfigurationError(
@@ -246,7 +229,7 @@ class EMA(Callback):
             >>> with ema.swapped(model):  # doctest: +SKIP
             ...     evaluate(model)
         """
-        target = _unwrap(module) if module is not None else self._model
+        target = unwrap(module) if module is not None else self._model
         if target is None:
             raise RuntimeError("EMA.swapped() needs a module before the first fit: swapped(model).")
         with torch.no_grad():
@@ -271,7 +254,7 @@ class EMA(Callback):
 
     def averaged_model(self, module: nn.Module | None = None) -> nn.Module:
         """A deep copy of ``module`` (default: the trained model) holding the EMA weights, in eval mode."""
-        source = _unwrap(module) if module is not None else self._model
+        source = unwrap(module) if module is not None else self._model
         if source is None:
             raise RuntimeError("EMA.averaged_model() needs a module before the first fit: "
                                "averaged_model(model).")
@@ -282,22 +265,19 @@ class EMA(Callback):
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """The shadow (unwrapped names -> tensors), the update count and the decay."""
-        shadow = self._shadow if self._shadow is not None else self._pending
         return {
-            "shadow": {} if shadow is None else self.averaged_state_dict(),
+            "shadow": {} if self._shadow is None else self.averaged_state_dict(),
             "updates": self.updates,
             "decay": self.decay,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:  # type: ignore[override]
-        """Restore a shadow; it is placed on the model's device at the next fit start.
-
-        Loaded during a fit (after the shadow exists), it is copied in place at once.
-        """
+        """Restore a shadow; it is placed on the model's device at fit start (the loop
+        loads it before ``on_fit_start``), or at once when a model is known already."""
         shadow = dict(state.get("shadow") or {})
         self.updates = int(state.get("updates", 0))
         if not shadow:
             return
-        self._pending = shadow
-        if self._model is not None and self._shadow is not None:
+        self._shadow = shadow
+        if self._model is not None:
             self._build(self._model)

@@ -30,12 +30,20 @@ class GradAccumulation(Callback):
     The loss division is a per-micro-batch mean (each micro-batch weighs the same), as in
     the seeds' ``loss / accumulation_steps``.
 
+    Data without a length (an ``IterableDataset``, a generator) works too: the loop looks
+    one batch ahead to find where the data ends, and the last, partial window is stepped
+    there. Its micro-batches were divided by ``steps`` before its size was known, so its
+    gradients are multiplied by ``steps / size`` after its last backward: the same step
+    as dividing by the real size.
+
+    The window is the loop's geometry: ``loop.accumulation_steps`` is reset to 1 at every
+    fit and set again by this callback's ``setup``, so removing the callback removes it.
+
     Args:
         steps: Micro-batches per optimizer step (1 means no accumulation).
 
     Raises:
-        ConfigurationError: ``steps`` is not a positive int; at setup, ``train_data`` has
-            no length (the last window of an epoch cannot be known).
+        ConfigurationError: ``steps`` is not a positive int.
 
     Example:
         >>> import torch
@@ -57,27 +65,24 @@ class GradAccumulation(Callback):
                 f"GradAccumulation steps must be a positive int (micro-batches per optimizer "
                 f"step), got {steps!r}.")
         self.steps = steps
-        self._batches = 0
+        self._batches: int | None = 0
 
     def __repr__(self) -> str:
         return f"GradAccumulation({self.steps})"
 
     def setup(self, loop: Loop) -> None:
-        """Set ``loop.accumulation_steps``; the data must have a length."""
-        if loop.batches_per_epoch is None:
-            raise ConfigurationError(
-                f"GradAccumulation needs len(train_data) to find the last (partial) window "
-                f"of each epoch, but {type(loop.train_data).__name__} has no length. Use a "
-                "map-style Dataset in the DataLoader, give the iterable a __len__, or remove "
-                "GradAccumulation.")
+        """Set ``loop.accumulation_steps``."""
         loop.accumulation_steps = self.steps
 
     def on_fit_start(self, loop: Loop) -> None:
         # Read after every setup ran: DDP may have re-sharded train_data.
-        self._batches = loop.batches_per_epoch or 0
+        self._batches = loop.batches_per_epoch
 
     def window_size(self, batch_idx: int) -> int:
-        """Number of micro-batches in the window that holds batch ``batch_idx``."""
+        """Number of micro-batches in the window that holds batch ``batch_idx``
+        (``steps`` for data without a length, where it is known only at the end)."""
+        if self._batches is None:
+            return self.steps
         start = batch_idx - batch_idx % self.steps
         return max(1, min(self.steps, self._batches - start))
 
@@ -85,3 +90,17 @@ class GradAccumulation(Callback):
         """The loss divided by the real size of the current window."""
         size = self.window_size(loop.state.batch_idx)
         return loss if size == 1 else loss / size
+
+    @torch.no_grad()
+    def after_backward(self, loop: Loop) -> None:
+        """Data without a length: rescale the gradients of a window the data cut short."""
+        state = loop.state
+        if self._batches is not None or not state.step_boundary:
+            return
+        size = state.batch_idx % self.steps + 1
+        if size == self.steps:
+            return
+        grads = [param.grad for group in loop.optimizer.param_groups for param in group["params"]
+                 if param.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, self.steps / size)

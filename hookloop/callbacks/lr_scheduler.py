@@ -12,6 +12,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
+from hookloop.monitor import Monitor, infer_mode
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -35,9 +36,15 @@ class LRScheduler(Callback):
     ``fn(optimizer, total_steps) -> scheduler`` called at fit start with
     ``loop.total_steps``: the optimizer steps of the whole run, with accumulation, DDP
     sharding, epochs and ``max_steps`` accounted (so ``OneCycleLR(total_steps=...)`` never
-    steps past its end). A factory is called again at a later ``fit`` only when that total
-    changed (``fit(2)`` then ``fit(4)``); the new scheduler is advanced to where the old one
-    was. Used with another loop (another optimizer), a factory starts a fresh schedule.
+    steps past its end).
+
+    A factory is called again whenever that total changes (``fit(2)`` then ``fit(4)``, or
+    a run resumed with a larger ``epochs``), and the new scheduler is advanced to the step
+    the run is at, so it continues on the new schedule. The scheduler is built at
+    ``setup`` (after `GradAccumulation` and `DDP` set the geometry; the stack check enforces
+    their order), so a resumed run's state is loaded into it before ``on_fit_start``. A
+    hand-built fixed-length scheduler too short for the fit is an error before the first
+    batch.
 
     * ``interval="step"``: ``scheduler.step()`` in ``after_step``, which fires only for real
       optimizer steps: never inside an accumulation window, never for a step the
@@ -81,6 +88,12 @@ class LRScheduler(Callback):
         10
     """
 
+    runs_after = {
+        "GradAccumulation": "the schedule's length counts optimizer steps, and GradAccumulation "
+                            "sets how many batches make one",
+        "distributed": "DDP shards the data, which sets the number of steps per epoch",
+    }
+
     def __init__(self, scheduler: Union[TorchScheduler, ReduceLROnPlateau, SchedulerFactory],
                  *, interval: str = "step", monitor: str | None = None,
                  name: str | None = None) -> None:
@@ -96,8 +109,6 @@ class LRScheduler(Callback):
         self._factory: SchedulerFactory | None = None
         self._scheduler: Any = None
         self._built_total: int | None = None
-        self._pending: dict[str, Any] | None = None
-        self._fitting = False
         if _is_scheduler(scheduler):
             self._scheduler = scheduler
             self._check_monitor(scheduler)
@@ -137,27 +148,34 @@ class LRScheduler(Callback):
                 f"{type(scheduler).__name__} does not read metrics. Remove monitor=.")
 
     # ------------------------------------------------------------------ events
-    def on_fit_start(self, loop: Loop) -> None:
-        """Build the scheduler from the factory with ``loop.total_steps`` and check it."""
-        self._fitting = True
-        if self._factory is not None:
-            total = loop.total_steps
-            if total is None:
+    def setup(self, loop: Loop) -> None:
+        """Build the scheduler from the factory with ``loop.total_steps`` (at a fit)."""
+        if not loop.fitting:
+            return
+        if self._factory is None:
+            if getattr(self._scheduler, "optimizer", loop.optimizer) is not loop.optimizer:
                 raise ConfigurationError(
-                    "The LRScheduler factory needs the number of optimizer steps, but "
-                    f"train_data ({type(loop.train_data).__name__}) has no length. Pass "
-                    "fit(..., max_steps=N), give the data a __len__, or pass a scheduler "
-                    "built by hand instead of a factory.")
-            if total == 0:  # fit(0) or nothing left to do: no step will need a scheduler
-                return
-            if getattr(self._scheduler, "optimizer", None) is not loop.optimizer:
-                self._scheduler = None  # first fit, or a new loop: start the schedule afresh
-            if self._scheduler is None or (self._built_total != total and not self.is_plateau):
-                self._build(loop, total)
-        if getattr(self._scheduler, "optimizer", loop.optimizer) is not loop.optimizer:
+                    "The scheduler given to LRScheduler was built on another optimizer than "
+                    "the loop's. Build it on loop.optimizer (the one passed to Loop).")
+            if self.is_plateau:
+                self._check_plateau_mode()
+            return
+        total = loop.total_steps
+        if total is None:
             raise ConfigurationError(
-                "The scheduler given to LRScheduler was built on another optimizer than "
-                "the loop's. Build it on loop.optimizer (the one passed to Loop).")
+                "The LRScheduler factory needs the number of optimizer steps, but "
+                f"train_data ({type(loop.train_data).__name__}) has no length. Pass "
+                "fit(..., max_steps=N), give the data a __len__, or pass a scheduler "
+                "built by hand instead of a factory.")
+        if total == 0:  # fit(0): no step will need a scheduler
+            return
+        if self._scheduler is None or (self._built_total != total and not self.is_plateau):
+            done = int(getattr(self._scheduler, "last_epoch", 0)) if self._scheduler else 0
+            self._build(loop, total)
+            self._advance(done)
+
+    def on_fit_start(self, loop: Loop) -> None:
+        """Check that a fixed-length scheduler lasts for what is left of the run."""
         self._check_length(loop)
 
     def _check_length(self, loop: Loop) -> None:
@@ -182,7 +200,7 @@ class LRScheduler(Callback):
         else:
             if loop.state.max_steps is not None:  # max_steps may end the run early
                 return
-            position = int(loop.state_dict()["epoch"])
+            position = loop.position.epoch
             needed, unit = loop.state.epochs - position, "epochs"
             done = f"fit({loop.state.epochs}) minus {position} epochs already done"
         if needed <= left:
@@ -200,32 +218,50 @@ class LRScheduler(Callback):
             f"would fail mid-run with torch's 'Tried to step {left + 1} times'. {fix}")
 
     def _build(self, loop: Loop, total: int) -> None:
-        previous = self._scheduler
         scheduler = self._factory(loop.optimizer, total)  # type: ignore[misc]
         if not _is_scheduler(scheduler):
             raise ConfigurationError(
                 f"The LRScheduler factory returned {type(scheduler).__name__}, not a torch "
                 "scheduler. It must be fn(optimizer, total_steps) -> scheduler.")
         self._check_monitor(scheduler)
-        if self._pending is not None:
-            scheduler.load_state_dict(self._pending)
-            self._pending = None
-        elif previous is not None:  # a later fit with another total: catch up
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                for _ in range(int(getattr(previous, "last_epoch", 0))):
-                    scheduler.step()
         self._scheduler, self._built_total = scheduler, total
+        if self.is_plateau:
+            self._check_plateau_mode()
 
-    def on_fit_end(self, loop: Loop) -> None:
-        self._fitting = False
+    def _advance(self, steps: int) -> None:
+        """Step a freshly built schedule until it has taken ``steps`` steps: where the run is.
+
+        The learning rates are first put back to the schedule's own (a loaded optimizer
+        state holds the saved run's), since some schedulers compute each step from the last.
+        """
+        scheduler = self._scheduler
+        last = getattr(scheduler, "_last_lr", None)
+        if isinstance(last, list):
+            for group, rate in zip(scheduler.optimizer.param_groups, last):
+                group["lr"] = rate
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "step() before optimizer.step()": on purpose
+            for _ in range(max(0, steps - int(getattr(self._scheduler, "last_epoch", 0)))):
+                self._scheduler.step()
+
+    def _check_plateau_mode(self) -> None:
+        """A plateau scheduler's own ``mode`` must agree with the monitored metric's name."""
+        expected = infer_mode(self.monitor or "")
+        mode = getattr(self._scheduler, "mode", None)
+        if expected is not None and mode in ("min", "max") and mode != expected:
+            better = "higher" if expected == "max" else "lower"
+            raise ConfigurationError(
+                f"LRScheduler monitors {self.monitor!r}, where {better} is better, but the "
+                f"ReduceLROnPlateau has mode={mode!r}, so it would cut the learning rate while "
+                f"the metric improves. Build it with mode={expected!r}.")
 
     def after_step(self, loop: Loop) -> None:
         if self.interval == "step" and not self.is_plateau:
             self._scheduler.step()
 
     def on_validation_end(self, loop: Loop) -> None:
-        if self.is_plateau and self._fitting:
+        if (self.is_plateau and loop.fitting and not loop.sanity_checking
+                and loop.state.prefix == "val"):
             self._scheduler.step(self._metric(loop))
 
     def on_epoch_end(self, loop: Loop) -> None:
@@ -238,26 +274,28 @@ class LRScheduler(Callback):
             self._scheduler.step()
 
     def _metric(self, loop: Loop) -> float:
-        metrics = loop.state.metrics
-        if self.monitor not in metrics:
-            raise ConfigurationError(
-                f"LRScheduler monitors {self.monitor!r}, which is not in this epoch's metrics "
-                f"({', '.join(sorted(metrics)) or 'none'}). Monitor one of those, or add the "
-                "callback that writes it before LRScheduler.")
-        return float(metrics[self.monitor])
+        return Monitor(self.monitor or "", "min", owner="LRScheduler").read(loop)
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """The scheduler's own ``state_dict()`` (or a loaded one not yet applied)."""
-        if self._scheduler is not None:
-            return self._scheduler.state_dict()
-        return dict(self._pending or {})
+        """The scheduler's own ``state_dict()`` (empty before it is built)."""
+        return self._scheduler.state_dict() if self._scheduler is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load into the scheduler now, or into the factory's scheduler when it is built."""
+        """Continue the saved schedule (the loop calls it after ``setup``).
+
+        A hand-built scheduler loads the state as it is. A factory-built one was just built
+        for this fit's total: it is advanced to the saved step count instead, so a run
+        resumed with a larger ``epochs`` follows the longer schedule from where it was.
+        """
         if not state:
             return
-        if self._scheduler is not None:
+        if self._scheduler is None:
+            raise ConfigurationError(
+                "LRScheduler.load_state_dict: the scheduler is built when fit starts; restore "
+                "a run with loop.load_state_dict(...) (or Checkpoint(resume=...)), which loads "
+                "callback states after setup.")
+        if self._factory is None or self.is_plateau:
             self._scheduler.load_state_dict(state)
         else:
-            self._pending = dict(state)
+            self._advance(int(state.get("last_epoch", 0)))

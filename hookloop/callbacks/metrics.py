@@ -109,7 +109,7 @@ class Metrics(Callback):
     every rank (torchmetrics objects synchronise across ranks inside ``compute()``).
 
     The values are written into ``loop.state.metrics`` as floats: ``val_<name>`` at
-    ``on_validation_end`` and, with ``on_train=True``, ``train_<name>`` when the training
+    ``on_validation_end`` (``<prefix>_<name>`` in `Loop.evaluate`, e.g. ``test_acc``) and, with ``on_train=True``, ``train_<name>`` when the training
     pass ends (at ``on_validation_start``, or ``on_epoch_end`` without validation data),
     before the callbacks after this one read them. Put ``Metrics`` before the callbacks
     that monitor its metrics (checked at fit start).
@@ -120,9 +120,18 @@ class Metrics(Callback):
     value covers the batches after the resume). The state is stored under
     ``Metrics(<names>)`` (or ``name``).
 
+    What a metric receives: by default the model's outputs and the batch's targets (the
+    second item of a pair, or the ``labels``/``targets`` entry of a mapping). ``targets=``
+    and ``outputs=`` change that, e.g. for a dataset yielding ``{"image", "label"}`` and a
+    model returning an object with ``.logits`` (Hugging Face style). A batch without
+    targets is an error at the first batch that names the fix.
+
     Args:
         on_train: Also compute each metric over the training batches (``train_<name>``),
             from the outputs of the training forward pass (dropout on).
+        name: State key in checkpoints (for two ``Metrics`` in one stack).
+        targets: ``fn(batch) -> targets``, e.g. ``lambda batch: batch["label"]``.
+        outputs: ``fn(outputs) -> what metrics receive``, e.g. ``lambda out: out.logits``.
         **metrics: ``name=metric`` pairs.
 
     Raises:
@@ -140,11 +149,22 @@ class Metrics(Callback):
         ['val_acc']
     """
 
-    def __init__(self, *, on_train: bool = False, **metrics: Any) -> None:
+    def __init__(self, *, on_train: bool = False, name: str | None = None,
+                 targets: Callable[[Any], Any] | None = None,
+                 outputs: Callable[[Any], Any] | None = None, **metrics: Any) -> None:
         if not metrics:
             raise ConfigurationError("Metrics() needs at least one metric: Metrics(acc=accuracy).")
         if not isinstance(on_train, bool):
             raise ConfigurationError(f"on_train must be True or False, got {on_train!r}.")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigurationError(f"Metrics name must be a non-empty string or None, got {name!r}.")
+        examples = {"targets": "fn(batch) -> targets, e.g. lambda batch: batch['label']",
+                    "outputs": "fn(outputs) -> what metrics receive, e.g. lambda out: out.logits"}
+        for label, function in (("targets", targets), ("outputs", outputs)):
+            if function is not None and not callable(function):
+                raise ConfigurationError(
+                    f"Metrics {label}= must be a function ({examples[label]}), got "
+                    f"{type(function).__name__}.")
         functions: dict[str, Callable[[Any, Any], Any]] = {}
         objects: dict[str, Any] = {}
         for metric_name, metric in metrics.items():
@@ -158,17 +178,19 @@ class Metrics(Callback):
                     "fn(outputs, targets) -> batch mean, or an object with update(outputs, "
                     "targets), compute() and reset().")
         self.on_train = on_train
+        self.name = name
         self.metrics = dict(metrics)
+        self.targets = targets
+        self.outputs = outputs
         self._validation = _Pass(functions, objects)
         # Objects keep their own state: the training pass needs separate instances.
         self._training = _Pass(dict(functions), {key: copy.deepcopy(value)
                                                  for key, value in objects.items()})
         self._loop: Loop | None = None
         self._train_pending = False
-        # Training sums at the last two step boundaries, keyed by the loop position
-        # (epoch, batches done) they belong to: see state_dict.
+        # Training sums at the last step boundaries, keyed by the loop position (epoch,
+        # batches done) they belong to: see state_dict. A loaded state adds its own.
         self._boundaries: dict[tuple[int, int], tuple[dict[str, torch.Tensor], int]] = {}
-        self._restored: tuple[int, int, dict[str, torch.Tensor], int] | None = None
 
     @property
     def state_key(self) -> str:
@@ -187,32 +209,43 @@ class Metrics(Callback):
 
     # ---------------------------------------------------------------- training
     def setup(self, loop: Loop) -> None:
-        if self._loop is not None and self._loop is not loop:  # reused in a new run
-            self._boundaries.clear()
-            self._restored = None
         self._loop = loop
 
     def on_epoch_start(self, loop: Loop) -> None:
         if not self.on_train:
             return
         self._training.reset(loop.device)
+        epoch, done, _ = loop.position
+        saved = self._boundaries.get((epoch, done)) if done and epoch == loop.state.epoch else None
         self._boundaries.clear()
-        restored, self._restored = self._restored, None
-        position = loop.state_dict()
-        if (restored is not None and position["batch_idx"]
-                and (restored[0], restored[1]) == (position["epoch"], position["batch_idx"])
-                and restored[0] == loop.state.epoch):
-            sums, samples = restored[2], restored[3]
+        if saved is not None:  # the epoch continues (a resume, or fit() after an exception)
+            sums, samples = saved
             self._training.sums = {key: value.to(loop.device) for key, value in sums.items()}
             self._training.samples = samples
-            self._boundaries[(restored[0], restored[1])] = (dict(self._training.sums), samples)
+            self._boundaries[(epoch, done)] = (dict(self._training.sums), samples)
         self._train_pending = True
+
+    def _inputs(self, loop: Loop) -> tuple[Any, Any]:
+        """What the metrics receive for the current batch: (outputs, targets)."""
+        state = loop.state
+        outputs = state.outputs if self.outputs is None else self.outputs(state.outputs)
+        targets = state.targets if self.targets is None else self.targets(state.batch)
+        if targets is None:
+            kind = type(state.batch).__name__
+            keys = (f" (its keys: {', '.join(map(str, state.batch))})"
+                    if isinstance(state.batch, dict) else "")
+            raise ConfigurationError(
+                f"{self!r}: the batch, a {kind}{keys}, has no targets for the metrics: they "
+                "are found only as the second item of an (inputs, targets) pair or under a "
+                "'labels'/'targets' key. Say where they are: Metrics(..., targets=lambda "
+                "batch: batch['label']).")
+        return outputs, targets
 
     def after_forward(self, loop: Loop) -> None:
         if not self.on_train:
             return
         state = loop.state
-        self._training.update(state.outputs, state.targets, state.batch_size)
+        self._training.update(*self._inputs(loop), state.batch_size)
         if state.step_boundary and self._training.functions:
             # Tensors are replaced, never changed in place: keeping references is a snapshot.
             self._boundaries[(state.epoch, state.batch_idx + 1)] = (
@@ -233,33 +266,32 @@ class Metrics(Callback):
 
     # -------------------------------------------------------------- validation
     def on_validation_start(self, loop: Loop) -> None:
-        if self.on_train:
+        if self.on_train and loop.epoch_completed:  # not a validation in the middle of an epoch
             self._write_train(loop)
         self._validation.reset(loop.device)
 
     def on_validation_batch_end(self, loop: Loop) -> None:
-        state = loop.state
-        self._validation.update(state.outputs, state.targets, state.batch_size)
+        self._validation.update(*self._inputs(loop), loop.state.batch_size)
 
     def on_validation_end(self, loop: Loop) -> None:
         # Every rank, also one with an empty validation shard: results() is a collective.
-        loop.state.metrics.update(self._validation.results("val_", "validation"))
+        prefix = loop.state.prefix
+        loop.state.metrics.update(self._validation.results(f"{prefix}_", "validation"))
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """The training sums at the loop's resume position (empty without ``on_train``)."""
         if not self.on_train or self._loop is None or distributed.world_size() > 1:
             return {}  # under DDP each rank holds its own sums and only rank 0 writes
-        position = self._loop.state_dict()
-        key = (position["epoch"], position["batch_idx"])
-        if key not in self._boundaries:
+        epoch, done, _ = self._loop.position
+        if (epoch, done) not in self._boundaries:
             return {}
-        sums, samples = self._boundaries[key]
-        return {"epoch": key[0], "batch_idx": key[1], "samples": samples,
+        sums, samples = self._boundaries[(epoch, done)]
+        return {"epoch": epoch, "batch_idx": done, "samples": samples,
                 "sums": {name: value.detach().cpu() for name, value in sums.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the training sums of an interrupted epoch (used at its next start)."""
         if state and "sums" in state:
-            self._restored = (int(state["epoch"]), int(state["batch_idx"]),
-                              dict(state["sums"]), int(state["samples"]))
+            key = (int(state["epoch"]), int(state["batch_idx"]))
+            self._boundaries[key] = (dict(state["sums"]), int(state["samples"]))

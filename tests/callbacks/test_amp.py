@@ -304,12 +304,12 @@ def test_state_round_trip(tmp_path) -> None:  # noqa: ANN001
     state = torch.load(tmp_path / "amp.pt", weights_only=True)
     assert state["scaler"]["scale"] == 512.0 and state["skipped_steps"] == 1
 
-    # Loaded before setup: applied when the scaler is created.
+    # The loop loads callback states after setup, once the scaler exists.
     fresh = AMP(torch.float16)
-    fresh.load_state_dict(state)
     other = make_model()
     Loop(other, torch.optim.SGD(other.parameters(), lr=0.01), make_data(1), loss_fn=F.mse_loss,
          device="cpu", callbacks=[fresh]).fit(0)
+    fresh.load_state_dict(state)
     assert fresh.state_dict() == state
     # Loaded into a live scaler.
     live = AMP(torch.float16)
@@ -320,15 +320,19 @@ def test_state_round_trip(tmp_path) -> None:  # noqa: ANN001
     assert AMP().state_dict() == {"scaler": {}, "skipped_steps": 0}
 
 
-def test_another_loop_gets_a_fresh_scaler() -> None:
+def test_a_later_fit_continues_the_scaler_and_another_loop_is_refused() -> None:
     amp = AMP(torch.float16, scaler={"init_scale": 256.0, "growth_interval": 1})
-    scales = []
-    for _ in range(2):
-        model = make_model()
-        Loop(model, torch.optim.SGD(model.parameters(), lr=0.01), make_data(2),
+    model = make_model()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.01), make_data(2),
+                loss_fn=F.mse_loss, device="cpu", callbacks=[amp])
+    loop.fit(1)
+    assert amp.scaler.get_scale() == 1024.0  # 256 doubled twice
+    loop.fit(2)
+    assert amp.scaler.get_scale() == 4096.0  # and twice more: the same scaler goes on
+    other = make_model()
+    with pytest.raises(ConfigurationError, match="already ran in another Loop"):
+        Loop(other, torch.optim.SGD(other.parameters(), lr=0.01), make_data(2),
              loss_fn=F.mse_loss, device="cpu", callbacks=[amp]).fit(1)
-        scales.append(amp.scaler.get_scale())
-    assert scales == [1024.0, 1024.0]  # 256 doubled twice, in each loop
 
 
 def test_an_exception_inside_optimizer_step_still_pairs_the_scaler_update() -> None:

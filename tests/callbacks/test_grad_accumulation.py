@@ -98,18 +98,50 @@ def test_sets_the_loop_geometry() -> None:
     assert loop.steps_per_epoch == 3
 
 
-def test_unsized_data_is_rejected_before_training() -> None:
-    class Stream:
-        def __iter__(self):  # noqa: ANN204
-            return iter(make_data(4))
+class Stream:
+    """Data without a length, as an IterableDataset or a generator gives."""
 
+    def __init__(self, batches: list) -> None:  # noqa: ANN001
+        self.batches = batches
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self.batches)
+
+
+def test_unsized_data_steps_every_window_and_the_partial_last_one_at_exhaustion() -> None:
+    data, k, epochs = make_data(10), 4, 2
+    hand_model = make_model()
+    optimizer = torch.optim.SGD(hand_model.parameters(), lr=0.2, momentum=0.9)
+    for _ in range(epochs):  # windows {0..3}, {4..7}, {8, 9}: the last averages 2 batches
+        for batch_idx, (inputs, labels) in enumerate(data):
+            window = 4 if batch_idx < 8 else 2
+            (F.mse_loss(hand_model(inputs), labels) / window).backward()
+            if (batch_idx + 1) % k == 0 or batch_idx == len(data) - 1:
+                optimizer.step()
+                optimizer.zero_grad()
     steps = Steps()
     model = make_model()
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), Stream(), loss_fn=F.mse_loss,
-                device="cpu", callbacks=[GradAccumulation(2), steps])
-    with pytest.raises(ConfigurationError, match="len\\(train_data\\)"):
-        loop.fit(1)
-    assert steps.batches == 0
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), Stream(data),
+                loss_fn=F.mse_loss, device="cpu", callbacks=[GradAccumulation(k), steps])
+    state = loop.fit(epochs)
+    assert state.step == 6
+    assert steps.steps == [(0, 3), (0, 7), (0, 9), (1, 3), (1, 7), (1, 9)]
+    for p, hand in zip(model.parameters(), hand_model.parameters()):
+        assert torch.allclose(p, hand, atol=1e-6)
+
+
+def test_removing_gradaccumulation_removes_the_window() -> None:
+    data = make_data(8)
+    model = make_model()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.mse_loss,
+                device="cpu", callbacks=[GradAccumulation(4)])
+    loop.fit(1)
+    assert loop.state.step == 2
+    steps = Steps()
+    loop.callbacks = [steps]
+    loop.fit(2)  # the geometry is read afresh: one step per batch, the loss undivided
+    assert loop.accumulation_steps == 1 and loop.state.step == 2 + 8
+    assert len(steps.steps) == 8
 
 
 def test_two_instances_are_rejected() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -159,7 +160,7 @@ def test_epoch_interval_matches_hand_loop() -> None:
 def test_plateau_without_validation_reads_train_loss_at_epoch_end() -> None:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    callback = LRScheduler(lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=0),
+    callback = LRScheduler(lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", patience=0),
                            monitor="train_loss")
     Loop(model, optimizer, make_data(3), loss_fn=F.mse_loss, device="cpu",
          callbacks=[callback]).fit(3)
@@ -253,36 +254,38 @@ def test_state_round_trip(tmp_path) -> None:  # noqa: ANN001
     factory = functools.partial(warmup_cosine, warmup_steps=0.25, min_lr=0.01)
     model = make_model()
     callback = LRScheduler(factory)
-    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.mse_loss,
-         device="cpu", callbacks=[callback]).fit(1, max_steps=3)
+    first = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.mse_loss,
+                 device="cpu", callbacks=[callback])
+    first.fit(1, max_steps=3)
     torch.save(callback.state_dict(), tmp_path / "sched.pt")
     state = torch.load(tmp_path / "sched.pt", weights_only=True)
     assert state == callback.scheduler.state_dict() and state["last_epoch"] == 3
 
+    # A new process: the loop restores the run (the schedule included) after setup.
+    saved = first.state_dict()
     restored = LRScheduler(factory)
-    restored.load_state_dict(state)  # before the factory ran: applied when it runs
-    assert restored.state_dict() == state
     other = make_model()
     optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
     loop = Loop(other, optimizer, data, loss_fn=F.mse_loss, device="cpu", callbacks=[restored])
-    loop.load_state_dict({"epoch": 0, "batch_idx": 3, "step": 3})  # resume at step 3 of 3
+    loop.load_state_dict(saved)  # resume at step 3 of 3: that run has ended
     log = LRLog()
     loop.callbacks.append(log)
     loop.fit(1, max_steps=3)
     assert log.batches == 0
     assert restored.scheduler.last_epoch == 3
     assert restored.scheduler.get_last_lr() == callback.scheduler.get_last_lr()
+    assert optimizer.param_groups[0]["lr"] == callback.scheduler.get_last_lr()[0]
 
 
-def test_a_factory_starts_afresh_with_another_loop() -> None:
+def test_a_callback_stays_with_the_loop_it_first_ran_in() -> None:
     callback = LRScheduler(functools.partial(warmup_cosine, warmup_steps=2))
-    for _ in range(2):
-        model = make_model()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        Loop(model, optimizer, make_data(4), loss_fn=F.mse_loss, device="cpu",
-             callbacks=[callback]).fit(1)
-        assert callback.scheduler.optimizer is optimizer
-        assert callback.scheduler.last_epoch == 4
+    model = make_model()
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(4), loss_fn=F.mse_loss,
+         device="cpu", callbacks=[callback]).fit(1)
+    other = make_model()
+    with pytest.raises(ConfigurationError, match="already ran in another Loop"):
+        Loop(other, torch.optim.SGD(other.parameters(), lr=0.1), make_data(4),
+             loss_fn=F.mse_loss, device="cpu", callbacks=[callback]).fit(1)
 
 
 # ----------------------------------------------- hand-built fixed-length schedulers
@@ -359,10 +362,7 @@ class StopOnce(Callback):
 
     def on_epoch_end(self, loop: Loop) -> None:  # runs after LRScheduler: a checkpoint here
         if self.done and self.saved is None:
-            self.saved = {"loop": loop.state_dict(),
-                          "model": {k: v.clone() for k, v in loop.model.state_dict().items()},
-                          "optimizer": loop.optimizer.state_dict(),
-                          "scheduler": self.scheduler_callback.state_dict()}
+            self.saved = copy.deepcopy(loop.state_dict())
 
 
 @pytest.mark.parametrize("how", ["fit_again", "resume"])
@@ -389,18 +389,20 @@ def test_an_epoch_cut_short_by_stop_does_not_step_an_epoch_scheduler(how: str) -
     assert loop.stop_requested and callback.scheduler.last_epoch == 1
     if how == "resume":  # a fresh process restoring what was saved at that on_epoch_end
         saved = stopper.saved
-        assert saved is not None
+        assert saved is not None and saved["loop"]["ended"] is not None
         hook_model = make_model()
-        hook_model.load_state_dict(saved["model"])
         hook_optimizer = torch.optim.SGD(hook_model.parameters(), lr=0.1)
-        hook_optimizer.load_state_dict(saved["optimizer"])
         callback = LRScheduler(lr_scheduler.StepLR(hook_optimizer, step_size=1, gamma=0.5),
                                interval="epoch")
-        callback.load_state_dict(saved["scheduler"])
         loop = Loop(hook_model, hook_optimizer, data, loss_fn=F.mse_loss, device="cpu",
                     callbacks=[callback])
-        loop.load_state_dict(saved["loop"])
-    loop.fit(epochs)
+        loop.load_state_dict(saved)
+        loop.fit(epochs)  # the run ended by a stop stays ended with the same epochs
+        assert loop.state.step == 6 and callback.scheduler.last_epoch == 1
+        loop.load_state_dict(saved)
+        loop.fit(epochs + 1, max_steps=4 * epochs)  # asking for more continues it
+    else:
+        loop.fit(epochs)
     assert callback.scheduler.last_epoch == epochs == scheduler.last_epoch
     assert hook_optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** epochs)
     assert_same_weights(hook_model, model)
@@ -409,7 +411,7 @@ def test_an_epoch_cut_short_by_stop_does_not_step_an_epoch_scheduler(how: str) -
 def test_an_epoch_cut_short_by_stop_does_not_step_a_plateau_without_validation() -> None:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    callback = LRScheduler(lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", patience=0),
+    callback = LRScheduler(lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", patience=0),
                            monitor="train_loss")
     loop = Loop(model, optimizer, make_data(4), loss_fn=F.mse_loss, device="cpu",
                 callbacks=[callback, StopOnce(callback)])
