@@ -37,8 +37,7 @@ def gather_hparams(loop: Loop) -> dict[str, Any]:
 
     The optimizer's class and its first param group's settings (``lr``, ``weight_decay``,
     ``momentum``...), the batch size when ``train_data`` has one, the number of epochs,
-    and every callback's public settings (``GradClip.max_norm``...), or its ``repr`` when it
-    has none.
+    and every callback's ``repr`` and public settings (``1.GradClip.max_norm``...).
 
     Example:
         >>> import torch
@@ -70,13 +69,10 @@ def gather_hparams(loop: Loop) -> dict[str, Any]:
         params["epochs"] = loop.state.epochs
     for index, callback in enumerate(loop.callbacks):
         prefix = f"{index}.{type(callback).__name__}"
-        settings = {key: value for key, value in vars(callback).items()
-                    if not key.startswith("_") and isinstance(value, _Scalar)}
-        if settings:
-            for key, value in settings.items():
+        params[prefix] = repr(callback)
+        for key, value in vars(callback).items():
+            if not key.startswith("_") and isinstance(value, _Scalar):
                 params[f"{prefix}.{key}"] = value
-        else:
-            params[prefix] = repr(callback)
     return params
 
 
