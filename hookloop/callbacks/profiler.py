@@ -87,6 +87,8 @@ class Profiler(Callback):
             torch.cuda.synchronize(self._device)
 
     def _wrap(self, callback: Callback, event: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        if callback is self:  # its own markers are measurement, not a cost of the stack
+            return method
         cell = self._cells.setdefault((id(callback), event), [0.0, 0])
         spent = self._callback_time
         clock, sync = time.perf_counter, self._sync

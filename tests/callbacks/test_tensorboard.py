@@ -214,8 +214,11 @@ def test_bad_arguments() -> None:
         TensorBoard(hparams=[("lr", 1)])
 
 
-@pytest.mark.parametrize("crash_step", [10, 14])  # 14: the checkpoint (step 14) precedes a validation
-def test_exception_after_checkpoint_then_resume_logs_each_step_once(tmp_path: Path,
+# every=7: the checkpoint at step 7 (or 14) is taken before that epoch's validation, which the
+# resumed run does again: the purge at the resumed step must not keep two copies, nor lose the
+# step's loss, logged before the checkpoint.
+@pytest.mark.parametrize(("every", "crash_step"), [(4, 10), (7, 10), (7, 14)])
+def test_exception_after_checkpoint_then_resume_logs_each_step_once(tmp_path: Path, every: int,
                                                                    crash_step: int) -> None:
     reference = make_loop([TensorBoard(tmp_path / "reference", every_n_steps=1)])
     reference.fit(EPOCHS)
@@ -229,10 +232,10 @@ def test_exception_after_checkpoint_then_resume_logs_each_step_once(tmp_path: Pa
     run, checkpoints = tmp_path / "run", tmp_path / "checkpoints"
     with pytest.raises(Crash):
         make_loop([TensorBoard(run, every_n_steps=1),
-                   Checkpoint(checkpoints, every_n_steps=7 if crash_step == 14 else 4),
+                   Checkpoint(checkpoints, every_n_steps=every),
                    CrashAt()]).fit(EPOCHS)
     make_loop([TensorBoard(run, every_n_steps=1),
-               Checkpoint(checkpoints, every_n_steps=7 if crash_step == 14 else 4, resume=True)]
+               Checkpoint(checkpoints, every_n_steps=every, resume=True)]
               ).fit(EPOCHS)
     resumed = events(run)
     for tag in ("step/loss", "step/lr", "metrics/val_loss", "metrics/train_loss"):
