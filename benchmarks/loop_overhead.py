@@ -2,7 +2,9 @@
 
 Both train the same MLP on the same in-memory batches (no DataLoader, so the loop itself
 is what is measured) and both accumulate the epoch loss on the device and read it once.
-Runs are interleaved (hand, hookloop, hookloop with listeners, in a rotating order) so
+The "observers" variant adds TensorBoard(every_n_steps=50), a ProgressBar writing plain
+lines (not a terminal) and a CSVLogger, each run writing into a fresh temporary folder.
+Runs are interleaved (hand, hookloop, hookloop with listeners..., in a rotating order) so
 that drift of the machine hits all variants alike; the result is the median ratio of
 each variant's time to the hand-written loop's time in the same round.
 
@@ -13,7 +15,9 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import io
 import statistics
+import tempfile
 import time
 
 import torch
@@ -73,6 +77,18 @@ def with_hookloop(model, optimizer, batches, device, callbacks) -> float:
     return loop.fit(1).metrics["train_loss"]
 
 
+def observers(directory: str) -> list[Callback]:
+    """TensorBoard, a non-terminal ProgressBar and a CSVLogger, each in a fresh place."""
+    from rich.console import Console
+
+    from hookloop.callbacks import CSVLogger, ProgressBar, TensorBoard
+
+    run = tempfile.mkdtemp(dir=directory)
+    return [TensorBoard(run, every_n_steps=50),
+            ProgressBar(console=Console(file=io.StringIO(), force_terminal=False)),
+            CSVLogger(f"{run}/log.csv", every_n_steps=50)]
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -90,10 +106,13 @@ def main() -> None:
     torch.manual_seed(0)
     batches = [(torch.randn(args.batch_size, 64), torch.randint(0, 10, (args.batch_size,)))
                for _ in range(args.batches)]
+    scratch = tempfile.TemporaryDirectory()  # event files and CSVs of the observers variant
     variants = {
         "hand-written": lambda m, o: hand_written(m, o, batches, device),
         "hookloop": lambda m, o: with_hookloop(m, o, batches, device, []),
         "hookloop+6 listeners": lambda m, o: with_hookloop(m, o, batches, device, [Listener()]),
+        "hookloop+observers": lambda m, o: with_hookloop(m, o, batches, device,
+                                                         observers(scratch.name)),
     }
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}

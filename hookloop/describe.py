@@ -11,11 +11,16 @@ from hookloop.ordering import overrides
 
 __all__ = ["describe"]
 
+#: Width of the text returned (and printed): readable in an 80-column terminal.
+WIDTH = 80
+
 
 def describe(callbacks: Sequence[Callback], *, print_table: bool = True) -> str:
     """Print a table of events (rows, in firing order) by callbacks (columns, in list order).
 
-    A cell holds the position of that callback among the listeners of the event (1 runs
+    Columns are headed by the callback's index in the list; a legend under the table names
+    each index (its ``repr``), so event names and callbacks stay whole at 80 columns. A
+    cell holds the position of that callback among the listeners of the event (1 runs
     first). Rows after the events are the hooks that change how the loop works.
 
     Args:
@@ -23,27 +28,28 @@ def describe(callbacks: Sequence[Callback], *, print_table: bool = True) -> str:
         print_table: Print the table to the terminal (rich); set False to only get the text.
 
     Returns:
-        The table as plain text.
+        The table and its legend as plain text, at most 80 characters a line (a legend
+        line may wrap when a callback's ``repr`` is longer).
 
     Example:
         >>> from hookloop import Callback, describe
         >>> class Hello(Callback):
         ...     def on_fit_start(self, loop):
         ...         print("hello")
-        >>> "on_fit_start" in describe([Hello()], print_table=False)
+        >>> text = describe([Hello()], print_table=False)
+        >>> "on_fit_start" in text and "0: Hello()" in text
         True
     """
-    from rich.console import Console
+    from rich.console import Console, Group
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title="hookloop: who runs at which event", show_lines=False)
-    table.add_column("event", style="bold")
-    for index, callback in enumerate(callbacks):
-        header = f"{index}: {callback!r}"
-        if callback.rank_zero_only:
-            header += " (rank 0 only)"
-        table.add_column(header, justify="center")
+    table = Table(title="hookloop: who runs at which event", show_lines=False, padding=(0, 1),
+                  caption="a cell: the callback's turn among those listening (1 runs first)")
     rows = [event.value for event in Event] + list(HOOKS)
+    table.add_column("event", style="bold", no_wrap=True, min_width=max(map(len, rows)))
+    for index, _ in enumerate(callbacks):
+        table.add_column(str(index), justify="center", no_wrap=True)
     for row in rows:
         if row == HOOKS[0]:
             table.add_section()
@@ -55,8 +61,15 @@ def describe(callbacks: Sequence[Callback], *, print_table: bool = True) -> str:
             else:
                 cells.append("")
         table.add_row(row, *cells, style=None if order else "dim")
+    legend = Text()
+    for index, callback in enumerate(callbacks):
+        line = f"{index}: {callback!r}"
+        if callback.rank_zero_only:
+            line += " (rank 0 only)"
+        legend.append(line + "\n")
+    renderable = Group(table, legend) if callbacks else table
     buffer = io.StringIO()
-    Console(file=buffer, width=max(100, 34 + 22 * len(callbacks)), color_system=None).print(table)
+    Console(file=buffer, width=WIDTH, color_system=None).print(renderable)
     if print_table:
-        Console().print(table)
+        Console().print(renderable)
     return buffer.getvalue()

@@ -15,5 +15,5 @@ def test_loop_overhead_benchmark_runs_and_reports_ratios() -> None:
          "--batches", "5", "--device", "cpu"],
         env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    for name in ("hand-written", "hookloop", "hookloop\\+6 listeners"):
+    for name in ("hand-written", "hookloop", "hookloop\\+6 listeners", "hookloop\\+observers"):
         assert re.search(rf"^{name}\s+median .* ratio \d+\.\d+ \(IQR", result.stdout, re.MULTILINE)

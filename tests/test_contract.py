@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from rich.console import Console
 from torch.utils.data import DataLoader, TensorDataset
 
 import hookloop.callbacks as builtins
@@ -17,20 +18,27 @@ from hookloop import Callback, ConfigurationError, Loop, describe
 from hookloop.ordering import overrides
 from hookloop.callbacks import (
     AMP,
+    CSVLogger,
+    Checkpoint,
     DDP,
     EMA,
-    Checkpoint,
     EarlyStopping,
     GradAccumulation,
     GradClip,
     LRScheduler,
     Metrics,
+    ModelSummary,
+    Profiler,
+    ProgressBar,
+    TensorBoard,
     TerminateOnNaN,
 )
 from hookloop.schedules import warmup_cosine
 
 # DDP outside torchrun is a no-op that says so; here that is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:DDP. not launched by torchrun")
+pytestmark = [pytest.mark.filterwarnings("ignore:DDP. not launched by torchrun"),
+              # the same TensorBoard twice in a row writes into one log_dir: it says so
+              pytest.mark.filterwarnings("ignore:TensorBoard. .* already holds event files")]
 
 
 def accuracy(outputs, targets):
@@ -53,6 +61,13 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
     "Checkpoint": lambda tmp: Checkpoint(tmp / "checkpoints", monitor="val_loss", keep_last=2),
     "TerminateOnNaN": lambda tmp: TerminateOnNaN(),
     "DDP": lambda tmp: DDP(),
+    "TensorBoard": lambda tmp: TensorBoard(tmp / "tb", every_n_steps=2, graph=True,
+                                           histograms_every_n_epochs=2),
+    "ProgressBar": lambda tmp: ProgressBar(console=Console(file=io.StringIO(), force_terminal=True)),
+    "ProgressBar-plain": lambda tmp: ProgressBar(console=Console(file=io.StringIO())),
+    "ModelSummary": lambda tmp: ModelSummary(print_summary=False),
+    "CSVLogger": lambda tmp: CSVLogger(tmp / "log.csv", every_n_steps=2),
+    "Profiler": lambda tmp: Profiler(print_table=False),
 }
 
 

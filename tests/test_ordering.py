@@ -180,8 +180,9 @@ def test_describe_shows_events_in_firing_order_and_listener_positions() -> None:
     text = describe([First(), Second()], print_table=False)
     lines = text.splitlines()
     header = next(line for line in lines if "┃ event" in line)
-    assert "0: First()" in header and "1: Second()" in header
-    assert "rank 0 only" in text
+    assert [cell.strip() for cell in header.split("┃")[2:-1]] == ["0", "1"]
+    assert "0: First()" in lines and "1: Second() (rank 0 only)" in lines  # the legend
+    assert max(map(len, lines)) <= 80
     row = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
            for line in lines if line.startswith("│") and line.split("│")[1].strip()}
     assert row["before_step"] == ["1", "2"]

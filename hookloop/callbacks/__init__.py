@@ -1,4 +1,8 @@
-"""The built-in callbacks. Stack them in a list, in the order they should run."""
+"""The built-in callbacks. Stack them in a list, in the order they should run.
+
+The display callbacks (`TensorBoard`, `ProgressBar`, `ModelSummary`, `Profiler`) import
+tensorboard, rich and torchinfo only when a fit uses them.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,18 @@ from hookloop.callbacks.grad_accumulation import GradAccumulation
 from hookloop.callbacks.grad_clip import GradClip
 from hookloop.callbacks.lr_scheduler import LRScheduler
 from hookloop.callbacks.checkpoint import Checkpoint
+from hookloop.callbacks.csv_logger import CSVLogger
 from hookloop.callbacks.ddp import DDP
 from hookloop.callbacks.early_stopping import EarlyStopping
 from hookloop.callbacks.metrics import Metrics
+from hookloop.callbacks.model_summary import ModelSummary
+from hookloop.callbacks.profiler import Profiler
+from hookloop.callbacks.progress import ProgressBar
+from hookloop.callbacks.tensorboard import TensorBoard
 from hookloop.callbacks.terminate_on_nan import TerminateOnNaN
 
 __all__: list[str] = []
 __all__ += ["AMP", "EMA", "GradAccumulation", "GradClip", "LRScheduler"]
 __all__ += ["Checkpoint", "EarlyStopping", "Metrics", "TerminateOnNaN"]
 __all__ += ["DDP"]
+__all__ += ["CSVLogger", "ModelSummary", "Profiler", "ProgressBar", "TensorBoard"]

@@ -1,0 +1,257 @@
+"""A rich progress display, or one plain line per epoch when the output is not a terminal."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from hookloop.callback import Callback
+from hookloop.data import length_of
+from hookloop.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
+
+    from hookloop.loop import Loop
+
+__all__ = ["ProgressBar", "format_number"]
+
+
+def format_number(value: float) -> str:
+    """A metric as people read it: 4 decimals, or scientific notation when far from 1.
+
+    Example:
+        >>> format_number(0.123456), format_number(3e-06), format_number(12345.6)
+        ('0.1235', '3.000e-06', '1.235e+04')
+    """
+    if value != value or math.isinf(value):
+        return str(value)
+    if value != 0 and (abs(value) >= 1e4 or abs(value) < 1e-3):
+        return f"{value:.3e}"
+    return f"{value:.4f}"
+
+
+class ProgressBar(Callback):
+    """Show training progress with rich (rank 0 only).
+
+    In a terminal (or a notebook): an epoch bar, a batch bar with the loss of the latest
+    batch, the learning rate, speed (samples/s) and ETA, a validation bar during
+    validation, and one row of a metrics table per epoch, printed above the bars. Data
+    without a length shows a counter instead of a bar.
+
+    When the output is not a terminal (CI, a log file, SLURM): one plain line per epoch,
+    without carriage returns or colours, plus a progress line every ``plain_every_s``
+    seconds inside long epochs so a log never goes silent.
+
+    The shown loss is read from the device at most ``refresh_per_second`` times a second
+    (time-throttled), never on every batch: no sync per batch. The bars are stopped at
+    ``on_exception``, before the traceback is printed, so it stays readable.
+
+    Args:
+        console: The ``rich.console.Console`` to draw on; None makes one on stdout.
+        terminal: Force bars (True) or plain lines (False); None asks the console.
+        refresh_per_second: How often the bars and the shown loss are refreshed.
+        plain_every_s: In plain mode, seconds between progress lines inside an epoch.
+
+    Raises:
+        ConfigurationError: a non-positive rate or interval.
+
+    Example:
+        >>> import io, torch
+        >>> from rich.console import Console
+        >>> from hookloop import Loop
+        >>> model = torch.nn.Linear(3, 1)
+        >>> data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(4)]
+        >>> console = Console(file=io.StringIO(), force_terminal=False, width=100)
+        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+        ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
+        ...             callbacks=[ProgressBar(console=console)])
+        >>> _ = loop.fit(2)
+        >>> console.file.getvalue().splitlines()[1].startswith("epoch 2/2  step 8  train_loss")
+        True
+    """
+
+    rank_zero_only = True
+
+    def __init__(self, *, console: Console | None = None, terminal: bool | None = None,
+                 refresh_per_second: float = 4.0, plain_every_s: float = 60.0) -> None:
+        for name, value in (("refresh_per_second", refresh_per_second),
+                            ("plain_every_s", plain_every_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigurationError(f"ProgressBar {name} must be a positive number, got {value!r}.")
+        self.console = console
+        self.terminal = terminal
+        self.refresh_per_second = float(refresh_per_second)
+        self.plain_every_s = float(plain_every_s)
+        self._progress: Progress | None = None
+        self._tasks: dict[str, TaskID] = {}
+        self._columns: list[str] | None = None
+        self._bars = False
+        self._next_refresh = 0.0
+        self._epoch_start = 0.0
+        self._samples = 0
+        self._batches = 0
+        self._val_batches = 0
+
+    def __repr__(self) -> str:
+        return "ProgressBar()"
+
+    # ------------------------------------------------------------------ events
+    def on_fit_start(self, loop: Loop) -> None:
+        """Pick bars or plain lines and start the display."""
+        from rich.console import Console
+
+        if self.console is None:
+            self.console = Console()
+        self._bars = self.console.is_terminal if self.terminal is None else bool(self.terminal)
+        self._columns = None
+        self._tasks = {}
+        if self._bars:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=self.console, refresh_per_second=self.refresh_per_second)
+            self._progress.start()
+            state = loop.state
+            self._tasks["epoch"] = self._progress.add_task(
+                "epochs", total=state.epochs, completed=state.epoch, info="")
+
+    def on_epoch_start(self, loop: Loop) -> None:
+        """Reset the batch bar and the speed clock."""
+        self._epoch_start = time.perf_counter()
+        self._next_refresh = self._epoch_start + (0.0 if self._bars else self.plain_every_s)
+        self._samples = self._batches = 0
+        if self._progress is not None:
+            state = loop.state
+            description = f"epoch {state.epoch + 1}/{state.epochs}"
+            self._progress.update(self._tasks["epoch"], completed=state.epoch)
+            self._task("train", description, loop.batches_per_epoch)
+
+    def on_batch_end(self, loop: Loop) -> None:
+        """Count samples; at most ``refresh_per_second`` times a second, read and show the loss."""
+        self._samples += loop.state.batch_size
+        self._batches = loop.state.batch_idx + 1
+        now = time.perf_counter()
+        if now < self._next_refresh:
+            return
+        if self._progress is not None:
+            self._next_refresh = now + 1.0 / self.refresh_per_second
+            self._progress.update(self._tasks["train"], completed=self._batches,
+                                  info=self._batch_info(loop, now))
+        else:
+            self._next_refresh = now + self.plain_every_s
+            total = loop.batches_per_epoch
+            state = loop.state
+            self._print(f"epoch {state.epoch + 1}/{state.epochs}  batch {state.batch_idx + 1}/"
+                        f"{'?' if total is None else total}  {self._batch_info(loop, now)}")
+
+    def on_validation_start(self, loop: Loop) -> None:
+        """Show the validation bar."""
+        self._val_batches = 0
+        if self._progress is not None and loop.fitting:
+            self._next_refresh = 0.0
+            self._progress.update(self._tasks["train"], completed=self._batches)
+            self._task("val", "validation", length_of(loop.val_data))
+
+    def on_validation_batch_end(self, loop: Loop) -> None:
+        """Advance the validation bar, time-throttled."""
+        self._val_batches += 1
+        if self._progress is None or "val" not in self._tasks:
+            return
+        now = time.perf_counter()
+        if now >= self._next_refresh:
+            self._next_refresh = now + 1.0 / self.refresh_per_second
+            self._progress.update(self._tasks["val"], completed=self._val_batches)
+
+    def on_validation_end(self, loop: Loop) -> None:
+        """Hide the validation bar."""
+        if self._progress is not None and "val" in self._tasks:
+            self._progress.update(self._tasks["val"], completed=self._val_batches, visible=False)
+
+    def on_epoch_end(self, loop: Loop) -> None:
+        """Print the epoch's metrics: a table row (terminal) or a plain line."""
+        state = loop.state
+        seconds = time.perf_counter() - self._epoch_start
+        metrics = {name: value for name, value in state.metrics.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        lr = loop.optimizer.param_groups[0]["lr"] if loop.optimizer.param_groups else None
+        if self._progress is None:
+            parts = [f"epoch {state.epoch + 1}/{state.epochs}", f"step {state.step}"]
+            parts += [f"{name} {format_number(value)}" for name, value in metrics.items()]
+            if lr is not None:
+                parts.append(f"lr {float(lr):.2e}")
+            parts.append(f"{self._samples / max(seconds, 1e-9):.0f} samples/s")
+            parts.append(f"{seconds:.1f}s")
+            self._print("  ".join(parts))
+            return
+        self._progress.update(self._tasks["train"], completed=self._batches)
+        self._progress.update(self._tasks["epoch"], completed=state.epoch + 1)
+        self._print_row(state.epoch + 1, state.epochs, state.step, metrics, seconds)
+
+    def on_exception(self, loop: Loop, exc: BaseException) -> None:
+        """Stop the bars now, so the traceback that follows is readable."""
+        self._stop()
+
+    def on_fit_end(self, loop: Loop) -> None:
+        """Stop the bars."""
+        self._stop()
+
+    # ------------------------------------------------------------------ inside
+    def _task(self, key: str, description: str, total: int | None) -> None:
+        assert self._progress is not None
+        if key in self._tasks:
+            self._progress.reset(self._tasks[key], total=total, completed=0,
+                                 description=description, visible=True, info="")
+        else:
+            self._tasks[key] = self._progress.add_task(description, total=total, info="")
+
+    def _batch_info(self, loop: Loop, now: float) -> str:
+        state = loop.state
+        parts = []
+        if state.loss is not None:
+            parts.append(f"loss {format_number(float(state.loss.detach()))}")  # the one read
+        if loop.optimizer.param_groups:
+            parts.append(f"lr {float(loop.optimizer.param_groups[0]['lr']):.2e}")
+        parts.append(f"{self._samples / max(now - self._epoch_start, 1e-9):.0f} samples/s")
+        return "  ".join(parts)
+
+    def _print(self, line: str) -> None:
+        assert self.console is not None
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def _print_row(self, epoch: int, epochs: int, step: int, metrics: dict[str, Any],
+                   seconds: float) -> None:
+        from rich import box
+        from rich.table import Table
+
+        names = list(metrics)
+        header = names != self._columns
+        self._columns = names
+        table = Table(box=box.SIMPLE_HEAD, show_header=header, show_edge=False, pad_edge=False)
+        width = len(str(epochs))
+        table.add_column("epoch", justify="right", min_width=max(5, 2 * width + 1))
+        table.add_column("step", justify="right", min_width=7)
+        for name in names:
+            table.add_column(name, justify="right", min_width=max(len(name), 10))
+        table.add_column("time", justify="right", min_width=7)
+        table.add_row(f"{epoch}/{epochs}", str(step),
+                      *(format_number(float(metrics[name])) for name in names), f"{seconds:.1f}s")
+        assert self._progress is not None
+        self._progress.console.print(table)
+
+    def _stop(self) -> None:
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.stop()

@@ -1,0 +1,98 @@
+"""ProgressBar rendered into recording rich consoles, once as a terminal and once not."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+
+from hookloop import Callback, ConfigurationError, Loop
+from hookloop.callbacks import Metrics, ProgressBar
+
+
+def accuracy(outputs, targets):
+    return (outputs.argmax(-1) == targets).float().mean()
+
+
+def make_loop(callbacks, *, sized: bool = True) -> Loop:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 5, generator=generator), torch.randint(0, 3, (4,), generator=generator))
+            for _ in range(6)]
+    train = data if sized else (batch for batch in data)
+    return Loop(model, torch.optim.SGD(model.parameters(), lr=0.05), train, val_data=data[:2],
+                loss_fn=F.cross_entropy, callbacks=callbacks, device="cpu")
+
+
+def console(terminal: bool) -> Console:
+    return Console(file=io.StringIO(), record=True, force_terminal=terminal, width=120,
+                   color_system=None if not terminal else "standard")
+
+
+def test_terminal_shows_bars_and_a_metrics_table() -> None:
+    screen = console(True)
+    loop = make_loop([Metrics(acc=accuracy), ProgressBar(console=screen)])
+    state = loop.fit(3)
+    text = screen.export_text()
+    assert "epoch 3/3" in text and "validation" in text and "samples/s" in text
+    assert "loss " in text and "lr 5.00e-02" in text
+    header = [line for line in text.splitlines() if "train_loss" in line and "val_acc" in line]
+    assert header, text
+    metrics = state.metrics  # the last epoch's table row (printed above the live bars)
+    row = rf"3/3\s+18\s+{metrics['train_loss']:.4f}\s+{metrics['val_loss']:.4f}\s+{metrics['val_acc']:.4f}"
+    assert re.search(row, text), text
+
+
+def test_not_a_terminal_prints_one_plain_line_per_epoch() -> None:
+    screen = console(False)
+    loop = make_loop([Metrics(acc=accuracy), ProgressBar(console=screen)])
+    history = loop.fit(3).history
+    raw = screen.file.getvalue()
+    assert "\r" not in raw and "\x1b" not in raw
+    lines = raw.splitlines()
+    assert len(lines) == 3
+    for epoch, (line, row) in enumerate(zip(lines, history), start=1):
+        assert line.startswith(f"epoch {epoch}/3  step {6 * epoch}  ")
+        for name in ("train_loss", "val_loss", "val_acc"):
+            assert f"{name} {row[name]:.4f}" in line
+
+
+def test_plain_lines_inside_long_epochs_keep_a_log_alive(monkeypatch) -> None:
+    screen = console(False)
+    clock = iter(range(0, 10_000, 7))  # every batch: 7 s later
+    monkeypatch.setattr("hookloop.callbacks.progress.time.perf_counter", lambda: next(clock))
+    make_loop([ProgressBar(console=screen, plain_every_s=20)]).fit(1)
+    lines = screen.file.getvalue().splitlines()
+    assert any(line.startswith("epoch 1/1  batch ") and "/6  loss " in line for line in lines)
+    assert lines[-1].startswith("epoch 1/1  step 6")
+
+
+def test_data_without_length_shows_a_counter() -> None:
+    screen = console(True)
+    make_loop([ProgressBar(console=screen)], sized=False).fit(1)
+    assert "6/?" in screen.export_text()
+
+
+def test_bars_stop_before_the_traceback() -> None:
+    screen = console(True)
+    bar = ProgressBar(console=screen)
+
+    class Fail(Callback):
+        def on_batch_end(self, loop):
+            if loop.state.step == 2:
+                assert bar._progress is not None and bar._progress.live.is_started
+                raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        make_loop([bar, Fail()]).fit(1)
+    assert bar._progress is None  # stopped in on_exception, before on_fit_end
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ConfigurationError, match="refresh_per_second"):
+        ProgressBar(refresh_per_second=0)

@@ -1,0 +1,20 @@
+"""`import hookloop` (and hookloop.callbacks) leaves tensorboard, torchinfo and rich unimported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import subprocess_env
+
+HEAVY = ("tensorboard", "torch.utils.tensorboard", "torchinfo", "rich")
+
+
+def test_import_hookloop_does_not_import_display_libraries() -> None:
+    code = ("import json, sys, hookloop, hookloop.callbacks; "
+            f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))")
+    result = subprocess.run([sys.executable, "-c", code], env=subprocess_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
