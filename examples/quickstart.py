@@ -1,15 +1,20 @@
-"""Quickstart: a small CNN on scikit-learn's bundled digits, with the standard callback stack.
+"""Quickstart: a small CNN on scikit-learn's bundled digits, with the standard preset.
 
-    python examples/quickstart.py                 # train 15 epochs, checkpoints in ./checkpoints
-    python examples/quickstart.py --resume        # continue the run left in ./checkpoints
+    python examples/quickstart.py                 # a new run in runs/quickstart/version_N
+    python examples/quickstart.py --resume        # continue the newest run
+    python examples/quickstart.py --epochs 20 --resume   # train the newest run longer
     python examples/quickstart.py --max-steps 20  # a quick smoke run
+    tensorboard --logdir runs/quickstart          # the curves of every run
 
-No download: the 1,797 8x8 digit images ship inside scikit-learn.
+Each run gets its own directory (version_0, version_1, ...) holding its checkpoints and
+its TensorBoard logs, so running the script twice never mixes two runs. No download: the
+1,797 8x8 digit images ship inside scikit-learn.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import torch
@@ -18,18 +23,8 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import hookloop
-from hookloop import Callback, Loop
-from hookloop.callbacks import (
-    AMP,
-    EMA,
-    Checkpoint,
-    EarlyStopping,
-    GradClip,
-    LRScheduler,
-    Metrics,
-)
-from hookloop.schedules import warmup_cosine
+from hookloop import Loop, presets
+from hookloop.callbacks import AMP, Metrics
 
 
 def digits_loaders(batch_size: int = 64, seed: int = 0) -> tuple[DataLoader, DataLoader]:
@@ -47,6 +42,8 @@ def digits_loaders(batch_size: int = 64, seed: int = 0) -> tuple[DataLoader, Dat
 
 
 class SmallCNN(nn.Module):
+    """Two convolutions and a small head: enough for 8x8 digits."""
+
     def __init__(self, classes: int = 10) -> None:
         super().__init__()
         self.features = nn.Sequential(
@@ -65,51 +62,65 @@ def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return (outputs.argmax(dim=-1) == targets).float().mean()
 
 
-class PrintEpoch(Callback):
-    """One line per epoch (rank 0 only)."""
-
-    rank_zero_only = True
-
-    def on_epoch_end(self, loop: Loop) -> None:
-        metrics = loop.state.metrics
-        if "val_acc" in metrics:
-            print(f"epoch {loop.state.epoch + 1:2d}/{loop.state.epochs}  step {loop.state.step:4d}  "
-                  f"train_loss {metrics['train_loss']:.4f}  val_loss {metrics['val_loss']:.4f}  "
-                  f"val_acc {metrics['val_acc']:.4f}", flush=True)
+def run_directory(root: Path, resume: bool) -> tuple[Path, str]:
+    """The directory of this run and a sentence saying whether it is new or resumed."""
+    versions = sorted(int(path.name.removeprefix("version_")) for path in root.glob("version_*")
+                      if path.name.removeprefix("version_").isdigit())
+    if resume and versions:
+        return root / f"version_{versions[-1]}", "resuming the newest run"
+    directory = root / f"version_{versions[-1] + 1 if versions else 0}"
+    if resume:
+        return directory, f"nothing to resume in {root}: a new run"
+    if versions:
+        return directory, (f"a new run (--resume continues {root / f'version_{versions[-1]}'} "
+                           "instead)")
+    return directory, "a new run"
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--max-steps", type=int, default=None)
-    parser.add_argument("--checkpoint-dir", default="checkpoints/quickstart")
-    parser.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    parser.add_argument("--epochs", type=int, default=15, help="epochs of the run in all")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument("--root", default="runs/quickstart",
+                        help="where the version_N run directories go")
+    parser.add_argument("--resume", action="store_true", help="continue the newest run in --root")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: CUDA if any)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress display")
     args = parser.parse_args(argv)
+
+    started = time.perf_counter()
+    directory, what = run_directory(Path(args.root), args.resume)
+    print(f"run directory: {directory} ({what})", flush=True)
 
     torch.manual_seed(0)
     train_data, val_data = digits_loaders()
     model = SmallCNN()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
-    callbacks = [
-        AMP(torch.bfloat16),                    # autocast forward and loss
-        GradClip(1.0),                          # after AMP: clips real gradients
-        EMA(0.95),                              # validation uses the averaged weights
-        LRScheduler(lambda opt, total: warmup_cosine(opt, total, warmup_steps=0.05)),
-        Metrics(acc=accuracy),                  # writes val_acc
-        EarlyStopping(monitor="val_acc", mode="max", patience=5),
-        PrintEpoch(),
-        Checkpoint(args.checkpoint_dir, monitor="val_acc", mode="max", resume=args.resume),
-    ]
+    callbacks = presets.standard(
+        ema=0.95,                                 # a short run: a short average
+        metrics={"acc": accuracy}, monitor="val_acc",
+        checkpoint_dir=directory / "checkpoints", tensorboard=directory / "tensorboard",
+        resume=args.resume, progress=not args.no_progress)
     loop = Loop(model, optimizer, train_data, val_data=val_data, loss_fn=F.cross_entropy,
                 callbacks=callbacks, device=args.device)
     state = loop.fit(args.epochs, max_steps=args.max_steps)
+    if "val_acc" in state.metrics:
+        print(f"last epoch: epoch {state.epoch + 1}/{args.epochs}  step {state.step}  "
+              f"val_acc {state.metrics['val_acc']:.4f}  ({time.perf_counter() - started:.1f} s)")
+    else:
+        print(f"nothing left to train at step {state.step} ({loop.stop_reason or 'the run is done'}); "
+              f"pass a larger --epochs with --resume to train longer")
 
-    best = Path(args.checkpoint_dir) / "best.pt"
+    best = directory / "checkpoints" / "best.pt"
     if best.exists():
-        hookloop.load_checkpoint(best, model)
-        loop.callbacks = [Metrics(acc=accuracy)]
-        print(f"best checkpoint: val_acc {loop.validate()['val_acc']:.4f}")
+        # best.pt holds the weights that were validated (EMA's) and the score they got.
+        saved = torch.load(best, weights_only=True)
+        model.load_state_dict(saved["model"])
+        # Validate them again as in training: under the same autocast, without EMA's swap.
+        loop.callbacks = [callback for callback in callbacks if isinstance(callback, (AMP, Metrics))]
+        again = loop.validate()["val_acc"]
+        print(f"best checkpoint: epoch {saved['epoch'] + 1}  step {saved['step']}  "
+              f"val_acc {saved['hookloop']['value']:.4f}  (validated again: {again:.4f})  {best}")
     return state.metrics
 
 

@@ -1,26 +1,124 @@
-"""The ``hookloop`` command."""
+"""The ``hookloop`` command: presets, the event table of a stack, events, version.
+
+Examples::
+
+    hookloop presets                                  # what is installed, from which package
+    hookloop describe standard                        # who runs at which event
+    hookloop describe standard ema=None accumulate=4  # with arguments (Python literals)
+    hookloop events                                   # the events in firing order
+    hookloop version
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["main"]
+from hookloop.errors import HookloopError
+
+__all__ = ["main", "parse_assignment"]
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """Split ``key=value`` and read the value as a Python literal, else keep the string.
+
+    ``ema=None`` gives None, ``clip=0.5`` a float, ``metrics={'acc': 1}`` a dict, and
+    ``checkpoint_dir=runs/a`` the string ``"runs/a"``.
+
+    Raises:
+        argparse.ArgumentTypeError: no ``=``, or a key that is not a Python identifier.
+
+    Example:
+        >>> parse_assignment("ema=None"), parse_assignment("checkpoint_dir=runs/a")
+        (('ema', None), ('checkpoint_dir', 'runs/a'))
+    """
+    key, equals, value = text.partition("=")
+    key = key.strip()
+    if not equals or not key.isidentifier():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not key=value; write for example ema=None or clip=0.5")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def _print_presets() -> int:
+    from hookloop.presets import _discover
+
+    usable, problems = _discover()
+    rows = [(entry.name, entry.package, entry.description) for entry in usable.values()]
+    rows += [(entry.name, entry.package, entry.description) for entry in problems]
+    rows.sort(key=lambda row: (row[1] != "hookloop", row[0]))
+    name_width = max(len("preset"), *(len(row[0]) for row in rows))
+    package_width = max(len("package"), *(len(row[1]) for row in rows))
+    print(f"{'preset':<{name_width}}  {'package':<{package_width}}  description")
+    for name, package, description in rows:
+        print(f"{name:<{name_width}}  {package:<{package_width}}  {description}")
+    print("\nUse one: presets.get(NAME, **arguments); see its stack: hookloop describe NAME")
+    return 0
+
+
+def _describe(name: str, assignments: list[tuple[str, Any]]) -> int:
+    from hookloop import presets
+    from hookloop.describe import describe
+
+    callbacks = presets.get(name, **dict(assignments))
+    arguments = ", ".join(f"{key}={value!r}" for key, value in assignments)
+    print(f"presets.get({name!r}{', ' if arguments else ''}{arguments}):")
+    print("[" + ", ".join(repr(callback) for callback in callbacks) + "]\n")
+    print(describe(callbacks, print_table=False), end="")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``hookloop`` console script.
+    """Entry point of the ``hookloop`` console script; ``hookloop --help`` lists the commands.
 
-    Commands:
-        ``hookloop version``: print the versions of hookloop and torch.
-        ``hookloop events``: print the events in firing order with what each guarantees.
+    Args:
+        argv: The arguments after the command name; None reads ``sys.argv``.
+
+    Returns:
+        The exit status: 0 on success, 1 for an error hookloop reports (an unknown
+        preset, a bad argument), 2 for bad usage.
+
+    Example:
+        >>> main(["version"])  # doctest: +ELLIPSIS
+        hookloop ... (torch ...)
+        0
     """
-    parser = argparse.ArgumentParser(prog="hookloop", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("version", help="print the versions of hookloop and torch")
-    commands.add_parser("events", help="print the loop's events in firing order")
+    parser = argparse.ArgumentParser(
+        prog="hookloop", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser(
+        "presets", help="list the presets: built-in and installed by other packages",
+        description="List every preset presets.get() can build: its name, the package it "
+                    "comes from and a one-line description. Installed presets that cannot be "
+                    "used are listed with the reason.")
+    describe_parser = commands.add_parser(
+        "describe", help="print the event table of a preset's stack",
+        description="Build a preset and print which callback runs at which event, in "
+                    "firing order. Arguments are key=value pairs; values are read as Python "
+                    "literals (None, 0.5, 'bf16', {'a': 1}) and kept as text otherwise.",
+        epilog="example: hookloop describe standard ema=None accumulate=4 tensorboard=None")
+    describe_parser.add_argument("preset", help="a preset name, as listed by `hookloop presets`")
+    describe_parser.add_argument("arguments", nargs="*", type=parse_assignment,
+                                 metavar="key=value", help="arguments of the preset")
+    commands.add_parser("events", help="print the loop's events in firing order",
+                        description="Print the events in firing order with what each guarantees.")
+    commands.add_parser("version", help="print the versions of hookloop and torch",
+                        description="Print the versions of hookloop and torch.")
     args = parser.parse_args(argv)
+    try:
+        if args.command == "presets":
+            return _print_presets()
+        if args.command == "describe":
+            return _describe(args.preset, args.arguments)
+    except HookloopError as error:
+        print(f"hookloop {args.command}: error: {error}", file=sys.stderr)
+        return 1
     if args.command == "version":
         import torch
 

@@ -9,7 +9,7 @@ from torch.optim.lr_scheduler import LRScheduler as _TorchScheduler
 
 from hookloop.errors import ConfigurationError
 
-__all__ = ["WarmupCosine", "warmup_cosine", "resolve_warmup"]
+__all__ = ["WarmupCosine", "WarmupLinear", "warmup_cosine", "warmup_linear", "resolve_warmup"]
 
 
 def resolve_warmup(total_steps: int, warmup_steps: int | float) -> int:
@@ -42,10 +42,11 @@ def resolve_warmup(total_steps: int, warmup_steps: int | float) -> int:
     return warmup_steps
 
 
-class WarmupCosine(_TorchScheduler):
-    """Linear warmup from 0, then a cosine decay to ``min_lr``; see `warmup_cosine`.
+class _Warmup(_TorchScheduler):
+    """A linear warmup from 0 followed by a decay that subclasses define in `lr_at`.
 
-    Its state (``state_dict``) holds only numbers, so it loads with
+    The learning rates are computed in closed form from ``last_epoch`` (no chaining), and
+    the state (``state_dict``) holds only numbers, so it loads with
     ``torch.load(weights_only=True)``.
     """
 
@@ -56,19 +57,46 @@ class WarmupCosine(_TorchScheduler):
         self.min_lr = min_lr
         super().__init__(optimizer, last_epoch)
 
+    def decay(self, progress: float) -> float:
+        """The fraction of ``base - min_lr`` left at ``progress`` (0 to 1) of the decay."""
+        raise NotImplementedError
+
     def lr_at(self, step: int, base_lr: float) -> float:
         """The learning rate after ``step`` scheduler steps for a group whose base is ``base_lr``."""
         if step < self.warmup_steps:
             return base_lr * step / self.warmup_steps
         progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        return self.min_lr + (base_lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr + (base_lr - self.min_lr) * self.decay(progress)
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
-        """Learning rates for the current ``last_epoch`` (closed form, no chaining)."""
+        """Learning rates for the current ``last_epoch``."""
         return [self.lr_at(self.last_epoch, float(base_lr)) for base_lr in self.base_lrs]
 
     def _get_closed_form_lr(self) -> list[float]:
         return self.get_lr()
+
+
+class WarmupCosine(_Warmup):
+    """Linear warmup from 0, then a cosine decay to ``min_lr``; see `warmup_cosine`."""
+
+    def decay(self, progress: float) -> float:
+        """Half a cosine period: 1 at the end of the warmup, 0 at ``total_steps``."""
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class WarmupLinear(_Warmup):
+    """Linear warmup from 0, then a linear decay to ``min_lr``; see `warmup_linear`."""
+
+    def decay(self, progress: float) -> float:
+        """A straight line: 1 at the end of the warmup, 0 at ``total_steps``."""
+        return 1.0 - progress
+
+
+def _check(total_steps: int, min_lr: float) -> None:
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ConfigurationError(f"total_steps must be a positive int, got {total_steps!r}.")
+    if isinstance(min_lr, bool) or not isinstance(min_lr, (int, float)) or min_lr < 0:
+        raise ConfigurationError(f"min_lr must be a non-negative number, got {min_lr!r}.")
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int,
@@ -110,9 +138,44 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int,
         10
         >>> callback = LRScheduler(functools.partial(warmup_cosine, warmup_steps=0.05))
     """
-    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-        raise ConfigurationError(f"total_steps must be a positive int, got {total_steps!r}.")
-    if isinstance(min_lr, bool) or not isinstance(min_lr, (int, float)) or min_lr < 0:
-        raise ConfigurationError(f"min_lr must be a non-negative number, got {min_lr!r}.")
+    _check(total_steps, min_lr)
     return WarmupCosine(optimizer, total_steps, resolve_warmup(total_steps, warmup_steps),
+                        float(min_lr))
+
+
+def warmup_linear(optimizer: torch.optim.Optimizer, total_steps: int,
+                  warmup_steps: int | float, min_lr: float = 0.0) -> WarmupLinear:
+    """Linear warmup then linear decay, the usual schedule for fine-tuning transformers.
+
+    With ``t`` the scheduler steps taken so far, ``W`` the warmup steps, ``T`` =
+    ``total_steps`` and ``base`` each group's initial learning rate::
+
+        t <  W:  lr = base * t / W
+        t >= W:  p  = min(1, (t - W) / max(1, T - W))
+                 lr = min_lr + (base - min_lr) * (1 - p)
+
+    Past ``total_steps`` the rate stays at ``min_lr``.
+
+    Args:
+        optimizer: The optimizer whose groups' ``lr`` are scheduled.
+        total_steps: Optimizer steps of the whole run (``LRScheduler`` passes
+            ``loop.total_steps`` when given this function as a factory).
+        warmup_steps: An int number of steps, or a fraction ``0 < x < 1`` of ``total_steps``.
+        min_lr: The learning rate at the end of the decay (absolute, the same for all groups).
+
+    Returns:
+        A `WarmupLinear` scheduler (a ``torch.optim.lr_scheduler.LRScheduler``).
+
+    Raises:
+        ConfigurationError: a non-positive ``total_steps`` or a bad ``warmup_steps``.
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        >>> schedule = warmup_linear(optimizer, total_steps=10, warmup_steps=2)
+        >>> [round(schedule.lr_at(step, 0.1), 4) for step in (0, 1, 2, 6, 10)]
+        [0.0, 0.05, 0.1, 0.05, 0.0]
+    """
+    _check(total_steps, min_lr)
+    return WarmupLinear(optimizer, total_steps, resolve_warmup(total_steps, warmup_steps),
                         float(min_lr))

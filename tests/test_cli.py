@@ -39,3 +39,55 @@ def test_bad_usage_exits_non_zero_with_usage(args) -> None:
     result = _run(*args)
     assert result.returncode == 2
     assert "usage: hookloop" in result.stderr
+
+
+@pytest.mark.parametrize("args", [("--help",), ("presets", "--help"), ("describe", "--help"),
+                                  ("events", "--help"), ("version", "--help")])
+def test_help_everywhere(args) -> None:
+    result = _run(*args)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: hookloop")
+
+
+def test_presets_lists_names_packages_and_descriptions() -> None:
+    result = _run("presets")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["preset", "package", "description"]
+    rows = {line.split()[0]: line for line in lines[1:] if line.strip()}
+    for name in ("standard", "finetune", "debug"):
+        assert rows[name].split()[1] == "hookloop"
+    assert "Mixed precision, clipping, EMA" in rows["standard"]
+
+
+def test_describe_prints_the_event_table_of_a_preset_with_arguments() -> None:
+    result = _run("describe", "finetune", "checkpoint_dir=None", "tensorboard=None",
+                  "progress=False", "clip=0.5")
+    assert result.returncode == 0, result.stderr
+    assert "presets.get('finetune', checkpoint_dir=None, tensorboard=None, progress=False, " \
+           "clip=0.5)" in result.stdout
+    assert "[AMP(dtype=torch.bfloat16, scaler=False), GradClip(max_norm=0.5), LRScheduler(" \
+           in result.stdout
+    table = result.stdout[result.stdout.index("on_fit_start"):]
+    positions = [table.index(event.value[:20]) for event in Event]  # long names are cut
+    assert positions == sorted(positions)
+
+
+def test_describe_reports_unknown_presets_and_arguments() -> None:
+    result = _run("describe", "standart")
+    assert result.returncode == 1
+    assert "No preset named 'standart'. Did you mean 'standard'?" in result.stderr
+    result = _run("describe", "standard", "emma=0.9")
+    assert result.returncode == 1 and "unexpected keyword argument 'emma'" in result.stderr
+    result = _run("describe", "standard", "ema")
+    assert result.returncode == 2 and "is not key=value" in result.stderr
+
+
+def test_values_are_python_literals_or_text() -> None:
+    from hookloop.cli import parse_assignment
+
+    assert parse_assignment("ema=None") == ("ema", None)
+    assert parse_assignment("warmup=0.1") == ("warmup", 0.1)
+    assert parse_assignment("amp='fp16'") == ("amp", "fp16")
+    assert parse_assignment("amp=fp16") == ("amp", "fp16")
+    assert parse_assignment("checkpoint_dir=runs/a b") == ("checkpoint_dir", "runs/a b")

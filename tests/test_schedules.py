@@ -82,3 +82,16 @@ def test_state_is_weights_only_safe_and_resumes(tmp_path) -> None:  # noqa: ANN0
     resumed.load_state_dict(state)
     assert isinstance(resumed, WarmupCosine)
     assert rates(resumed, 3) == rates(scheduler, 3)
+
+
+def test_warmup_linear_rises_then_falls_in_straight_lines() -> None:
+    from hookloop.schedules import WarmupLinear, warmup_linear
+
+    total, warmup, min_lr = 10, 2, 0.01
+    scheduler = warmup_linear(optimizer_with(0.1), total, warmup, min_lr)
+    assert isinstance(scheduler, WarmupLinear) and not isinstance(scheduler, WarmupCosine)
+    expected = [0.0, 0.05] + [min_lr + (0.1 - min_lr) * (1 - (t - 2) / 8) for t in range(2, 11)]
+    seen = [lrs[0] for lrs in rates(scheduler, total + 2)]
+    assert seen == pytest.approx(expected + [min_lr, min_lr])
+    with pytest.raises(ConfigurationError, match="total_steps"):
+        warmup_linear(optimizer_with(0.1), 0, 0)
