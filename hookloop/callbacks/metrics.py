@@ -225,27 +225,34 @@ class Metrics(Callback):
             self._boundaries[(epoch, done)] = (dict(self._training.sums), samples)
         self._train_pending = True
 
-    def _inputs(self, loop: Loop) -> tuple[Any, Any]:
-        """What the metrics receive for the current batch: (outputs, targets)."""
+    def _update(self, metrics: _Pass, loop: Loop) -> None:
+        """Feed the current batch to ``metrics``; a failure without targets says where to
+        find them (a metric such as in-batch retrieval may need none, so None is passed)."""
         state = loop.state
         outputs = state.outputs if self.outputs is None else self.outputs(state.outputs)
         targets = state.targets if self.targets is None else self.targets(state.batch)
-        if targets is None:
+        try:
+            metrics.update(outputs, targets, state.batch_size)
+        except ConfigurationError:
+            raise
+        except Exception as error:
+            if targets is not None:
+                raise
             kind = type(state.batch).__name__
             keys = (f" (its keys: {', '.join(map(str, state.batch))})"
                     if isinstance(state.batch, dict) else "")
             raise ConfigurationError(
-                f"{self!r}: the batch, a {kind}{keys}, has no targets for the metrics: they "
-                "are found only as the second item of an (inputs, targets) pair or under a "
-                "'labels'/'targets' key. Say where they are: Metrics(..., targets=lambda "
-                "batch: batch['label']).")
-        return outputs, targets
+                f"{self!r}: a metric failed with {type(error).__name__}: {error}, and the batch, "
+                f"a {kind}{keys}, has no targets: they are found only as the second item of an "
+                "(inputs, targets) pair or under a 'labels'/'targets' key, so the metrics got "
+                "targets=None. Say where they are: Metrics(..., targets=lambda batch: "
+                "batch['label']).") from error
 
     def after_forward(self, loop: Loop) -> None:
         if not self.on_train:
             return
         state = loop.state
-        self._training.update(*self._inputs(loop), state.batch_size)
+        self._update(self._training, loop)
         if state.step_boundary and self._training.functions:
             # Tensors are replaced, never changed in place: keeping references is a snapshot.
             self._boundaries[(state.epoch, state.batch_idx + 1)] = (
@@ -271,7 +278,7 @@ class Metrics(Callback):
         self._validation.reset(loop.device)
 
     def on_validation_batch_end(self, loop: Loop) -> None:
-        self._validation.update(*self._inputs(loop), loop.state.batch_size)
+        self._update(self._validation, loop)
 
     def on_validation_end(self, loop: Loop) -> None:
         # Every rank, also one with an empty validation shard: results() is a collective.

@@ -57,9 +57,8 @@ def test_rows_read_back_equal_history_and_step_losses(tmp_path: Path) -> None:
 
 def test_without_validation_a_row_per_epoch_and_a_new_run_overwrites(tmp_path: Path) -> None:
     path = tmp_path / "run.csv"
-    logger = CSVLogger(path)
-    make_loop([logger], val=False).fit(2)
-    make_loop([logger], val=False).fit(2)  # a new run: the file starts again
+    make_loop([CSVLogger(path)], val=False).fit(2)
+    make_loop([CSVLogger(path)], val=False).fit(2)  # a new run: the file starts again
     frame = pd.read_csv(path)
     assert list(frame.kind) == ["history", "history"] and list(frame.step) == [5, 10]
 
