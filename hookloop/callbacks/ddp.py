@@ -269,6 +269,14 @@ class DDP(Callback):
 
     def __init__(self, *, backend: str | None = None, find_unused_parameters: bool = False
                  ) -> None:
+        if backend is not None and (not isinstance(backend, str) or not backend):
+            raise ConfigurationError(
+                f"DDP backend must be None (nccl on CUDA, gloo on CPU) or a backend name such "
+                f"as 'nccl' or 'gloo', got {backend!r}.")
+        if not isinstance(find_unused_parameters, bool):
+            raise ConfigurationError(
+                f"DDP find_unused_parameters must be True or False, got "
+                f"{find_unused_parameters!r}.")
         self.backend = backend
         self.find_unused_parameters = find_unused_parameters
         self._active = False
