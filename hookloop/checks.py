@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
 
-__all__ = ["check_loop_arguments", "check_fit_data", "resolve_device", "available_devices"]
+__all__ = ["check_loop_arguments", "check_fit_arguments", "check_fit_data", "resolve_device",
+           "available_devices"]
 
 
 def available_devices() -> list[str]:
@@ -243,3 +244,29 @@ def check_fit_data(train_data: Any, epochs_left: int, val_data: Any = None) -> N
                 f"find it empty. Pass something that can be iterated again: a list, a "
                 "DataLoader, or an object whose __iter__ returns a new generator "
                 "(class Batches: def __iter__(self): yield from make_batches()).")
+
+
+def check_fit_arguments(epochs: Any, max_steps: Any) -> None:
+    """``fit``'s own arguments: ``epochs`` an int >= 0, ``max_steps`` None or an int >= 1.
+
+    Bools are refused (``max_steps=True`` would silently mean one step).
+
+    Raises:
+        ConfigurationError: naming the argument.
+
+    Example:
+        >>> check_fit_arguments(3, None)
+        >>> check_fit_arguments(3, True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: max_steps must be a positive int or None, got True...
+    """
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+        raise ConfigurationError(
+            f"epochs must be a non-negative int (the total number of epochs of the run), got "
+            f"{epochs!r}.")
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)
+                                  or max_steps < 1):
+        raise ConfigurationError(
+            f"max_steps must be a positive int or None, got {max_steps!r} "
+            f"({type(max_steps).__name__}).")

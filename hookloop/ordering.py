@@ -274,6 +274,11 @@ def check_callbacks(callbacks: Sequence[object], loop: Loop) -> None:
 
     owners: dict[str, int] = {}
     for index, callback in enumerate(stack):
+        name = getattr(callback, "name", None)
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigurationError(
+                f"{_label(stack, index)}: name must be a non-empty string or None (it is the "
+                f"key of the callback's state in checkpoints), got {name!r}.")
         if not overrides(callback, "state_dict"):
             continue
         key = callback.state_key
