@@ -49,8 +49,8 @@ def loop_with(**overrides: Any) -> Loop:
     ({"loss_fn": "mse"}, r"loss_fn must be a function fn\(outputs, targets\)"),
     ({"loss_fn": nn.MSELoss}, r"loss_fn is the class MSELoss.*loss_fn=MSELoss\(\)"),
     ({"forward": 3}, r"forward must be a function fn\(loop, batch\)"),
-    ({"train_data": dataset()}, r"train_data is a TensorDataset, a torch Dataset.*"
-                                r"DataLoader\(dataset, batch_size=32, shuffle=True\)"),
+    ({"train_data": dataset()}, (r"train_data is a TensorDataset, a torch Dataset.*"
+                                 r"DataLoader\(dataset, batch_size=32, shuffle=True\)")),
     ({"val_data": dataset()}, r"val_data is a TensorDataset.*DataLoader\(dataset"),
     ({"train_data": torch.randn(4, 3)}, r"train_data must be an iterable of batches"),
     ({"device": "gpu"}, r"device='gpu' is not a device name.*'cuda'.*Devices here: 'cpu'"),

@@ -249,7 +249,8 @@ def run_fuzz(directory: Path) -> list[Outcome]:
                 kwargs = {**defaults(case_directory), argument: made}
                 counter = Batches()
 
-                def build(kwargs: dict[str, Any] = kwargs, counter: Batches = counter) -> Loop:
+                def build(kwargs: dict[str, Any] = kwargs, counter: Batches = counter,
+                          cls: type = cls, case_directory: Path = case_directory) -> Loop:
                     return _loop(case_directory, [cls(**kwargs)], counter)
 
                 with _in(case_directory):
@@ -278,7 +279,7 @@ def run_fuzz(directory: Path) -> list[Outcome]:
     return outcomes
 
 
-class _in:  # noqa: N801 - a tiny chdir context (relative paths such as 'missing.pt')
+class _in:
     def __init__(self, directory: Path) -> None:
         self.directory, self.previous = directory, os.getcwd()
 

@@ -18,8 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from hookloop import CheckpointError, ConfigurationError, Loop, load_checkpoint
-from hookloop import storage
+from hookloop import CheckpointError, ConfigurationError, Loop, load_checkpoint, storage
 from hookloop.callbacks import Checkpoint
 from hookloop.errors import CheckpointWriteError
 
@@ -242,7 +241,7 @@ def _record_offsets(path: Path) -> dict[str, tuple[int, int]]:
     return offsets
 
 
-@pytest.mark.parametrize("position", range(0, 20))
+@pytest.mark.parametrize("position", range(20))
 def test_a_flipped_byte_in_tensor_data_is_refused(tmp_path: Path, position: int) -> None:
     make_loop(tmp_path).fit(1)
     [name] = listing(tmp_path)
