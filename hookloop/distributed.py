@@ -36,9 +36,27 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _launcher_rank() -> int:
+    """torchrun's ``RANK`` (a launcher's rank for this process), else 0."""
+    try:
+        return max(0, int(os.environ.get("RANK", "0")))
+    except ValueError:
+        return 0
+
+
 def rank() -> int:
-    """Global rank of this process (0 without a process group)."""
-    return dist.get_rank() if is_initialized() else 0
+    """Global rank of this process.
+
+    From the process group when one exists; otherwise from torchrun's ``RANK`` variable
+    (0 when unset). So after ``fit`` destroyed the group, ``if is_main(): save(...)`` still
+    runs on one process only, not on every rank. `world_size` stays 1 without a group,
+    since no collective can run then.
+
+    Example:
+        >>> rank()  # one process, not under torchrun
+        0
+    """
+    return dist.get_rank() if is_initialized() else _launcher_rank()
 
 
 def world_size() -> int:
@@ -52,7 +70,10 @@ def local_rank() -> int:
 
 
 def is_main() -> bool:
-    """True on global rank 0: the process that writes files and prints."""
+    """True on global rank 0: the process that writes files and prints.
+
+    Also without a process group under torchrun (before or after ``fit``): see `rank`.
+    """
     return rank() == 0
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["HookloopError", "CallbackOrderError", "CheckpointError", "ConfigurationError"]
+__all__ = ["HookloopError", "CallbackOrderError", "CheckpointError", "CheckpointWriteError",
+           "ConfigurationError", "Terminated"]
 
 
 class HookloopError(Exception):
@@ -23,3 +24,39 @@ class CallbackOrderError(ConfigurationError):
 
 class CheckpointError(HookloopError):
     """A checkpoint file cannot be read or does not fit the model being trained."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """A checkpoint could not be written: the disk is full, the directory is gone...
+
+    Its message names the target file and the cause in words; ``errno`` is the operating
+    system's error number when there is one. It is also an `OSError`, so code that catches
+    file-system errors keeps working. Nothing was written under the target name and the
+    earlier files are intact.
+    """
+
+
+class Terminated(SystemExit):
+    """The process received SIGTERM during ``fit`` (a scheduler preempting the job).
+
+    Raised inside ``fit`` by `hookloop.signals.terminate_on_sigterm`, at the Python line
+    the main thread was running, so the usual exception path runs: ``on_exception`` (where
+    `Checkpoint` saves the last completed step), then ``on_fit_end``. It then propagates.
+
+    It is a `SystemExit` whose code is 143 (128 + SIGTERM's 15, the status a shell reports
+    for a process that SIGTERM ended): left uncaught, the process exits with that status
+    and without a traceback, as a terminated job should; ``except Exception`` does not
+    swallow it. Catch it (or `SystemExit`) to do something else, e.g. in a notebook.
+
+    Example:
+        >>> from hookloop.errors import Terminated
+        >>> Terminated().code
+        143
+    """
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(143)
+        self.message = message or "SIGTERM received during fit"
+
+    def __str__(self) -> str:
+        return self.message

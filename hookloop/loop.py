@@ -14,6 +14,7 @@ from torch import nn
 
 from hookloop import distributed
 from hookloop.callback import Callback
+from hookloop.checks import check_fit_arguments, check_fit_data, check_loop_arguments
 from hookloop.data import batch_size_of, find_targets, length_of, move_to_device
 from hookloop.dispatch import Handlers, Table, Wrapper, annotate, entered
 from hookloop.errors import CheckpointError, ConfigurationError
@@ -22,20 +23,11 @@ from hookloop.modules import unwrap
 from hookloop.ordering import check_callbacks, overrides
 from hookloop.position import Position, RunPosition
 from hookloop.rng import capture_rng, loader_generators, restore_rng
+from hookloop.signals import terminate_on_sigterm
 from hookloop.state import LoopState
 from hookloop.storage import find_unplain, load_model_weights, load_optimizer_state
 
-__all__ = ["Loop", "default_device"]
-
-
-def default_device() -> torch.device:
-    """CUDA when available, else Apple's MPS when available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+__all__ = ["Loop"]
 
 
 class Loop:
@@ -91,15 +83,8 @@ class Loop:
         val_every_n_steps: int | None = None,
         sanity_val_batches: int = 2,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-        if not callable(getattr(optimizer, "step", None)) or not hasattr(optimizer, "param_groups"):
-            raise ConfigurationError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}. "
-                "Create one over the model's parameters: torch.optim.AdamW(model.parameters())."
-            )
-        if isinstance(callbacks, Callback):
-            raise ConfigurationError("callbacks must be a list of callbacks: callbacks=[...].")
+        device = check_loop_arguments(model, optimizer, train_data, val_data, loss_fn, forward,
+                                      callbacks, device)
         self.model = model
         self.optimizer = optimizer
         self.train_data = train_data
@@ -120,7 +105,7 @@ class Loop:
         self.val_every_n_epochs = val_every_n_epochs
         self.val_every_n_steps = val_every_n_steps
         self.sanity_val_batches = sanity_val_batches
-        self.device = torch.device(device if device is not None else default_device())
+        self.device = device
         self.state = LoopState()
         #: Micro-batches per optimizer step; set by ``GradAccumulation`` in ``setup``.
         self.accumulation_steps = 1
@@ -264,13 +249,14 @@ class Loop:
             ConfigurationError: bad input, before the first batch where it can be seen then.
             CallbackOrderError: a callback stack that cannot work, before the first batch.
         """
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-            raise ConfigurationError(f"epochs must be a non-negative int, got {epochs!r}.")
-        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)
-                                      or max_steps < 1):
-            raise ConfigurationError(f"max_steps must be a positive int or None, got {max_steps!r}.")
+        check_fit_arguments(epochs, max_steps)
         check_callbacks(self.callbacks, self)  # a stack that cannot work: nothing ran yet
+        check_fit_data(self.train_data, epochs - self._position.epoch, self.val_data)
         self._bind_callbacks()
+        with terminate_on_sigterm():  # a preempted job leaves a checkpoint like Ctrl-C does
+            return self._fit(epochs, max_steps)
+
+    def _fit(self, epochs: int, max_steps: int | None) -> LoopState:
         state = self.state
         state.epochs, state.max_steps = epochs, max_steps
         self._stop_requested, self.stop_reason = False, None
@@ -851,7 +837,8 @@ class Loop:
         (``Metrics``...: the ones whose mistakes it is meant to find). The metrics, the
         model's mode and every random generator are put back afterwards.
         """
-        if self.val_data is None or not self.sanity_val_batches:
+        if self.val_data is None or not self.sanity_val_batches or \
+                hasattr(self.val_data, "__next__"):  # a one-shot iterator: nothing to spare
             return
         main = distributed.is_main()
         producers = [c for c in self.callbacks if (main or not c.rank_zero_only)

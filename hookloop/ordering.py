@@ -14,7 +14,7 @@ from hookloop.events import HOOKS, Event
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["overrides", "check_callbacks", "suggest_order", "LOOP_METRICS"]
+__all__ = ["overrides", "check_callbacks", "suggest_order", "LOOP_METRICS", "FOREIGN_EVENTS"]
 
 EVENT_NAMES: tuple[str, ...] = tuple(event.value for event in Event)
 _EVENT_LIKE = re.compile(r"^(on|before|after)_[a-z0-9_]+$")
@@ -89,20 +89,110 @@ def _order_edges(callbacks: Sequence[Callback], loop: Loop) -> dict[tuple[int, i
     return edges
 
 
+def _foreign(frameworks: str, event: str, *names: str) -> dict[str, tuple[str, str]]:
+    return {name: (event, frameworks) for name in names}
+
+
+#: Event names of other training frameworks -> (the hookloop event or hook that MEANS the
+#: same, where the name comes from). Spelling similarity misleads here: difflib pairs
+#: ``on_batch_begin`` with ``on_batch_end``, the opposite moment.
+FOREIGN_EVENTS: dict[str, tuple[str, str]] = {
+    # Run start and end.
+    **_foreign("Keras/Lightning/Transformers", "on_fit_start", "on_train_begin",
+               "on_train_start"),
+    **_foreign("fastai", "on_fit_start", "before_fit"),
+    **_foreign("Ignite", "on_fit_start", "on_started"),
+    **_foreign("Composer", "on_fit_start", "fit_start"),
+    **_foreign("Keras/Lightning/Transformers", "on_fit_end", "on_train_end"),
+    **_foreign("fastai", "on_fit_end", "after_fit"),
+    **_foreign("Ignite", "on_fit_end", "on_completed"),
+    **_foreign("Composer", "on_fit_end", "fit_end"),
+    # Epochs.
+    **_foreign("Keras/Transformers", "on_epoch_start", "on_epoch_begin"),
+    **_foreign("Lightning", "on_epoch_start", "on_train_epoch_start"),
+    **_foreign("fastai", "on_epoch_start", "before_epoch", "before_train"),
+    **_foreign("Ignite", "on_epoch_start", "on_epoch_started"),
+    **_foreign("Composer", "on_epoch_start", "epoch_start"),
+    **_foreign("Lightning", "on_epoch_end", "on_train_epoch_end"),
+    **_foreign("fastai", "on_epoch_end", "after_epoch", "after_train"),
+    **_foreign("Ignite", "on_epoch_end", "on_epoch_completed"),
+    **_foreign("Composer", "on_epoch_end", "epoch_end"),
+    # Training batches.
+    **_foreign("Keras", "on_batch_start", "on_batch_begin", "on_train_batch_begin"),
+    **_foreign("Lightning", "on_batch_start", "on_train_batch_start"),
+    **_foreign("fastai", "on_batch_start", "before_batch"),
+    **_foreign("Ignite", "on_batch_start", "on_iteration_started", "on_get_batch_completed"),
+    **_foreign("Transformers", "on_batch_start", "on_step_begin"),
+    **_foreign("Composer", "on_batch_start", "batch_start", "before_train_batch",
+               "before_forward"),
+    **_foreign("Keras/Lightning", "on_batch_end", "on_train_batch_end"),
+    **_foreign("fastai", "on_batch_end", "after_batch"),
+    **_foreign("Ignite", "on_batch_end", "on_iteration_completed"),
+    **_foreign("Transformers", "on_batch_end", "on_substep_end"),
+    **_foreign("Composer", "on_batch_end", "batch_end", "after_train_batch"),
+    # Inside a batch.
+    **_foreign("fastai/Composer", "after_forward", "after_pred", "after_loss",
+               "before_backward"),
+    **_foreign("Lightning", "after_forward", "on_before_backward"),
+    **_foreign("Lightning", "after_backward", "on_after_backward"),
+    **_foreign("Lightning", "before_step", "on_before_optimizer_step",
+               "before_optimizer_step"),
+    **_foreign("Transformers", "before_step", "on_pre_optimizer_step"),
+    **_foreign("Transformers", "after_step", "on_optimizer_step", "on_step_end"),
+    **_foreign("fastai/Lightning", "after_step", "before_zero_grad", "on_before_zero_grad",
+               "after_optimizer_step"),
+    # Validation.
+    **_foreign("Keras", "on_validation_start", "on_test_begin"),
+    **_foreign("Lightning", "on_validation_start", "on_validation_epoch_start"),
+    **_foreign("fastai", "on_validation_start", "before_validate"),
+    **_foreign("Composer", "on_validation_start", "eval_start"),
+    **_foreign("Keras", "on_validation_end", "on_test_end"),
+    **_foreign("Lightning", "on_validation_end", "on_validation_epoch_end"),
+    **_foreign("fastai", "on_validation_end", "after_validate"),
+    **_foreign("Transformers", "on_validation_end", "on_evaluate"),
+    **_foreign("Composer", "on_validation_end", "eval_end"),
+    **_foreign("Keras", "on_validation_batch_start", "on_test_batch_begin",
+               "on_validation_batch_begin"),
+    **_foreign("Composer", "on_validation_batch_start", "eval_batch_start"),
+    **_foreign("Keras", "on_validation_batch_end", "on_test_batch_end"),
+    **_foreign("Composer", "on_validation_batch_end", "eval_batch_end"),
+    # Failures and checkpoints.
+    **_foreign("Ignite", "on_exception", "on_exception_raised"),
+    **_foreign("Lightning", "on_exception", "on_keyboard_interrupt"),
+    **_foreign("Lightning", "state_dict", "on_save_checkpoint"),
+    **_foreign("Lightning", "load_state_dict", "on_load_checkpoint"),
+    **_foreign("fastai", "setup", "after_create"),
+}
+
+
+def _event_name_problem(owner: str, attribute: str) -> str | None:
+    """The message for a method that looks like an event hookloop does not have, or None."""
+    if attribute in EVENT_NAMES or attribute in HOOKS:
+        return None
+    foreign = FOREIGN_EVENTS.get(attribute)
+    if foreign is None and not _EVENT_LIKE.match(attribute):
+        return None
+    events = f"The events are: {', '.join(EVENT_NAMES)}."
+    if foreign is not None:
+        target, frameworks = foreign
+        what = "hook" if target in HOOKS else "event"
+        return (f"{owner}.{attribute} is named like an event of {frameworks}, but hookloop has "
+                f"no event {attribute!r}, so it would never be called. The hookloop {what} "
+                f"that means the same is {target!r}: rename the method to {target}. {events}")
+    close = difflib.get_close_matches(attribute, EVENT_NAMES, n=1, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return (f"{owner}.{attribute} looks like an event but hookloop has no event "
+            f"{attribute!r}, so it would never be called.{hint} {events}")
+
+
 def _check_event_names(callback: Callback, index: int) -> None:
     for cls in type(callback).__mro__:
         if cls is Callback or cls is object:
             break
         for attribute in vars(cls):
-            if not _EVENT_LIKE.match(attribute) or attribute in EVENT_NAMES or attribute in HOOKS:
-                continue
-            close = difflib.get_close_matches(attribute, EVENT_NAMES, n=1, cutoff=0.5)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigurationError(
-                f"{cls.__name__}.{attribute} looks like an event but hookloop has no event "
-                f"{attribute!r}, so it would never be called.{hint} "
-                f"The events are: {', '.join(EVENT_NAMES)}."
-            )
+            problem = _event_name_problem(cls.__name__, attribute)
+            if problem is not None:
+                raise ConfigurationError(problem)
 
 
 def check_callbacks(callbacks: Sequence[object], loop: Loop) -> None:
@@ -184,6 +274,11 @@ def check_callbacks(callbacks: Sequence[object], loop: Loop) -> None:
 
     owners: dict[str, int] = {}
     for index, callback in enumerate(stack):
+        name = getattr(callback, "name", None)
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigurationError(
+                f"{_label(stack, index)}: name must be a non-empty string or None (it is the "
+                f"key of the callback's state in checkpoints), got {name!r}.")
         if not overrides(callback, "state_dict"):
             continue
         key = callback.state_key

@@ -5,23 +5,26 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
+import warnings
 import zipfile
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import suppress
 from typing import Any
 
 import torch
 from torch import nn
 
-from hookloop.errors import CheckpointError
+from hookloop.errors import CheckpointError, CheckpointWriteError, ConfigurationError
 from hookloop.modules import unwrap
 
 __all__ = ["FORMAT", "TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "find_unplain", "write_atomic",
            "read_payload", "load_model_weights", "load_optimizer_state", "load_checkpoint",
-           "all_finite"]
+           "all_finite", "describe_os_error", "prepare_directory", "regular_checkpoint_files",
+           "verify_archive", "check_payload"]
 
 #: Version of the file layout written by `Checkpoint`.
 FORMAT = 2
@@ -70,26 +73,234 @@ def _fsync_directory(directory: str) -> None:
         os.close(descriptor)
 
 
+_CAUSES = {
+    errno.ENOSPC: "no space left on the device (the disk is full)",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "the operation is not permitted",
+    errno.ENOENT: "the directory no longer exists (deleted or unmounted during the run)",
+    errno.EROFS: "the file system is read-only",
+    errno.EIO: "an input/output error of the device",
+    errno.ENOTDIR: "a part of the path is a file, not a directory",
+    errno.EISDIR: "a directory is in the way",
+    errno.EFBIG: "the file is larger than the file system allows",
+    errno.ENAMETOOLONG: "the file name is too long",
+}
+
+
+def describe_os_error(error: OSError) -> str:
+    """The cause of ``error`` in words, e.g. "no space left on the device (the disk is full)".
+
+    Example:
+        >>> import errno
+        >>> describe_os_error(OSError(errno.ENOSPC, "No space left on device"))
+        'no space left on the device (the disk is full) [errno 28]'
+    """
+    cause = _CAUSES.get(error.errno) if error.errno is not None else None
+    if cause is None:
+        cause = error.strerror or str(error) or type(error).__name__
+    return f"{cause} [errno {error.errno}]" if error.errno is not None else cause
+
+
+def _file_mode() -> int:
+    """The mode ``open(path, "w")`` would give a new file: 0o666 less the process umask."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # the only portable way to read it is to set it
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+class _RecordingWriter:
+    """Passes writes to ``handle`` and keeps the first `OSError`.
+
+    torch.save turns a failed write into a RuntimeError ("[enforce fail at
+    inline_container.cc] unexpected pos ..."); the OSError kept here says why it failed.
+    """
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._handle.write(data)
+        except OSError as error:
+            if self.error is None:
+                self.error = error
+            raise
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+
+def _write_error(path: str, error: BaseException, doing: str) -> CheckpointWriteError:
+    cause = describe_os_error(error) if isinstance(error, OSError) else (
+        f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
+    failure = CheckpointWriteError(
+        f"Cannot write the checkpoint {path}: {doing} failed: {cause}. Nothing was written "
+        "under that name; the earlier checkpoint files are intact and no temporary file is "
+        "left. Fix the cause (free space, permissions, the directory) and run again; "
+        "Checkpoint(..., resume=True) continues from the newest file.")
+    failure.errno = getattr(error, "errno", None)
+    return failure
+
+
 def write_atomic(payload: Mapping[str, Any], path: str) -> None:
     """Write to a temporary file in the same directory, flush, fsync, then ``os.replace``.
 
     Whatever interrupts the write (an exception, a second Ctrl-C, SIGKILL) leaves the final
-    name untouched: at worst a ``.tmp-*.part`` file, which is never taken for a checkpoint.
+    name untouched: at worst a ``.tmp-*.part`` file, which is never taken for a checkpoint
+    (and is deleted here whenever Python still runs). The file gets the permissions a plain
+    ``torch.save`` gives (0o666 less the umask: 0o644 under the usual umask 022).
+
+    Raises:
+        CheckpointWriteError: any failure of the file system (a full disk, a deleted
+            directory, permissions), naming ``path`` and the cause in words; a
+            `CheckpointError` and an `OSError`. Other exceptions (a KeyboardInterrupt
+            during the write) propagate as they are.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> path = os.path.join(tempfile.mkdtemp(), "weights.pt")
+        >>> write_atomic({"w": torch.ones(2)}, path)
+        >>> torch.load(path, weights_only=True)["w"]
+        tensor([1., 1.])
     """
     directory = os.path.dirname(path) or "."
-    descriptor, temporary = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX,
-                                             dir=directory)
     try:
+        descriptor, temporary = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX,
+                                                 dir=directory)
+    except OSError as error:
+        raise _write_error(path, error, f"creating a temporary file in {directory}") from error
+    doing = "writing"
+    writer: _RecordingWriter | None = None
+    try:
+        with suppress(OSError):  # file systems without modes (some network mounts)
+            os.fchmod(descriptor, _file_mode())
         with os.fdopen(descriptor, "wb") as handle:
-            torch.save(payload, handle)
+            writer = _RecordingWriter(handle)
+            torch.save(payload, writer)
+            doing = "flushing"
             handle.flush()
+            doing = "syncing to disk (fsync)"
             os.fsync(handle.fileno())
+            doing = "closing"
+        doing = f"renaming {os.path.basename(temporary)} to it"
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         with suppress(OSError):
             os.unlink(temporary)
+        recorded = writer.error if writer is not None else None
+        if recorded is not None:
+            raise _write_error(path, recorded, "writing") from recorded
+        if isinstance(error, OSError):
+            raise _write_error(path, error, doing) from error
+        if isinstance(error, RuntimeError) and "inline_container" in str(error):
+            raise _write_error(path, error, "writing") from error
         raise
     _fsync_directory(directory)
+
+
+def prepare_directory(path: str | os.PathLike[str]) -> str:
+    """Create the checkpoint directory if needed and prove it can be written, before training.
+
+    A path that is a file, a directory that cannot be created, and one where a file cannot
+    be written (a probe file is created, written, synced and deleted) are errors now rather
+    than after the first epoch.
+
+    Args:
+        path: The directory.
+
+    Returns:
+        The path, as a string.
+
+    Raises:
+        ConfigurationError: naming the directory, the cause and the fix.
+
+    Example:
+        >>> import os, tempfile
+        >>> directory = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> prepare_directory(directory) == directory and os.listdir(directory)
+        []
+    """
+    path = os.fspath(path)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        what = "a broken symbolic link" if os.path.islink(path) else "a file"
+        raise ConfigurationError(
+            f"Checkpoint directory {path} is {what}, not a directory. Give a directory path "
+            "(it is created when missing), or move that file away.")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise ConfigurationError(
+            f"Checkpoint directory {path} cannot be created: {describe_os_error(error)}. "
+            "Give a directory you can write to, or create it yourself.") from error
+    try:
+        descriptor, probe = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=path)
+    except OSError as error:
+        raise ConfigurationError(
+            f"Checkpoint directory {path} is not writable: creating a file in it failed: "
+            f"{describe_os_error(error)}. Fix its permissions or give another directory.") from error
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(b"hookloop write probe")
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        raise ConfigurationError(
+            f"Checkpoint directory {path} is not writable: writing a probe file failed: "
+            f"{describe_os_error(error)}. Free space or give another directory.") from error
+    finally:
+        with suppress(OSError):
+            os.unlink(probe)
+    return path
+
+
+def regular_checkpoint_files(dirpath: str | os.PathLike[str], names: Iterable[str]) -> list[str]:
+    """The paths of ``names`` (entries of ``dirpath``) that are regular files inside it.
+
+    What ``resume=True`` may pick from. A symbolic link whose target lies outside
+    ``dirpath`` (or is missing) is skipped with a `RuntimeWarning`: resuming must not read a
+    file that another run or user controls. Directories and other non-regular entries are
+    skipped silently. The order of ``names`` is kept.
+
+    Example:
+        >>> import os, tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> open(os.path.join(directory, "a.pt"), "wb").close()
+        >>> os.mkdir(os.path.join(directory, "b.pt"))
+        >>> [os.path.basename(p) for p in regular_checkpoint_files(directory, ["a.pt", "b.pt"])]
+        ['a.pt']
+    """
+    directory = os.fspath(dirpath)
+    root = os.path.realpath(directory)
+    found = []
+    for name in names:
+        path = os.path.join(directory, name)
+        if os.path.islink(path):
+            target = os.path.realpath(path)
+            if os.path.dirname(target) != root and not target.startswith(root + os.sep):
+                warnings.warn(
+                    f"Checkpoint: skipping {path}: it is a symbolic link to {target}, outside "
+                    f"{directory}; resume=True only reads files inside the checkpoint "
+                    "directory. Copy the file in, or pass Checkpoint(resume=path) to resume "
+                    "from it on purpose.", RuntimeWarning, stacklevel=2)
+                continue
+            if not os.path.isfile(target):
+                continue
+        elif not os.path.isfile(path):
+            continue
+        found.append(path)
+    return found
 
 
 def _default_location(model: nn.Module) -> torch.device:
@@ -98,8 +309,191 @@ def _default_location(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+_COMPRESSION_NAMES = {zipfile.ZIP_DEFLATED: "deflate", zipfile.ZIP_BZIP2: "bzip2",
+                      zipfile.ZIP_LZMA: "lzma"}
+
+
+def verify_archive(path: str) -> None:
+    """Refuse a damaged checkpoint archive before ``torch.load`` reads it.
+
+    ``torch.save`` writes a zip archive of stored (uncompressed) records, each with a
+    CRC-32 of its bytes, but ``torch.load`` never checks those CRCs: a flipped byte in
+    tensor data loads silently as a wrong weight. This reads every record once and checks
+    its CRC (reading the file a second time: about as long as the load itself, from the
+    page cache). A compressed or encrypted record (which ``torch.save`` never writes) is
+    refused before anything is inflated, so a small crafted file cannot fill the memory.
+
+    Raises:
+        CheckpointError: naming the file, the record and what is wrong.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.pt")
+        >>> torch.save({"w": torch.ones(3)}, path)
+        >>> verify_archive(path)  # intact: returns None
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+            for info in records:
+                if info.flag_bits & 0x1:
+                    raise CheckpointError(
+                        f"{path}: record {info.filename!r} is encrypted; torch.save never "
+                        "writes encrypted records, so this is not a checkpoint. Refused.")
+                if info.compress_type != zipfile.ZIP_STORED:
+                    method = _COMPRESSION_NAMES.get(info.compress_type, f"method {info.compress_type}")
+                    raise CheckpointError(
+                        f"{path}: record {info.filename!r} is compressed ({method}, "
+                        f"{info.compress_size} bytes claiming {info.file_size}); torch.save "
+                        "never compresses records, so the file was repacked or crafted. "
+                        "Refused without inflating it; load it with torch.load yourself if "
+                        "you trust it.")
+                if info.compress_size != info.file_size:
+                    raise CheckpointError(
+                        f"{path}: record {info.filename!r} is damaged (its stored size "
+                        f"{info.compress_size} differs from its size {info.file_size}).")
+            for info in records:
+                with archive.open(info) as record:
+                    while record.read(1 << 22):
+                        pass
+    except CheckpointError:
+        raise
+    except zipfile.BadZipFile as error:
+        detail = str(error)
+        if "CRC" in detail:
+            raise CheckpointError(
+                f"{path}: the file is damaged: {detail} (the bytes of that record changed "
+                "after the file was written: a disk, memory or copy error). Delete it to "
+                "resume from an older checkpoint, or copy it again from its source.") from None
+        raise CheckpointError(f"{path}: the file is truncated or corrupt ({detail}).") from None
+    except (OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as error:
+        raise CheckpointError(
+            f"{path}: the file is truncated or corrupt ({type(error).__name__}: {error}).") from None
+
+
+def _type_name(value: Any) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _expect(path: str, field: str, value: Any, ok: bool, expected: str) -> None:
+    if not ok:
+        raise CheckpointError(
+            f"{path}: the checkpoint's field {field!r} is {_type_name(value)} "
+            f"{_short(value)}, expected {expected}. The file was not written by this version "
+            "of hookloop or was edited; resume from another file.")
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if not isinstance(value, torch.Tensor) else f"of shape {tuple(value.shape)}"
+    return f"({text[:60]}{'...' if len(text) > 60 else ''})"
+
+
+def check_payload(path: str, payload: Mapping[str, Any]) -> None:
+    """Check the layout of a loaded hookloop checkpoint; name the first wrong field.
+
+    A well-formed archive can still hold the wrong thing: a format this hookloop does not
+    know, a training checkpoint without its optimizer or loop position, fields of the wrong
+    type. Each is a `CheckpointError` naming the file and the field, instead of a raw
+    KeyError/TypeError deep inside the resume.
+
+    Rules: ``hookloop`` is a dict with an int ``format`` (1 up to `FORMAT`) and a ``kind``
+    of ``"resume"`` or ``"best"``; ``model`` is a mapping of names to tensors; a
+    ``"resume"`` file also has ``optimizer`` (with ``state`` and ``param_groups``) and
+    ``loop`` (with int ``epoch``, ``batch_idx`` and ``step`` >= 0); optional fields
+    (``callbacks``, ``metrics``, ``ranks``, ``loop.history``, ``loop.ended``) have their
+    container types, and each rank's part its field types.
+
+    Raises:
+        CheckpointError: naming ``path`` and the field.
+
+    Example:
+        >>> check_payload("x.pt", {"hookloop": {"format": 1, "kind": "best"}, "model": {}})
+        >>> check_payload("x.pt", {"hookloop": {"format": 9, "kind": "best"}, "model": {}})
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.CheckpointError: x.pt: written by a newer hookloop (format 9; this one reads up to 1); upgrade hookloop to read it.
+    """
+    meta = payload["hookloop"]
+    version = meta.get("format")
+    _expect(path, "hookloop.format", version, _is_int(version), "an int")
+    if version > FORMAT:
+        raise CheckpointError(
+            f"{path}: written by a newer hookloop (format {version}; this one reads up to "
+            f"{FORMAT}); upgrade hookloop to read it.")
+    if version < 1:
+        raise CheckpointError(f"{path}: unknown checkpoint format {version} (valid: 1 to {FORMAT}).")
+    kind = meta.get("kind")
+    _expect(path, "hookloop.kind", kind, kind in ("resume", "best"), "'resume' or 'best'")
+    model = payload.get("model")
+    _expect(path, "model", model, isinstance(model, Mapping), "a mapping of weights")
+    for name, value in model.items():
+        _expect(path, "model (a key)", name, isinstance(name, str), "a str")
+        if not name.endswith("_extra_state"):
+            _expect(path, f"model.{name}", value, isinstance(value, torch.Tensor), "a tensor")
+    for field in ("callbacks", "metrics"):
+        if field in payload:
+            _expect(path, field, payload[field], isinstance(payload[field], Mapping), "a dict")
+    if "ranks" in payload:
+        _expect(path, "ranks", payload["ranks"], isinstance(payload["ranks"], list), "a list")
+    if kind != "resume":
+        return
+    optimizer = payload.get("optimizer")
+    if "optimizer" not in payload:
+        raise CheckpointError(
+            f"{path}: a training checkpoint without its 'optimizer' field; it cannot be "
+            "resumed (hookloop.load_checkpoint(path, model) still loads the weights).")
+    _expect(path, "optimizer", optimizer, isinstance(optimizer, Mapping), "a dict")
+    for field, kind_of in (("state", Mapping), ("param_groups", list)):
+        value = optimizer.get(field)
+        _expect(path, f"optimizer.{field}", value, isinstance(value, kind_of),
+                "a dict" if kind_of is Mapping else "a list")
+    if "loop" not in payload:
+        raise CheckpointError(
+            f"{path}: a training checkpoint without its 'loop' field (the position to "
+            "resume from); it cannot be resumed.")
+    loop = payload["loop"]
+    _expect(path, "loop", loop, isinstance(loop, Mapping), "a dict")
+    for field in ("epoch", "batch_idx", "step"):
+        if field not in loop:
+            raise CheckpointError(f"{path}: the checkpoint's field 'loop.{field}' is missing; "
+                                  "it cannot be resumed.")
+        value = loop[field]
+        _expect(path, f"loop.{field}", value, _is_int(value) and value >= 0, "an int >= 0")
+    if loop.get("history") is not None:
+        _expect(path, "loop.history", loop["history"], isinstance(loop["history"], list)
+                and all(isinstance(row, Mapping) for row in loop["history"]), "a list of dicts")
+    if loop.get("ended") is not None:
+        ended = loop["ended"]
+        _expect(path, "loop.ended", ended, isinstance(ended, Mapping) and _is_int(
+            ended.get("epochs")) and isinstance(ended.get("reason"), str),
+            "None or a dict with 'reason' and 'epochs'")
+    for index, part in enumerate(payload.get("ranks") or []):
+        where = f"ranks[{index}]"
+        _expect(path, where, part, isinstance(part, Mapping), "a dict")
+        if "train_samples" in part:
+            value = part["train_samples"]
+            _expect(path, f"{where}.train_samples", value, _is_int(value) and value >= 0,
+                    "an int >= 0")
+        if part.get("train_loss_sum") is not None:
+            value = part["train_loss_sum"]
+            _expect(path, f"{where}.train_loss_sum", value, isinstance(value, torch.Tensor),
+                    "a tensor or None")
+        for field in ("rng", "epoch_rng"):
+            if part.get(field) is not None:
+                _expect(path, f"{where}.{field}", part[field], isinstance(part[field], Mapping),
+                        "a dict")
+
+
 def read_payload(path: str | os.PathLike[str], map_location: Any) -> dict[str, Any]:
-    """Load a hookloop checkpoint safely, or raise `CheckpointError` saying what is wrong."""
+    """Load a hookloop checkpoint safely, or raise `CheckpointError` saying what is wrong.
+
+    The archive's CRCs are checked first (`verify_archive`), then it is loaded with
+    ``torch.load(weights_only=True)`` and its layout checked (`check_payload`).
+    """
     path = os.fspath(path)
     try:
         size = os.path.getsize(path)
@@ -108,7 +502,7 @@ def read_payload(path: str | os.PathLike[str], map_location: Any) -> dict[str, A
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint file.") from None
     except OSError as error:
-        raise CheckpointError(f"{path}: cannot be read ({error}).") from None
+        raise CheckpointError(f"{path}: cannot be read ({describe_os_error(error)}).") from None
     if size == 0:
         raise CheckpointError(
             f"{path}: the file is empty (0 bytes), not a checkpoint. It was not written by "
@@ -122,6 +516,8 @@ def read_payload(path: str | os.PathLike[str], map_location: Any) -> dict[str, A
         raise CheckpointError(
             f"{path}: not a checkpoint (it is not a file written by torch.save; it starts "
             f"with {head!r}).")
+    if head.startswith(b"PK"):
+        verify_archive(path)
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:  # noqa: BLE001 - every failure becomes one clear error
@@ -142,6 +538,7 @@ def read_payload(path: str | os.PathLike[str], map_location: Any) -> dict[str, A
             "torch.load, or use a file written by hookloop.callbacks.Checkpoint.")
     if not isinstance(payload.get("model"), Mapping):
         raise CheckpointError(f"{path}: the checkpoint has no model weights ('model' entry).")
+    check_payload(path, payload)
     return payload
 
 

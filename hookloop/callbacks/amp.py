@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -21,6 +23,37 @@ _DTYPES: dict[Any, torch.dtype] = {
     "half": torch.float16, "16": torch.float16,
     torch.bfloat16: torch.bfloat16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+
+
+#: Consecutive skipped steps after which AMP warns (once): the scale has been halved this
+#: many times, far below where a real float16 overflow would have stopped.
+SKIPPED_IN_A_ROW_WARNING = 25
+#: The scale never goes below this: at 0 every gradient becomes 0 * inf = NaN.
+MIN_SCALE = 2.0 ** -16
+
+
+def _check_scaler_arguments(arguments: Mapping[str, Any]) -> None:
+    """The checks ``GradScaler`` makes with ``assert`` (or not at all), as named errors."""
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            math.isfinite(value)
+
+    for key, value in arguments.items():
+        if key == "init_scale" and not (number(value) and value > 0):
+            problem = "a finite number > 0 (e.g. 65536.0)"
+        elif key == "growth_factor" and not (number(value) and value > 1.0):
+            problem = "a finite number > 1.0 (e.g. 2.0)"
+        elif key == "backoff_factor" and not (number(value) and 0.0 < value < 1.0):
+            problem = "a number in (0, 1) (e.g. 0.5)"
+        elif key == "growth_interval" and not (isinstance(value, int) and not isinstance(
+                value, bool) and value >= 1):
+            problem = "an int >= 1 (e.g. 2000)"
+        elif key == "enabled" and not isinstance(value, bool):
+            problem = "True or False"
+        else:
+            continue
+        raise ConfigurationError(
+            f"AMP scaler argument {key}={value!r} is invalid: {key} must be {problem}.")
 
 
 class AMP(Callback):
@@ -46,6 +79,11 @@ class AMP(Callback):
     any optimizer for the duration of ``scaler.step`` (the gradients are already unscaled
     in ``before_step``), so a skipped step really skips ``optimizer.step``.
 
+    Many skipped steps in a row (`SKIPPED_IN_A_ROW_WARNING`, 25) are not an overflow the
+    scaler can fix: AMP warns once, with the count and the likely causes. The scale is kept
+    at or above `MIN_SCALE` (``2**-16``) so that it never reaches 0, where every gradient
+    would become NaN and the next clean batch would be stepped with them.
+
     The scaler is created at the first ``setup`` and continues across ``fit`` calls on the
     same loop; a resumed run's scale is loaded into it before ``on_fit_start``.
 
@@ -62,7 +100,9 @@ class AMP(Callback):
         name: State key, to tell two stacks' AMP states apart in one checkpoint.
 
     Raises:
-        ConfigurationError: an unsupported dtype or scaler value; at setup, float16 or
+        ConfigurationError: an unsupported dtype, a scaler value GradScaler would reject
+            (``growth_factor <= 1``, ``backoff_factor`` outside (0, 1), ``init_scale <= 0``,
+            ``growth_interval < 1``), a bad ``name``; at setup, float16 or
             bfloat16 trainable parameters together with a scaler.
 
     Example:
@@ -85,7 +125,7 @@ class AMP(Callback):
     def __init__(self, dtype: torch.dtype | str = torch.bfloat16,
                  scaler: bool | Mapping[str, Any] | None = None, *, name: str | None = None) -> None:
         key = dtype.lower() if isinstance(dtype, str) else dtype
-        if key not in _DTYPES:
+        if not isinstance(key, (str, torch.dtype)) or key not in _DTYPES:
             raise ConfigurationError(
                 f"AMP dtype must be torch.bfloat16 or torch.float16 ('bf16'/'fp16'), got "
                 f"{dtype!r}. For full precision, leave AMP out of the callbacks.")
@@ -99,6 +139,7 @@ class AMP(Callback):
                 raise ConfigurationError(
                     f"AMP scaler arguments {sorted(unknown)} are not torch.amp.GradScaler "
                     "arguments; use init_scale, growth_factor, backoff_factor, growth_interval.")
+            _check_scaler_arguments(scaler)
             self._scaler_kwargs: dict[str, Any] | None = dict(scaler)
         elif isinstance(scaler, bool):
             self._scaler_kwargs = {} if scaler else None
@@ -106,8 +147,12 @@ class AMP(Callback):
             raise ConfigurationError(
                 f"AMP scaler must be None, True, False or a dict of GradScaler arguments, got "
                 f"{scaler!r}.")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigurationError(f"AMP name must be a non-empty string or None, got {name!r}.")
         self.name = name
         self._scaler: torch.amp.GradScaler | None = None
+        self._skipped_in_row = 0
+        self._warned_skips = False
         self._scaler_device: str | None = None
         self._unscaled = False  # unscale_ ran at this boundary and update() is still owed
         #: Steps the scaler skipped because of inf/NaN gradients, over the whole run.
@@ -195,8 +240,31 @@ class AMP(Callback):
         scaler.update()
         # Only now is the unscale_ paired: if step raised (Ctrl-C), on_fit_end updates.
         self._unscaled = False
-        if not loop.optimizer_stepped:  # the loop's step hook saw no optimizer.step
-            self.skipped_steps += 1
+        if loop.optimizer_stepped:
+            self._skipped_in_row = 0
+            return
+        # The loop's step hook saw no optimizer.step: the scaler skipped it (inf/NaN).
+        self.skipped_steps += 1
+        self._skipped_in_row += 1
+        # Reading the scale syncs, but only after a skipped step, whose scaler.step synced
+        # on the inf flag already.
+        scale = scaler.get_scale()
+        if scale < MIN_SCALE:
+            scaler.update(new_scale=MIN_SCALE)
+        if self._skipped_in_row >= SKIPPED_IN_A_ROW_WARNING and not self._warned_skips:
+            self._warned_skips = True
+            warnings.warn(
+                f"AMP: the GradScaler skipped the last {self._skipped_in_row} optimizer steps "
+                f"in a row (step {loop.state.step}, {self.skipped_steps} skipped in all) "
+                f"because the gradients held inf/NaN, and the loss scale is down to "
+                f"{max(scale, MIN_SCALE):.3g}. A float16 overflow stops after a few halvings; "
+                "this many means the forward pass or the loss itself produces inf/NaN (bad "
+                "inputs or labels, a log or division of 0, a learning rate that diverged) or "
+                "an activation exceeds float16's range (65504) even unscaled. The weights are "
+                "those of the last good step. Check the data and the loss, try "
+                "AMP(torch.bfloat16), or add TerminateOnNaN() to stop at the first non-finite "
+                f"loss. (Warned once; the scale is kept >= {MIN_SCALE:g} so it never reaches 0.)",
+                RuntimeWarning, stacklevel=2)
 
     def on_batch_end(self, loop: Loop) -> None:
         self._finish_cancelled_step()

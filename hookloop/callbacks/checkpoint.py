@@ -18,6 +18,7 @@ import torch
 
 from hookloop import distributed
 from hookloop.callback import Callback
+from hookloop.callbacks.terminate_on_nan import non_finite_weights_advice
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.monitor import Monitor
 from hookloop.storage import (
@@ -26,7 +27,9 @@ from hookloop.storage import (
     find_unplain,
     is_temporary,
     load_checkpoint,
+    prepare_directory,
     read_payload,
+    regular_checkpoint_files,
     write_atomic,
 )
 
@@ -188,7 +191,7 @@ class Checkpoint(Callback):
             match = self._pattern.match(file_name)
             if match:
                 found.append(((int(match.group(2)), int(match.group(1))), file_name))
-        return [os.path.join(self.dirpath, file_name) for _, file_name in sorted(found)]
+        return regular_checkpoint_files(self.dirpath, [file_name for _, file_name in sorted(found)])
 
     def run_files(self) -> list[str]:
         """This callback's files in ``dirpath``: rotating checkpoints, then ``best.pt``."""
@@ -209,7 +212,7 @@ class Checkpoint(Callback):
             self._monitor.resolve()
         loop.enable_resume_snapshots()
         if distributed.is_main():
-            os.makedirs(self.dirpath, exist_ok=True)
+            prepare_directory(self.dirpath)
             for file_name in os.listdir(self.dirpath):  # left by a crash during a save
                 if is_temporary(file_name):
                     with suppress(OSError):
@@ -378,12 +381,10 @@ class Checkpoint(Callback):
         state = loop.state
         if not all_finite(run["model"]):
             if not self._warned_not_finite:
-                guard = "" if any(type(c).__name__ == "TerminateOnNaN" for c in loop.callbacks) \
-                    else " Add TerminateOnNaN() to stop before a NaN reaches the weights."
                 warnings.warn(
                     f"Checkpoint: the weights at epoch {state.epoch}, step {state.step} are not "
-                    f"finite (NaN/inf); no checkpoint written, the older files are kept.{guard}",
-                    RuntimeWarning, stacklevel=2)
+                    "finite (NaN/inf); no checkpoint written, the older files are kept. "
+                    + non_finite_weights_advice(loop.callbacks), RuntimeWarning, stacklevel=2)
                 self._warned_not_finite = True
             return
         payload = {"hookloop": self._meta("resume"), **run, "metrics": dict(state.metrics)}

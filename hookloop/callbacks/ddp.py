@@ -24,12 +24,13 @@ from torch.utils.data.distributed import DistributedSampler
 
 from hookloop import distributed
 from hookloop.callback import Callback
+from hookloop.data import length_of
 from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["DDP", "UnpaddedDistributedSampler"]
+__all__ = ["DDP", "UnpaddedDistributedSampler", "check_equal_batches"]
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _groups_created = 0  # process groups this module created in this process
@@ -195,6 +196,14 @@ def _shard(loader: Any, *, training: bool) -> Any:
             "the same number of batches.", stacklevel=5)
         return loader
     sampler, batch_size, drop_last = _loader_parts(loader)
+    if training and isinstance(sampler, UnpaddedDistributedSampler):
+        raise ConfigurationError(
+            "DDP: the training DataLoader uses UnpaddedDistributedSampler, which gives ranks "
+            "different numbers of samples; in training every rank must run the same number "
+            "of batches, or the gradient all-reduce of the longer rank waits forever (or "
+            "averages unrelated data). Use torch's DistributedSampler for training data (or "
+            "pass the DataLoader unsharded and let DDP shard it); keep "
+            "UnpaddedDistributedSampler for validation.")
     if isinstance(sampler, (DistributedSampler, UnpaddedDistributedSampler)):
         return loader  # the user sharded it already
     shuffle = _shuffles(sampler, which)
@@ -208,6 +217,44 @@ def _shard(loader: Any, *, training: bool) -> Any:
         new_sampler = UnpaddedDistributedSampler(loader.dataset, num_replicas=world, rank=rank,
                                                  shuffle=shuffle, seed=seed)
     return _rebuild(loader, new_sampler, batch_size, drop_last)
+
+
+def check_equal_batches(train_data: Any) -> None:
+    """Every rank must run the same number of training batches: check it before the first.
+
+    A collective (every rank calls it, in ``DDP.setup``): the ranks exchange
+    ``len(train_data)``. With different lengths the gradient all-reduce of the last batches
+    would find no partner (a gloo abort "Received data size doesn't match", an NCCL hang)
+    or average gradients of unrelated steps. Data without a length cannot be checked, and
+    hookloop does not use DDP's ``join`` for uneven inputs, so it is refused too.
+
+    Raises:
+        ConfigurationError: on every rank, listing each rank's number of batches.
+
+    Example:
+        >>> check_equal_batches([1, 2, 3])  # one process: nothing to compare
+    """
+    if distributed.world_size() == 1:
+        return
+    length = length_of(train_data)
+    lengths = distributed.all_gather_object(length)
+    if all(count == lengths[0] for count in lengths) and lengths[0] is not None:
+        return
+    listing = ", ".join(f"rank {index}: {'no length' if count is None else count}"
+                        for index, count in enumerate(lengths))
+    if any(count is None for count in lengths):
+        raise ConfigurationError(
+            f"DDP: the training data has no length on some rank ({listing}), so hookloop "
+            "cannot make sure that every rank runs the same number of batches; a rank with "
+            "more batches would wait forever in the gradient all-reduce. Give the data a "
+            "length: a map-style Dataset in a DataLoader (DDP shards it evenly), or an "
+            "IterableDataset with __len__ that yields exactly that many samples on every rank.")
+    raise ConfigurationError(
+        f"DDP: the ranks have different numbers of training batches ({listing}). Every "
+        "rank must run the same number, or the gradient all-reduce of the longer rank waits "
+        "forever or averages unrelated data. Let DDP shard a DataLoader over the whole "
+        "dataset (DistributedSampler pads to equal lengths), or make your own sharding give "
+        "every rank the same number of batches (e.g. drop the remainder).")
 
 
 def _set_epoch(loader: Any, epoch: int) -> None:
@@ -269,6 +316,14 @@ class DDP(Callback):
 
     def __init__(self, *, backend: str | None = None, find_unused_parameters: bool = False
                  ) -> None:
+        if backend is not None and (not isinstance(backend, str) or not backend):
+            raise ConfigurationError(
+                f"DDP backend must be None (nccl on CUDA, gloo on CPU) or a backend name such "
+                f"as 'nccl' or 'gloo', got {backend!r}.")
+        if not isinstance(find_unused_parameters, bool):
+            raise ConfigurationError(
+                f"DDP find_unused_parameters must be True or False, got "
+                f"{find_unused_parameters!r}.")
         self.backend = backend
         self.find_unused_parameters = find_unused_parameters
         self._active = False
@@ -318,6 +373,7 @@ class DDP(Callback):
             loop.val_data = sharded_val
         self._originals = (original_train, original_val)
         self._sharded = (sharded_train, sharded_val)
+        check_equal_batches(loop.train_data)
 
     # ------------------------------------------------------------------ events
     def on_epoch_start(self, loop: Loop) -> None:

@@ -60,14 +60,15 @@ class EMA(Callback):
     checkpoint also holds the shadow under this callback's state key.
 
     Args:
-        decay: The weight of the old average, in [0, 1].
+        decay: The weight of the old average, in [0, 1) (1.0 would never update it).
         every_n_steps: Update after every n-th optimizer step.
         validate_with_ema: Swap the EMA weights in for validation.
         buffers: ``"average"`` or ``"copy"`` (see above).
         name: State key, to keep two EMAs (e.g. two decays) apart.
 
     Raises:
-        ConfigurationError: a decay outside [0, 1], a bad ``every_n_steps`` or ``buffers``.
+        ConfigurationError: a decay outside [0, 1), a bad ``every_n_steps``, ``buffers``,
+            ``name``, or a ``validate_with_ema`` that is not a bool.
 
     Example:
         >>> import torch
@@ -86,11 +87,19 @@ class EMA(Callback):
     def __init__(self, decay: float = 0.999, *, every_n_steps: int = 1,
                  validate_with_ema: bool = True, buffers: str = "average",
                  name: str | None = None) -> None:
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
-            raise ConfigurationError(f"EMA decay must be a number in [0, 1] (e.g. 0.999), got {decay!r}.")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
+            extra = (" decay=1.0 would never move the average: it would stay the weights at fit "
+                     "start, and validation would score those forever." if decay == 1 else "")
+            raise ConfigurationError(
+                f"EMA decay must be a number in [0, 1) (e.g. 0.999), got {decay!r}.{extra}")
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ConfigurationError(f"EMA every_n_steps must be a positive int, got {every_n_steps!r}.")
-        if buffers not in _BUFFER_MODES:
+        if not isinstance(validate_with_ema, bool):
+            raise ConfigurationError(
+                f"EMA validate_with_ema must be True or False, got {validate_with_ema!r}.")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigurationError(f"EMA name must be a non-empty string or None, got {name!r}.")
+        if not isinstance(buffers, str) or buffers not in _BUFFER_MODES:
             raise ConfigurationError(
                 f"EMA buffers must be 'average' or 'copy', got {buffers!r}.")
         self.decay = float(decay)

@@ -87,9 +87,13 @@ class GradClip(Callback):
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
             which = "max_norm" if max_norm is not None else "max_value"
             raise ConfigurationError(f"GradClip {which} must be a positive number, got {limit!r}.")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or \
+                math.isnan(norm_type) or not (norm_type > 0 or math.isinf(norm_type)):
+            raise ConfigurationError(
+                f"GradClip norm_type must be a positive number or float('inf') (the p of the "
+                f"p-norm: 2.0 is the usual Euclidean norm, which is what 'fro' means for a "
+                f"vector), got {norm_type!r}.")
         norm_type = float(norm_type)
-        if not (norm_type > 0 or math.isinf(norm_type)):
-            raise ConfigurationError(f"GradClip norm_type must be positive or inf, got {norm_type!r}.")
         self.max_norm = None if max_norm is None else float(max_norm)
         self.max_value = None if max_value is None else float(max_value)
         self.norm_type = norm_type

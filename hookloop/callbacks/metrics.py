@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import numbers
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,12 @@ class _Pass:
             for name, function in self.functions.items():
                 value = function(outputs, targets)
                 accumulator = self.sums[name]
+                if not isinstance(value, (torch.Tensor, numbers.Real)):
+                    raise ConfigurationError(
+                        f"Metric {name!r} ({getattr(function, '__name__', function)!r}) returned "
+                        f"{value!r} ({type(value).__name__}); a metric function must return the "
+                        "batch mean as a number or a scalar tensor, e.g. "
+                        "(outputs.argmax(-1) == targets).float().mean().")
                 value = torch.as_tensor(value).detach()
                 if value.numel() != 1:
                     raise ConfigurationError(

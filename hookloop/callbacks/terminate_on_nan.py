@@ -1,34 +1,88 @@
-"""`TerminateOnNaN`: stop at the first non-finite training loss, before it reaches the weights."""
+"""`TerminateOnNaN`: stop at the first non-finite loss or gradient, before it reaches the weights."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hookloop import distributed
 from hookloop.callback import Callback
+from hookloop.callbacks.grad_clip import total_norm
+from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["TerminateOnNaN"]
+__all__ = ["TerminateOnNaN", "non_finite_weights_advice"]
+
+
+def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``target.copy_(source)`` for each pair, fused where torch offers it (no sync)."""
+    with torch.no_grad():
+        if hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(targets, sources)
+        else:  # pragma: no cover - older torch
+            for target, source in zip(targets, sources):
+                target.copy_(source)
+
+
+def non_finite_weights_advice(callbacks: Sequence[Callback]) -> str:
+    """What to tell a user whose weights became non-finite, given the stack they run.
+
+    For `Checkpoint`'s "weights are not finite" warning: advise adding `TerminateOnNaN`
+    only when it is not there already.
+
+    Example:
+        >>> non_finite_weights_advice([])[:24]
+        'Add TerminateOnNaN() to '
+    """
+    present = [callback for callback in callbacks if isinstance(callback, TerminateOnNaN)]
+    if not present:
+        return ("Add TerminateOnNaN() to stop before a non-finite loss or gradient reaches "
+                "the weights.")
+    if not present[0].check_gradients:
+        return ("TerminateOnNaN(check_gradients=False) only watches the loss; a finite loss "
+                "with non-finite gradients passed it. Use TerminateOnNaN() to check both.")
+    return ("TerminateOnNaN is in the stack and saw finite losses and gradients, so the "
+            "optimizer step itself (a learning rate or eps that overflows), a callback that "
+            "writes the weights, or weights that were non-finite from the start made them so.")
 
 
 class TerminateOnNaN(Callback):
-    """Skip the optimizer step of a non-finite loss and end training at once.
+    """Skip the optimizer step of a non-finite loss or gradient and end training at once.
 
     After each forward pass the loss's finiteness is folded into a flag that stays on the
-    device; at the step boundary (``before_step``) the flag is read once, so there is one
-    host sync per optimizer step (with ``GradAccumulation(k)``, one per ``k`` batches),
-    never one per micro-batch. When any micro-batch of the window had a NaN or infinite
-    loss, on any rank (``hookloop.distributed.any_true``), the step is cancelled, so the
-    weights keep their last finite values, and ``loop.stop()`` ends training before the
-    next batch; ``on_epoch_end`` and ``on_fit_end`` still fire. The message names the epoch,
-    the batch and the step; it is printed on rank 0 and kept in ``loop.stop_reason``.
+    device; at the step boundary (``before_step``) the gradients' finiteness is folded in
+    too (their largest absolute value, one fused reduction over the gradients, no sync) and
+    the flag is read once: one host sync per optimizer step (with ``GradAccumulation(k)``,
+    one per ``k`` batches), never one per micro-batch. When any micro-batch of the window
+    had a NaN or infinite loss, or the accumulated gradients hold one, on any rank
+    (``hookloop.distributed.any_true``), the step is cancelled, so the parameters keep the
+    values of the last good step, and ``loop.stop()`` ends training before the next batch;
+    ``on_epoch_end`` and ``on_fit_end`` still fire. The message names what was non-finite,
+    the epoch, the batch and the step; it is printed on rank 0 and kept in
+    ``loop.stop_reason``.
 
-    It looks at the true loss (``loop.state.loss``), not at gradients: an AMP float16
-    overflow (finite loss, infinite scaled gradients) is left to the GradScaler.
+    Buffers: a forward pass in training mode updates BatchNorm running statistics, and a
+    NaN input poisons them before any loss is seen. With ``restore_buffers`` (default) the
+    model's buffers are copied at every good step boundary (one on-device copy of the
+    buffers per step, no sync; BatchNorm statistics are small next to the weights) and put
+    back when the step is cancelled, so the whole model is that of the last good step.
+
+    Under `AMP` with a GradScaler (float16), non-finite gradients are the scaler's
+    business: an overflow skips the step and lowers the scale, so only the loss is checked
+    then. With float32 or bfloat16 there is no scaler and a non-finite gradient is a real
+    fault.
+
+    Args:
+        check_gradients: Also stop on non-finite gradients with a finite loss (costs one
+            reduction over the gradients per step).
+        restore_buffers: Put the model's buffers back as they were at the last good step.
+
+    Raises:
+        ConfigurationError: positional arguments, or flags that are not bools.
 
     Example:
         >>> import torch
@@ -46,31 +100,103 @@ class TerminateOnNaN(Callback):
 
     unique = True
 
-    def __init__(self) -> None:
-        self._bad: torch.Tensor | None = None
+    def __init__(self, *unexpected: Any, check_gradients: bool = True,
+                 restore_buffers: bool = True) -> None:
+        if unexpected:
+            raise ConfigurationError(
+                f"TerminateOnNaN takes no positional arguments, got {unexpected!r}. Its "
+                "options are keywords: TerminateOnNaN(check_gradients=True, "
+                "restore_buffers=True).")
+        for label, value in (("check_gradients", check_gradients),
+                             ("restore_buffers", restore_buffers)):
+            if not isinstance(value, bool):
+                raise ConfigurationError(
+                    f"TerminateOnNaN {label} must be True or False, got {value!r}.")
+        self.check_gradients = check_gradients
+        self.restore_buffers = restore_buffers
+        self._bad_loss: torch.Tensor | None = None
+        self._gradients_checked = check_gradients
+        self._buffers: list[torch.Tensor] = []
+        self._saved: list[torch.Tensor] | None = None
+
+    def __repr__(self) -> str:
+        options = [f"{label}=False" for label, value in
+                   (("check_gradients", self.check_gradients),
+                    ("restore_buffers", self.restore_buffers)) if not value]
+        return f"TerminateOnNaN({', '.join(options)})"
 
     def on_fit_start(self, loop: Loop) -> None:
-        self._bad = None
+        self._bad_loss = None
+        # A GradScaler owns non-finite gradients: they are its overflow signal.
+        scaled = any(getattr(callback, "scaler", None) is not None for callback in loop.callbacks)
+        self._gradients_checked = self.check_gradients and not scaled
+        self._buffers = list(loop.unwrapped_model.buffers()) if self.restore_buffers else []
+        self._saved = None  # taken at the first batch: after every on_fit_start (a resume)
+
+    def on_batch_start(self, loop: Loop) -> None:
+        if self._buffers and self._saved is None:
+            self._save_buffers()
 
     def after_forward(self, loop: Loop) -> None:
         loss = loop.state.loss
         assert loss is not None
         not_finite = ~torch.isfinite(loss.detach())
-        self._bad = not_finite if self._bad is None else self._bad | not_finite
+        self._bad_loss = not_finite if self._bad_loss is None else self._bad_loss | not_finite
 
     def before_step(self, loop: Loop) -> None:
-        bad, self._bad = self._bad, None
-        local = bool(bad.item()) if bad is not None else False  # the one sync per step
-        if not distributed.any_true(local):
+        bad_loss, self._bad_loss = self._bad_loss, None
+        bad_gradients = self._gradients_not_finite(loop) if self._gradients_checked else None
+        # Both flags in one number (bit 0: loss, bit 1: gradients), so one read suffices.
+        code: torch.Tensor | None = None
+        if bad_loss is not None:
+            code = bad_loss.reshape(()).to(torch.uint8)
+        if bad_gradients is not None:
+            gradients_bit = bad_gradients.reshape(()).to(torch.uint8) * 2
+            code = gradients_bit if code is None else code + gradients_bit.to(code.device)
+        value = int(code.item()) if code is not None else 0  # the one sync per step
+        loss_local, gradients_local = bool(value & 1), bool(value & 2)
+        if not distributed.any_true(loss_local or gradients_local):
+            if self._buffers:
+                self._save_buffers()  # the statistics of this good window
             return
         loop.cancel_step()
+        if self._buffers and self._saved is not None:
+            _copy(self._buffers, self._saved)
         state = loop.state
         window = loop.accumulation_steps
         where = (f"batch {state.batch_idx}" if window == 1
                  else f"the accumulation window ending at batch {state.batch_idx}")
-        message = (f"TerminateOnNaN: non-finite loss in epoch {state.epoch}, {where}, at "
-                   f"optimizer step {state.step + 1}; that step was skipped (the weights are "
-                   f"those after step {state.step}) and training stops.")
+        if loss_local:
+            what = "non-finite loss"
+        elif gradients_local:
+            what = "non-finite gradients (with a finite loss)"
+        else:
+            what = "a non-finite loss or gradient on another rank"
+        if self._buffers:
+            buffers = " and its buffers (BatchNorm statistics) were put back as they were then"
+        elif self.restore_buffers or not any(True for _ in loop.unwrapped_model.buffers()):
+            buffers = ""
+        else:
+            buffers = (", but its buffers (BatchNorm statistics) may hold values of the bad "
+                       "forward pass (restore_buffers=False)")
+        message = (f"TerminateOnNaN: {what} in epoch {state.epoch}, {where}, at optimizer step "
+                   f"{state.step + 1}; that step was skipped, so the model's parameters are "
+                   f"those after step {state.step}{buffers}; training stops.")
         if distributed.is_main():
             print(message, flush=True)
         loop.stop(message)
+
+    def _gradients_not_finite(self, loop: Loop) -> torch.Tensor | None:
+        gradients = [parameter.grad for group in loop.optimizer.param_groups
+                     for parameter in group["params"] if parameter.grad is not None]
+        if not gradients:
+            return None
+        # inf for an inf, NaN for a NaN (amax propagates it), finite otherwise.
+        largest = total_norm(gradients, float("inf"))
+        return ~torch.isfinite(largest)
+
+    def _save_buffers(self) -> None:
+        if self._saved is None:
+            self._saved = [buffer.detach().clone() for buffer in self._buffers]
+        else:
+            _copy(self._saved, self._buffers)

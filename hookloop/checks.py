@@ -1,0 +1,282 @@
+"""Checks of the `Loop`'s arguments, made when it is built and when ``fit`` starts.
+
+Each mistake found here would otherwise fail late (after an epoch), raw (a TypeError
+from deep inside torch), or not at all (training nothing). Every error names the argument,
+what is wrong with it and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from hookloop.callback import Callback
+from hookloop.errors import ConfigurationError
+
+__all__ = ["check_loop_arguments", "check_fit_arguments", "check_fit_data", "resolve_device",
+           "available_devices"]
+
+
+def available_devices() -> list[str]:
+    """The devices this process can train on, e.g. ``['cpu']`` or ``['cpu', 'cuda:0']``.
+
+    Example:
+        >>> "cpu" in available_devices()
+        True
+    """
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices += [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        devices.append("mps")
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        devices += [f"xpu:{index}" for index in range(xpu.device_count())]
+    return devices
+
+
+def default_device() -> torch.device:
+    """CUDA when available, else Apple's MPS when available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def resolve_device(device: Any) -> torch.device:
+    """The `torch.device` for ``device`` (None: `default_device`), if it exists.
+
+    Args:
+        device: None, a ``torch.device``, a string such as ``"cpu"`` or ``"cuda:1"``, or a
+            CUDA device index.
+
+    Raises:
+        ConfigurationError: an unknown device name, or a device this machine does not
+            have; the message lists the devices that exist.
+
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+        >>> resolve_device("gpu")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: device='gpu' is not a device name torch knows. ...
+    """
+    if device is None:
+        return default_device()
+    existing = ", ".join(repr(name) for name in available_devices())
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise ConfigurationError(
+            f"device must be None, a string such as 'cpu' or 'cuda:0', a torch.device or a "
+            f"CUDA index, got {device!r} ({type(device).__name__}). Devices here: {existing}.")
+    if isinstance(device, int):
+        if device < 0:
+            raise ConfigurationError(f"device={device} is not a device index (>= 0). "
+                                     f"Devices here: {existing}.")
+        device = f"cuda:{device}"
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        hint = " For a GPU write 'cuda' (or 'cuda:0')." if str(device).lower().startswith("gpu") else ""
+        raise ConfigurationError(
+            f"device={device!r} is not a device name torch knows.{hint} Devices here: "
+            f"{existing}.") from None
+    kind = resolved.type
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigurationError(
+                f"device={str(resolved)!r} but CUDA is not available in this process (no GPU "
+                "visible, or a torch build without CUDA). Use device='cpu' or leave "
+                f"device=None to use CUDA only where it exists. Devices here: {existing}.")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ConfigurationError(
+                f"device={str(resolved)!r} but this machine has {torch.cuda.device_count()} "
+                f"CUDA device(s). Devices here: {existing}.")
+    elif kind == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise ConfigurationError(f"device='mps' but MPS is not available here. Devices "
+                                     f"here: {existing}.")
+    elif kind not in ("cpu", "meta"):
+        backend = getattr(torch, kind, None)
+        is_available = getattr(backend, "is_available", None)
+        if callable(is_available) and not is_available():
+            raise ConfigurationError(f"device={str(resolved)!r} is not available here. "
+                                     f"Devices here: {existing}.")
+    return resolved
+
+
+def _check_data(data: Any, name: str) -> None:
+    if data is None:
+        raise ConfigurationError(
+            f"{name} is None: pass an iterable of batches, usually "
+            "torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True).")
+    if isinstance(data, Dataset) and not isinstance(data, (IterableDataset, DataLoader)):
+        raise ConfigurationError(
+            f"{name} is a {type(data).__name__}, a torch Dataset: iterating it gives one "
+            "sample at a time, not batches, so training would see batches of one sample "
+            f"without a batch dimension. Wrap it: {name}=DataLoader(dataset, batch_size=32"
+            f"{', shuffle=True' if name == 'train_data' else ''}).")
+    if isinstance(data, (str, bytes, torch.Tensor)) or not (
+            hasattr(data, "__iter__") or hasattr(data, "__getitem__")):
+        raise ConfigurationError(
+            f"{name} must be an iterable of batches (a DataLoader, a list of (inputs, "
+            f"targets) pairs...), got {type(data).__name__}. A tensor of inputs needs "
+            "targets and batching: DataLoader(TensorDataset(inputs, targets), batch_size=32).")
+
+
+def _check_callable(value: Any, name: str, signature: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, type):
+        raise ConfigurationError(
+            f"{name} is the class {value.__name__}, not an instance or a function: write "
+            f"{name}={value.__name__}() (it is called as {signature}).")
+    if not callable(value):
+        raise ConfigurationError(
+            f"{name} must be a function {signature} or None, got {value!r} "
+            f"({type(value).__name__}).")
+
+
+def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
+    if not callable(getattr(optimizer, "step", None)) or not hasattr(optimizer, "param_groups"):
+        raise ConfigurationError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}. "
+            "Create one over the model's parameters: torch.optim.AdamW(model.parameters()).")
+    model_parameters = {id(parameter) for parameter in model.parameters()}
+    optimized = [parameter for group in optimizer.param_groups
+                 for parameter in group.get("params", ())]
+    if model_parameters and optimized and not any(id(parameter) in model_parameters
+                                                  for parameter in optimized):
+        raise ConfigurationError(
+            f"The optimizer holds {len(optimized)} parameter tensor(s), none of which is a "
+            f"parameter of the model ({type(model).__name__}), so training would change "
+            "nothing. Create the optimizer from this model: "
+            "torch.optim.AdamW(model.parameters()), after building (or replacing) the model.")
+
+
+def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: Any,
+                         loss_fn: Any, forward: Any, callbacks: Any, device: Any
+                         ) -> torch.device:
+    """Check `Loop`'s arguments when it is built; return the device to train on.
+
+    Checks: a ``nn.Module`` model; an optimizer with at least one of the model's
+    parameters; ``train_data`` (and ``val_data`` when given) iterable batches, not None,
+    not a torch ``Dataset`` (it yields single samples: wrap it in a DataLoader);
+    ``loss_fn`` and ``forward`` callables (not classes) or None; ``callbacks`` a list of
+    `Callback` instances (not None, not one callback); a device that exists here.
+
+    Returns:
+        The resolved device (see `resolve_device`).
+
+    Raises:
+        ConfigurationError: naming the argument, the problem and the fix.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> check_loop_arguments(model, torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                      [(torch.ones(1, 2), torch.ones(1, 1))], None,
+        ...                      torch.nn.functional.mse_loss, None, [], "cpu")
+        device(type='cpu')
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    _check_optimizer(model, optimizer)
+    _check_data(train_data, "train_data")
+    if val_data is not None:
+        _check_data(val_data, "val_data")
+    _check_callable(loss_fn, "loss_fn", "fn(outputs, targets) -> scalar loss")
+    _check_callable(forward, "forward", "fn(loop, batch) -> (outputs, loss)")
+    if callbacks is None:
+        raise ConfigurationError(
+            "callbacks is None: pass a list of callbacks (callbacks=[AMP(), Checkpoint(...)]) "
+            "or leave the argument out for none.")
+    if isinstance(callbacks, Callback):
+        raise ConfigurationError("callbacks must be a list of callbacks: callbacks=[...].")
+    if isinstance(callbacks, (str, bytes, dict)) or not isinstance(callbacks, Iterable):
+        raise ConfigurationError(
+            f"callbacks must be a list of Callback instances, got {type(callbacks).__name__}.")
+    if isinstance(callbacks, (list, tuple)):
+        for index, callback in enumerate(callbacks):
+            if isinstance(callback, type) and issubclass(callback, Callback):
+                raise ConfigurationError(
+                    f"callbacks[{index}] is the class {callback.__name__}, not an instance: "
+                    f"write {callback.__name__}(...) in the list.")
+            if not isinstance(callback, Callback):
+                raise ConfigurationError(
+                    f"callbacks[{index}] is {callback!r} ({type(callback).__name__}), not a "
+                    "hookloop.Callback. Subclass hookloop.Callback and pass an instance.")
+    return resolve_device(device)
+
+
+def _one_shot(data: Any) -> bool:
+    """True for an iterator (a generator...): iterating it a second time yields nothing."""
+    return isinstance(data, Iterator)
+
+
+def check_fit_data(train_data: Any, epochs_left: int, val_data: Any = None) -> None:
+    """At ``fit`` start: refuse one-shot data that would run dry after the first epoch.
+
+    A generator (any iterator: ``iter(x) is x``) is used up by one pass; with more than one
+    epoch left, the second epoch would find it empty. Validation runs every epoch, so a
+    one-shot ``val_data`` is refused likewise.
+
+    Args:
+        train_data: The loop's training data.
+        epochs_left: Epochs this fit still runs (a resumed run counts what is left; an
+            epoch cut short by ``stop()`` and continued counts as one).
+        val_data: The loop's validation data, or None.
+
+    Raises:
+        ConfigurationError: naming the argument and the fix.
+
+    Example:
+        >>> check_fit_data([1, 2], epochs_left=3)          # a list can be iterated again
+        >>> check_fit_data((b for b in [1, 2]), epochs_left=3)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: train_data is a generator, a one-shot iterator: ...
+    """
+    for data, name in ((train_data, "train_data"), (val_data, "val_data")):
+        if data is not None and _one_shot(data) and epochs_left > 1:
+            raise ConfigurationError(
+                f"{name} is a {type(data).__name__}, a one-shot iterator: it is used up after "
+                f"one pass, but this fit runs {epochs_left} more epochs, and the next would "
+                f"find it empty. Pass something that can be iterated again: a list, a "
+                "DataLoader, or an object whose __iter__ returns a new generator "
+                "(class Batches: def __iter__(self): yield from make_batches()).")
+
+
+def check_fit_arguments(epochs: Any, max_steps: Any) -> None:
+    """``fit``'s own arguments: ``epochs`` an int >= 0, ``max_steps`` None or an int >= 1.
+
+    Bools are refused (``max_steps=True`` would silently mean one step).
+
+    Raises:
+        ConfigurationError: naming the argument.
+
+    Example:
+        >>> check_fit_arguments(3, None)
+        >>> check_fit_arguments(3, True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: max_steps must be a positive int or None, got True...
+    """
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+        raise ConfigurationError(
+            f"epochs must be a non-negative int (the total number of epochs of the run), got "
+            f"{epochs!r}.")
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)
+                                  or max_steps < 1):
+        raise ConfigurationError(
+            f"max_steps must be a positive int or None, got {max_steps!r} "
+            f"({type(max_steps).__name__}).")
