@@ -277,7 +277,8 @@ def test_nested_batches_are_moved_with_their_containers() -> None:
 
 
 def test_device_none_means_cuda_when_available_else_cpu() -> None:
-    loop = Loop(MLP(), torch.optim.SGD(MLP().parameters(), lr=0.1), [])
+    model = MLP()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [])
     assert loop.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 

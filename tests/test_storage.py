@@ -298,7 +298,7 @@ def _edit(content: dict[str, Any], field: str, value: Any) -> None:
 
 
 @pytest.mark.parametrize(("field", "value", "expected"), [
-    ("hookloop.format", 2, "newer hookloop"),
+    ("hookloop.format", 3, "newer hookloop"),
     ("hookloop.format", "1", "'hookloop.format' is str"),
     ("hookloop.format", 0, "unknown checkpoint format 0"),
     ("hookloop.kind", "other", "'hookloop.kind' is str"),
@@ -310,7 +310,8 @@ def _edit(content: dict[str, Any], field: str, value: Any) -> None:
     ("optimizer.param_groups", {"lr": 1}, "'optimizer.param_groups' is dict"),
     ("model.0.weight", [1.0], "'model.0.weight' is list"),
     ("callbacks", [1], "'callbacks' is list"),
-    ("rng", {"a": 1}, "'rng' is dict"),
+    ("ranks", {"a": 1}, "'ranks' is dict"),
+    ("loop.history", {"a": 1}, "'loop.history' is dict"),
 ])
 def test_a_wrong_payload_names_the_file_and_field(tmp_path: Path, field: str, value: Any,
                                                   expected: str) -> None:
