@@ -164,6 +164,7 @@ class Checkpoint(Callback):
         self.best_path: str | None = None
         self._started = False  # the first fit chose between resuming and a new run
         self._saved_at: RunPosition | None = None
+        self._resumed_from: str | None = None
         self._warned_not_finite = False
 
     def __repr__(self) -> str:
@@ -234,6 +235,11 @@ class Checkpoint(Callback):
 
     def on_fit_start(self, loop: Loop) -> None:
         self._saved_at = loop.position  # where the run starts is on disk already
+        if self._resumed_from is not None and distributed.is_main():
+            epoch, _, step = loop.position
+            print(f"Checkpoint: resumed from {self._resumed_from} (epoch {epoch}, step {step}).",
+                  flush=True)
+        self._resumed_from = None
 
     def on_batch_end(self, loop: Loop) -> None:
         state = loop.state
@@ -333,12 +339,9 @@ class Checkpoint(Callback):
         if rollback and distributed.is_main():
             self._retire_later_than(path, payload)
         loop.load_state_dict(payload, source=path)
+        self._resumed_from = path  # said at on_fit_start, once the loop has applied it
         if self._pattern.match(os.path.basename(path)):
             self.last_path = path
-        if distributed.is_main():
-            position = payload["loop"]
-            print(f"Checkpoint: resumed from {path} (epoch {position.get('epoch')}, "
-                  f"step {position.get('step')}).", flush=True)
 
     def _retire_later_than(self, path: str, payload: dict[str, Any]) -> None:
         """Move the files a rollback abandons out of the way of the new branch."""
