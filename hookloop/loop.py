@@ -327,15 +327,16 @@ class Loop:
         """
         if self.val_data is None:
             raise ConfigurationError("validate() needs validation data: Loop(..., val_data=loader).")
-        return self.evaluate(self.val_data, prefix="val")
+        return self._evaluate(None, "val")  # val_data as setup leaves it (DDP shards it)
 
     def evaluate(self, data: Iterable[Any], *, prefix: str = "test") -> dict[str, float]:
         """A validation pass over ``data``: ``{prefix}_loss`` and every metric under ``prefix``.
 
         Runs the validation events and contexts (autocast with ``AMP``, the EMA weights with
         ``EMA``), without gradients, in eval mode (the model's mode is restored after).
-        Values are reduced across ranks under DDP. They are also written into
-        ``loop.state.metrics``.
+        Values are reduced across ranks under DDP (give each rank its own shard of ``data``;
+        ``validate()`` uses ``val_data`` as the ``DDP`` callback shards it). They are also
+        written into ``loop.state.metrics``.
 
         Args:
             data: Batches of the same kind as the training data.

@@ -415,7 +415,7 @@ def check_payload(path: str, payload: Mapping[str, Any]) -> None:
         >>> check_payload("x.pt", {"hookloop": {"format": 9, "kind": "best"}, "model": {}})
         Traceback (most recent call last):
         ...
-        hookloop.errors.CheckpointError: x.pt: written by a newer hookloop (format 9; this one reads up to 1); upgrade hookloop to read it.
+        hookloop.errors.CheckpointError: x.pt: written by a newer hookloop (format 9; this one reads up to 2); upgrade hookloop to read it.
     """
     meta = payload["hookloop"]
     version = meta.get("format")
