@@ -359,7 +359,11 @@ class Loop:
             raise ConfigurationError(f"prefix must be a name such as 'test', got {prefix!r}.")
         if data is None:
             raise ConfigurationError("evaluate() needs data to evaluate, got None.")
+        return self._evaluate(data, prefix)
+
+    def _evaluate(self, data: Iterable[Any] | None, prefix: str) -> dict[str, float]:
         self._prepare_alone()
+        data = self.val_data if data is None else data
         was_training = self.model.training
         try:
             self._validate_pass(data, prefix)
