@@ -9,7 +9,15 @@ from __future__ import annotations
 from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.describe import describe
-from hookloop.errors import CallbackOrderError, CheckpointError, ConfigurationError, HookloopError
+from hookloop.errors import (
+    CallbackOrderError,
+    CheckpointError,
+    CheckpointWriteError,
+    ConfigurationError,
+    HookloopError,
+    NonFiniteError,
+    Terminated,
+)
 from hookloop.events import Event
 from hookloop.loop import Loop
 from hookloop.state import LoopState
@@ -21,11 +29,14 @@ __all__ = [
     "Callback",
     "CallbackOrderError",
     "CheckpointError",
+    "CheckpointWriteError",
     "ConfigurationError",
     "Event",
     "HookloopError",
     "Loop",
     "LoopState",
+    "NonFiniteError",
+    "Terminated",
     "__version__",
     "describe",
     "distributed",

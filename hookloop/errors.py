@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["HookloopError", "CallbackOrderError", "CheckpointError", "CheckpointWriteError",
+           "NonFiniteError",
            "ConfigurationError", "Terminated"]
 
 
@@ -33,6 +34,14 @@ class CheckpointWriteError(CheckpointError, OSError):
     system's error number when there is one. It is also an `OSError`, so code that catches
     file-system errors keeps working. Nothing was written under the target name and the
     earlier files are intact.
+    """
+
+
+class NonFiniteError(HookloopError, ArithmeticError):
+    """Training met a NaN or infinite loss or gradient (``TerminateOnNaN(raise_error=True)``).
+
+    The step that met it was skipped: the model holds the parameters of the last good step,
+    and a ``Checkpoint`` in the stack saved them on the way out.
     """
 
 

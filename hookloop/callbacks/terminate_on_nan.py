@@ -10,7 +10,7 @@ import torch
 from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.callbacks.grad_clip import total_norm
-from hookloop.errors import ConfigurationError
+from hookloop.errors import ConfigurationError, NonFiniteError
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -80,6 +80,10 @@ class TerminateOnNaN(Callback):
         check_gradients: Also stop on non-finite gradients with a finite loss (costs one
             reduction over the gradients per step).
         restore_buffers: Put the model's buffers back as they were at the last good step.
+        raise_error: Raise `hookloop.errors.NonFiniteError` (after skipping the step and
+            putting the buffers back) instead of stopping quietly, so that a script, a job
+            scheduler or a hyper-parameter search sees a failure. ``Checkpoint`` still saves
+            the last good step on the way out.
 
     Raises:
         ConfigurationError: positional arguments, or flags that are not bools.
@@ -101,19 +105,20 @@ class TerminateOnNaN(Callback):
     unique = True
 
     def __init__(self, *unexpected: Any, check_gradients: bool = True,
-                 restore_buffers: bool = True) -> None:
+                 restore_buffers: bool = True, raise_error: bool = False) -> None:
         if unexpected:
             raise ConfigurationError(
                 f"TerminateOnNaN takes no positional arguments, got {unexpected!r}. Its "
                 "options are keywords: TerminateOnNaN(check_gradients=True, "
-                "restore_buffers=True).")
+                "restore_buffers=True, raise_error=False).")
         for label, value in (("check_gradients", check_gradients),
-                             ("restore_buffers", restore_buffers)):
+                             ("restore_buffers", restore_buffers), ("raise_error", raise_error)):
             if not isinstance(value, bool):
                 raise ConfigurationError(
                     f"TerminateOnNaN {label} must be True or False, got {value!r}.")
         self.check_gradients = check_gradients
         self.restore_buffers = restore_buffers
+        self.raise_error = raise_error
         self._bad_loss: torch.Tensor | None = None
         self._gradients_checked = check_gradients
         self._buffers: list[torch.Tensor] = []
@@ -123,6 +128,7 @@ class TerminateOnNaN(Callback):
         options = [f"{label}=False" for label, value in
                    (("check_gradients", self.check_gradients),
                     ("restore_buffers", self.restore_buffers)) if not value]
+        options += ["raise_error=True"] if self.raise_error else []
         return f"TerminateOnNaN({', '.join(options)})"
 
     def on_fit_start(self, loop: Loop) -> None:
@@ -182,6 +188,8 @@ class TerminateOnNaN(Callback):
         message = (f"TerminateOnNaN: {what} in epoch {state.epoch}, {where}, at optimizer step "
                    f"{state.step + 1}; that step was skipped, so the model's parameters are "
                    f"those after step {state.step}{buffers}; training stops.")
+        if self.raise_error:
+            raise NonFiniteError(message)
         if distributed.is_main():
             print(message, flush=True)
         loop.stop(message)

@@ -128,3 +128,29 @@ def test_finite_run_is_untouched() -> None:
     expected = hand_written(data, steps=6)
     assert torch.equal(loop.model.weight, expected.weight)
     assert not loop.stop_requested
+
+
+def test_raise_error_raises_after_skipping_the_step_and_checkpoint_saves_the_good_one(
+        tmp_path: Path) -> None:
+    from hookloop import NonFiniteError
+
+    data = batches(bad=3)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), data,
+                loss_fn=nn.functional.mse_loss, device="cpu",
+                callbacks=[TerminateOnNaN(raise_error=True), Checkpoint(tmp_path)])
+    with pytest.raises(NonFiniteError, match="non-finite loss in epoch 0, batch 3.*after step 3"):
+        loop.fit(2)
+    expected = hand_written(data, steps=3)
+    for ours, theirs in zip(model.parameters(), expected.parameters()):
+        assert torch.equal(ours, theirs)
+    saved = torch.load(tmp_path / "epoch=0000-step=00000003.pt", weights_only=True)
+    assert torch.equal(saved["model"]["weight"], expected.weight)
+
+
+def test_raise_error_must_be_a_bool() -> None:
+    from hookloop import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="raise_error must be True or False"):
+        TerminateOnNaN(raise_error="yes")
