@@ -37,8 +37,11 @@ def infer_mode(metric: str) -> str | None:
     Example:
         >>> infer_mode("val_acc"), infer_mode("val_loss"), infer_mode("val_score")
         ('max', 'min', None)
+        >>> infer_mode("val_f1"), infer_mode("acc1"), infer_mode("train/perplexity")
+        ('max', 'max', 'min')
     """
-    parts = {part.rstrip("0123456789") or part for part in re.split(r"[^a-z0-9]+", metric.lower())}
+    words = re.split(r"[^a-z0-9]+", metric.lower())
+    parts = {*words, *(word.rstrip("0123456789") for word in words)}
     higher, lower = bool(parts & HIGHER_IS_BETTER), bool(parts & LOWER_IS_BETTER)
     if higher == lower:  # neither, or both ("acc_loss"): the user must say
         return None

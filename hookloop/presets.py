@@ -31,6 +31,7 @@ import torch
 
 from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
+from hookloop.monitor import Monitor
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -54,11 +55,6 @@ _SCHEDULES = ("warmup_cosine", "warmup_linear")
 _AMP_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
               torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Words that make a metric name "higher is better" or "lower is better" (split on "_").
-_HIGHER = ("acc", "accuracy", "f1", "auc", "auroc", "precision", "recall", "iou", "dice",
-           "map", "score", "bleu", "rouge", "r2", "top1", "top5")
-_LOWER = ("loss", "error", "err", "perplexity", "ppl", "mse", "mae", "rmse", "wer", "cer")
-
-
 # ------------------------------------------------------------------ small callbacks
 class DetectAnomaly(Callback):
     """Turn on autograd's anomaly detection for the first ``steps`` optimizer steps.
@@ -249,7 +245,7 @@ def standard(
             raise ConfigurationError(
                 f"standard(metrics={metrics!r}): pass a dict of metric functions, e.g. "
                 "metrics={'acc': accuracy}, or a Metrics(...) callback.")
-    resolved = _resolve_mode(monitor, mode) if monitor else None
+    resolved = Monitor(monitor, mode, owner="standard()").resolve() if monitor else None
     if early_stopping:
         if not monitor:
             raise ConfigurationError(
@@ -592,22 +588,6 @@ def _check_count(label: str, value: Any, *, minimum: int) -> None:
 def _check_positive(label: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ConfigurationError(f"{label} must be a positive number or None, got {value!r}.")
-
-
-def _resolve_mode(monitor: str, mode: str) -> str:
-    """``"min"``/``"max"`` for ``monitor``; ``"auto"`` decides from the words of the name."""
-    if mode in ("min", "max"):
-        return mode
-    if mode != "auto":
-        raise ConfigurationError(f"mode must be 'min', 'max' or 'auto', got {mode!r}.")
-    words = monitor.lower().split("_")
-    if any(word in _HIGHER for word in words):
-        return "max"
-    if any(word in _LOWER for word in words):
-        return "min"
-    raise ConfigurationError(
-        f"mode='auto' cannot tell whether {monitor!r} should go up or down; pass mode='max' "
-        "(higher is better) or mode='min' (lower is better).")
 
 
 def _schedule_factory(schedule: Any, warmup: int | float) -> Callable[..., Any]:
