@@ -275,9 +275,9 @@ class Loop:
             idle = self._nothing_to_train(epochs, max_steps)
             if idle is not None:
                 self.stop(idle)
-                if distributed.is_main():
-                    print(f"hookloop: {idle}", flush=True)
             self._emit(table.on_fit_start)
+            if idle is not None and distributed.is_main():
+                print(f"hookloop: {idle}", flush=True)
             self._check_callback_states()
             if idle is None:
                 self._sanity_check()
