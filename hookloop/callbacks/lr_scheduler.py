@@ -170,7 +170,10 @@ class LRScheduler(Callback):
         if total == 0:  # fit(0): no step will need a scheduler
             return
         if self._scheduler is None or (self._built_total != total and not self.is_plateau):
-            done = int(getattr(self._scheduler, "last_epoch", 0)) if self._scheduler else 0
+            if self._scheduler is not None:
+                done = int(getattr(self._scheduler, "last_epoch", 0))
+            else:  # where the run is: its steps (or whole epochs) so far
+                done = loop.state.step if self.interval == "step" else loop.position.epoch
             self._build(loop, total)
             self._advance(done)
 
@@ -291,10 +294,9 @@ class LRScheduler(Callback):
         if not state:
             return
         if self._scheduler is None:
-            raise ConfigurationError(
-                "LRScheduler.load_state_dict: the scheduler is built when fit starts; restore "
-                "a run with loop.load_state_dict(...) (or Checkpoint(resume=...)), which loads "
-                "callback states after setup.")
+            # A factory's scheduler is built at the next fit (not in validate() alone), and
+            # then advanced to the run's step: nothing to load into yet.
+            return
         if self._factory is None or self.is_plateau:
             self._scheduler.load_state_dict(state)
         else:
