@@ -20,6 +20,7 @@ from hookloop.errors import CheckpointError
 from hookloop.modules import unwrap
 
 __all__ = ["FORMAT", "TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "find_unplain", "write_atomic",
+           "link_atomic",
            "read_payload", "load_model_weights", "load_optimizer_state", "load_checkpoint",
            "all_finite"]
 
@@ -84,6 +85,33 @@ def write_atomic(payload: Mapping[str, Any], path: str) -> None:
             torch.save(payload, handle)
             handle.flush()
             os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(temporary)
+        raise
+    _fsync_directory(directory)
+
+
+def link_atomic(source: str, path: str) -> None:
+    """Make ``path`` the same complete file as ``source``, atomically (no second write).
+
+    A hard link under a temporary name, renamed over ``path`` with ``os.replace``; where the
+    file system has no hard links, a copy written the same atomic way. ``source`` stays.
+    """
+    directory = os.path.dirname(path) or "."
+    temporary = os.path.join(directory, f"{TEMP_PREFIX}{os.getpid()}-link{TEMP_SUFFIX}")
+    with suppress(FileNotFoundError):
+        os.unlink(temporary)
+    try:
+        try:
+            os.link(source, temporary)
+        except OSError:  # no hard links here (some network and FAT file systems): copy
+            with open(source, "rb") as reader, open(temporary, "wb") as writer:
+                while chunk := reader.read(1 << 20):
+                    writer.write(chunk)
+                writer.flush()
+                os.fsync(writer.fileno())
         os.replace(temporary, path)
     except BaseException:
         with suppress(OSError):
