@@ -12,6 +12,7 @@ from hookloop.describe import describe
 from hookloop.errors import CallbackOrderError, CheckpointError, ConfigurationError, HookloopError
 from hookloop.events import Event
 from hookloop.loop import Loop
+from hookloop.lr_find import LRFindResult, lr_find
 from hookloop.state import LoopState
 from hookloop.storage import load_checkpoint
 
@@ -24,10 +25,12 @@ __all__ = [
     "ConfigurationError",
     "Event",
     "HookloopError",
+    "LRFindResult",
     "Loop",
     "LoopState",
     "__version__",
     "describe",
     "distributed",
     "load_checkpoint",
+    "lr_find",
 ]
