@@ -20,6 +20,7 @@ from hookloop.errors import (
 )
 from hookloop.events import Event
 from hookloop.loop import Loop
+from hookloop.lr_find import LRFindResult, lr_find
 from hookloop.state import LoopState
 from hookloop.storage import load_checkpoint
 
@@ -33,6 +34,7 @@ __all__ = [
     "ConfigurationError",
     "Event",
     "HookloopError",
+    "LRFindResult",
     "Loop",
     "LoopState",
     "NonFiniteError",
@@ -41,4 +43,5 @@ __all__ = [
     "describe",
     "distributed",
     "load_checkpoint",
+    "lr_find",
 ]

@@ -22,6 +22,7 @@ from hookloop.errors import CheckpointError, CheckpointWriteError, Configuration
 from hookloop.modules import unwrap
 
 __all__ = ["FORMAT", "TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "find_unplain", "write_atomic",
+           "link_atomic",
            "read_payload", "load_model_weights", "load_optimizer_state", "load_checkpoint",
            "all_finite", "describe_os_error", "prepare_directory", "regular_checkpoint_files",
            "verify_archive", "check_payload"]
@@ -301,6 +302,32 @@ def regular_checkpoint_files(dirpath: str | os.PathLike[str], names: Iterable[st
             continue
         found.append(path)
     return found
+
+def link_atomic(source: str, path: str) -> None:
+    """Make ``path`` the same complete file as ``source``, atomically (no second write).
+
+    A hard link under a temporary name, renamed over ``path`` with ``os.replace``; where the
+    file system has no hard links, a copy written the same atomic way. ``source`` stays.
+    """
+    directory = os.path.dirname(path) or "."
+    temporary = os.path.join(directory, f"{TEMP_PREFIX}{os.getpid()}-link{TEMP_SUFFIX}")
+    with suppress(FileNotFoundError):
+        os.unlink(temporary)
+    try:
+        try:
+            os.link(source, temporary)
+        except OSError:  # no hard links here (some network and FAT file systems): copy
+            with open(source, "rb") as reader, open(temporary, "wb") as writer:
+                while chunk := reader.read(1 << 20):
+                    writer.write(chunk)
+                writer.flush()
+                os.fsync(writer.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(temporary)
+        raise
+    _fsync_directory(directory)
 
 
 def _default_location(model: nn.Module) -> torch.device:

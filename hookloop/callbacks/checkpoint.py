@@ -26,6 +26,7 @@ from hookloop.storage import (
     all_finite,
     find_unplain,
     is_temporary,
+    link_atomic,
     load_checkpoint,
     prepare_directory,
     read_payload,
@@ -68,6 +69,16 @@ class Checkpoint(Callback):
     weights when ``EMA`` validates with them) and is for inference or fine-tuning with
     `load_checkpoint`, not for resuming. Weights that are not finite are never saved.
 
+    ``save_top_k=k`` keeps the ``k`` best validations: ``best.pt`` is always the single
+    best; with ``k > 1`` (or None: every validation) each of the ``k`` best is also kept as
+    ``best-<monitor>=<value>-step=SSSSSSSS.pt`` (``best.pt`` is a hard link to the best of
+    them, not a second write), so the scores are readable from the names without loading
+    a file. A value enters only when it beats the ``k``-th best strictly: of equal scores
+    the earlier is kept. A file that drops out of the top ``k`` is deleted after the new one
+    is complete. The list is in this callback's state, so a resumed run keeps it.
+    ``initial_value_threshold``: no best file is written until the score beats it (e.g.
+    when fine-tuning, not before the new run beats the old model's score).
+
     Resuming: ``resume=True`` continues from the newest rotating checkpoint in ``dirpath``
     (a fresh start when there is none); ``resume="path/to/file.pt"`` from that file. The
     loop applies the file after every ``setup`` and before ``on_fit_start``. A run that
@@ -93,6 +104,9 @@ class Checkpoint(Callback):
         every_n_epochs: Save every n epochs; None: not by epochs.
         every_n_steps: Save every n optimizer steps (``loop.state.step``); None: not by steps.
         keep_last: How many rotating files to keep; None keeps all.
+        save_top_k: How many best-scoring files to keep (needs ``monitor`` unless 1); None
+            keeps one per validation.
+        initial_value_threshold: No best file until the monitored score beats this value.
         resume: False, True (newest checkpoint in ``dirpath``) or the path of a file.
         name: State key, and a prefix of the file names, for a second ``Checkpoint``.
 
@@ -126,7 +140,9 @@ class Checkpoint(Callback):
     def __init__(self, dirpath: str | os.PathLike[str], *, monitor: str | None = None,
                  mode: str = "auto", every_n_epochs: int | None = 1,
                  every_n_steps: int | None = None, keep_last: int | None = 1,
-                 resume: bool | str | os.PathLike[str] = False, name: str | None = None) -> None:
+                 resume: bool | str | os.PathLike[str] = False, name: str | None = None,
+                 save_top_k: int | None = 1,
+                 initial_value_threshold: float | None = None) -> None:
         if not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath):
             raise ConfigurationError(f"dirpath must be a directory path, got {dirpath!r}.")
         if monitor is not None and (not isinstance(monitor, str) or not monitor):
@@ -139,6 +155,23 @@ class Checkpoint(Callback):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ConfigurationError(f"{label} must be an int >= 1 or None, got {value!r}.")
+        if save_top_k is not None and (isinstance(save_top_k, bool)
+                                       or not isinstance(save_top_k, int) or save_top_k < 1):
+            raise ConfigurationError(
+                f"save_top_k must be an int >= 1 or None (keep every validation's file), got "
+                f"{save_top_k!r}.")
+        if initial_value_threshold is not None and (
+                isinstance(initial_value_threshold, bool)
+                or not isinstance(initial_value_threshold, (int, float))
+                or not math.isfinite(initial_value_threshold)):
+            raise ConfigurationError(
+                f"initial_value_threshold must be a finite number or None, got "
+                f"{initial_value_threshold!r}.")
+        if monitor is None and (save_top_k != 1 or initial_value_threshold is not None):
+            option = "save_top_k" if save_top_k != 1 else "initial_value_threshold"
+            raise ConfigurationError(
+                f"Checkpoint {option}= ranks files by a monitored metric, but monitor is None: "
+                "pass monitor='val_loss' (or the metric to rank by).")
         if not isinstance(resume, (bool, str, os.PathLike)):
             raise ConfigurationError(
                 f"resume must be False, True (newest checkpoint in dirpath) or a file path, got "
@@ -151,10 +184,18 @@ class Checkpoint(Callback):
         self.every_n_epochs = every_n_epochs
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
+        self.save_top_k = save_top_k
+        self.initial_value_threshold = (None if initial_value_threshold is None
+                                        else float(initial_value_threshold))
         self.resume = resume
         self.name = name
         self._prefix = f"{name}-" if name else ""
         self._pattern = re.compile(rf"^{re.escape(self._prefix)}epoch=(\d+)-step=(\d+)\.pt$")
+        self._scored = re.compile(rf"^{re.escape(self._prefix)}best-{re.escape(monitor or '')}="
+                                  r"([-+0-9.eEinfa]+)-step=(\d+)\.pt$")
+        #: The kept best validations, best first: ``{"value", "epoch", "step", "file"}``
+        #: (``file``: the scored file's name, None with ``save_top_k=1`` where best.pt is it).
+        self.top_k: list[dict[str, Any]] = []
         self.best: float | None = None
         self.best_epoch = -1
         self.best_step = -1
@@ -181,6 +222,27 @@ class Checkpoint(Callback):
         """Name of the rotating checkpoint of ``epoch`` (0-based) and optimizer ``step``."""
         return f"{self._prefix}epoch={epoch:04d}-step={step:08d}.pt"
 
+    def scored_filename(self, value: float, step: int) -> str:
+        """Name of a top-k file: ``best-val_acc=0.966667-step=00000046.pt``."""
+        return f"{self._prefix}best-{self.monitor}={value:.6g}-step={step:08d}.pt"
+
+    def scored_files(self) -> list[tuple[float, int, str]]:
+        """Top-k files in ``dirpath`` as ``(value, step, path)``, read from the names only."""
+        if self.monitor is None:
+            return []
+        try:
+            names = os.listdir(self.dirpath)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        found = []
+        for file_name in names:
+            match = self._scored.match(file_name)
+            if match:
+                with suppress(ValueError):
+                    found.append((float(match.group(1)), int(match.group(2)),
+                                  os.path.join(self.dirpath, file_name)))
+        return sorted(found, key=lambda item: item[1])
+
     def checkpoints(self) -> list[str]:
         """Rotating checkpoint files in ``dirpath``, oldest first (temporary files excluded)."""
         try:
@@ -195,8 +257,8 @@ class Checkpoint(Callback):
         return regular_checkpoint_files(self.dirpath, [file_name for _, file_name in sorted(found)])
 
     def run_files(self) -> list[str]:
-        """This callback's files in ``dirpath``: rotating checkpoints, then ``best.pt``."""
-        files = self.checkpoints()
+        """This callback's files in ``dirpath``: rotating checkpoints, top-k files, ``best.pt``."""
+        files = self.checkpoints() + [path for _, _, path in self.scored_files()]
         best = self._best_file
         return files + [best] if os.path.isfile(best) else files
 
@@ -276,8 +338,9 @@ class Checkpoint(Callback):
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """The best value so far and where it was reached."""
-        return {"best": self.best, "best_epoch": self.best_epoch, "best_step": self.best_step}
+        """The best value so far, where it was reached, and the kept top-k entries."""
+        return {"best": self.best, "best_epoch": self.best_epoch, "best_step": self.best_step,
+                "top_k": [dict(entry) for entry in self.top_k]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict`."""
@@ -287,6 +350,16 @@ class Checkpoint(Callback):
         self.best_step = int(state.get("best_step", -1))
         if self.best is not None:
             self.best_path = self._best_file if os.path.exists(self._best_file) else None
+        # Entries whose file is gone (deleted after this state was saved) cannot be kept.
+        self.top_k = [dict(entry) for entry in state.get("top_k") or ()
+                      if entry.get("file") is None
+                      or os.path.isfile(os.path.join(self.dirpath, entry["file"]))]
+        top = self.top_k[0] if self.top_k else None
+        if (top is not None and top["file"] is not None and top["value"] == self.best
+                and self.best_path is None):  # a rollback retired a later best.pt
+            if distributed.is_main():
+                link_atomic(os.path.join(self.dirpath, top["file"]), self._best_file)
+            self.best_path = self._best_file
 
     # ------------------------------------------------------------------ inside
     def _meta(self, kind: str) -> dict[str, Any]:
@@ -353,6 +426,7 @@ class Checkpoint(Callback):
             assert found is not None
             if int(found.group(2)) > step and os.path.abspath(candidate) != resumed:
                 later.append(candidate)
+        later += [path for _, found_step, path in self.scored_files() if found_step > step]
         best = self._best_file
         if os.path.isfile(best):
             with suppress(CheckpointError):
@@ -410,22 +484,53 @@ class Checkpoint(Callback):
                 os.unlink(path)
 
     def _consider_best(self, loop: Loop) -> None:
-        assert self._monitor is not None
+        monitor = self._monitor
+        assert monitor is not None
         value = self._monitor.read(loop, when=f"at epoch {loop.state.epoch}")
-        if not math.isfinite(value) or not self._monitor.better(value, self.best):
+        threshold = self.initial_value_threshold
+        if not math.isfinite(value) or (threshold is not None and
+                                        not monitor.better(value, threshold)):
             return
+        is_best = monitor.better(value, self.best)
+        k = self.save_top_k
+        kept = self.top_k
+        enters = is_best or (k != 1 and (k is None or len(kept) < k
+                                         or monitor.better(value, kept[-1]["value"])))
+        if not enters:
+            return
+        state = loop.state
+        entry = {"value": value, "epoch": state.epoch, "step": state.step, "file": None}
         if distributed.is_main():
             weights = loop.unwrapped_model.state_dict()
             if not all_finite(weights):
                 return
-            state = loop.state
             payload = {"hookloop": {**self._meta("best"), "monitor": self.monitor, "value": value},
                        "model": weights, "epoch": state.epoch, "step": state.step,
                        "metrics": dict(state.metrics)}
             self._check_plain(payload)
-            write_atomic(payload, self._best_file)
-            self.best_path = self._best_file
-        self.best, self.best_epoch, self.best_step = value, loop.state.epoch, loop.state.step
+            if k == 1:
+                write_atomic(payload, self._best_file)
+            else:
+                entry["file"] = self.scored_filename(value, state.step)
+                scored = os.path.join(self.dirpath, entry["file"])
+                write_atomic(payload, scored)
+                if is_best:
+                    link_atomic(scored, self._best_file)
+            if is_best:
+                self.best_path = self._best_file
+        # After the equal-or-better entries: of equal scores the earlier stays ahead.
+        place = next((index for index, other in enumerate(kept)
+                      if monitor.better(value, other["value"])), len(kept))
+        kept.insert(place, entry)
+        dropped = kept[k:] if k is not None else []
+        del kept[len(kept) - len(dropped):]
+        if distributed.is_main():
+            for old in dropped:  # only now that the new file is complete
+                if old["file"] is not None:
+                    with suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.dirpath, old["file"]))
+        if is_best:
+            self.best, self.best_epoch, self.best_step = value, state.epoch, state.step
 
     def _adopt_best(self) -> None:
         """Nothing to resume from, but a ``best.pt`` (a crash before the first rotating file):
@@ -438,3 +543,13 @@ class Checkpoint(Callback):
         value = distributed.broadcast_object(value)
         if value is not None:
             self.best, self.best_path = value, self._best_file
+        if self._monitor is not None and self.save_top_k != 1:  # scores are in the names
+            found = distributed.broadcast_object(
+                self.scored_files() if distributed.is_main() else None)
+            ranked: list[dict[str, Any]] = []
+            for found_value, step, path in found:  # oldest first: ties keep the earlier
+                place = next((index for index, other in enumerate(ranked)
+                              if self._monitor.better(found_value, other["value"])), len(ranked))
+                ranked.insert(place, {"value": found_value, "epoch": -1, "step": step,
+                                      "file": os.path.basename(path)})
+            self.top_k = ranked[: self.save_top_k]

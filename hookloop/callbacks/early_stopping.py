@@ -33,6 +33,7 @@ class EarlyStopping(Callback):
     The patience loop of a hand-written training script, evaluated at every validation
     (at every epoch end when the loop has no validation data)::
 
+        if not finite(value): stop now   # check_finite=True
         if better(value, best):          # value < best - min_delta (mode="min")
             best = value                 # the first value always improves
             if baseline is None or better(value, baseline):
@@ -41,6 +42,8 @@ class EarlyStopping(Callback):
                 wait += 1
         else:
             wait += 1
+        if value < stopping_threshold or value > divergence_threshold:   # mode="min"
+            stop after this validation   # (value > ... / value < ... with mode="max")
         if wait >= patience:
             stop after this validation
 
@@ -61,8 +64,9 @@ class EarlyStopping(Callback):
         baseline: Stop unless the metric beats this value within ``patience`` validations.
         start_from_epoch: Validations in epochs before this one (0-based) are not counted
             (a warm-up in which the metric may not improve yet).
-        stopping_threshold: Stop as soon as the metric is better than this value.
-        divergence_threshold: Stop as soon as the metric is worse than this value.
+        stopping_threshold: Stop as soon as the metric is strictly better than this value
+            (Lightning's semantics); that value is the best, and its weights are restored.
+        divergence_threshold: Stop as soon as the metric is strictly worse than this value.
         check_finite: Stop at once, with a message, when the metric is NaN or infinite.
         restore_best_weights: When the fit ends normally (its epochs, ``max_steps`` or a
             stop), put the weights of the best validation back into the model (the weights
@@ -148,17 +152,8 @@ class EarlyStopping(Callback):
             self.stopped_reason = (f"EarlyStopping: {self.monitor} is {value} (not finite); "
                                    "stopping at once")
             return True
-        lower = monitor.resolve() == "min"
-        threshold = self.stopping_threshold
-        if threshold is not None and (value <= threshold if lower else value >= threshold):
-            self.stopped_reason = (f"EarlyStopping: {self.monitor}={value:.6g} reached the "
-                                   f"stopping threshold {threshold:.6g}")
-            return True
-        threshold = self.divergence_threshold
-        if threshold is not None and (value > threshold if lower else value < threshold):
-            self.stopped_reason = (f"EarlyStopping: {self.monitor}={value:.6g} is worse than the "
-                                   f"divergence threshold {threshold:.6g}")
-            return True
+        # The best is updated first: a value that reaches stopping_threshold is the best
+        # so far, and restore_best_weights must restore it (not the one before).
         if self.improved(value):
             self.best = value
             self.best_epoch = -1 if epoch is None else epoch
@@ -167,6 +162,17 @@ class EarlyStopping(Callback):
             self.wait = 0 if beats_baseline else self.wait + 1
         else:
             self.wait += 1
+        lower = monitor.resolve() == "min"
+        threshold = self.stopping_threshold
+        if threshold is not None and (value < threshold if lower else value > threshold):
+            self.stopped_reason = (f"EarlyStopping: {self.monitor}={value:.6g} is better than "
+                                   f"the stopping threshold {threshold:.6g}")
+            return True
+        threshold = self.divergence_threshold
+        if threshold is not None and (value > threshold if lower else value < threshold):
+            self.stopped_reason = (f"EarlyStopping: {self.monitor}={value:.6g} is worse than the "
+                                   f"divergence threshold {threshold:.6g}")
+            return True
         if self.wait >= self.patience:
             best = ("none yet" if self.best is None or math.isinf(self.best)
                     else f"best {self.best:.6g} at epoch {self.best_epoch}")

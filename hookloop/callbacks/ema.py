@@ -34,9 +34,30 @@ class EMA(Callback):
     At the first fit start the shadow is the model's weights (``ema = theta_0``); after
     every ``every_n_steps``-th real optimizer step (counted on ``loop.state.step``, so
     steps skipped by the GradScaler or cancelled never count) it becomes
-    ``ema = decay * ema + (1 - decay) * theta``, computed as one ``torch._foreach_lerp_``
+    ``ema = decay_t * ema + (1 - decay_t) * theta``, computed as one ``torch._foreach_lerp_``
     on the device: no host sync (``torch.optim.swa_utils.AveragedModel`` syncs once per
-    update). The shadow covers every entry of the unwrapped model's ``state_dict()``:
+    update). The decay of the ``t``-th averaging update (``t = 0, 1, ...``, counted in
+    ``updates`` and checkpointed) is::
+
+        decay_t = min(decay, (1 + t) / (10 + t))   # warmup=True (default)
+        decay_t = decay                             # warmup=False
+
+    Why warmup is on by default: validation, ``best.pt`` and ``EarlyStopping`` read the
+    averaged weights by default, and with a constant ``decay=0.999`` the average after 100
+    updates is still ``0.999**100 = 90%`` the initial weights, so every early validation
+    would score the untrained model. With the warmup the first update keeps 10% of the
+    average (``decay_0 = 0.1``), the 90th (``t = 89``) keeps 91%, and the decay reaches ``decay`` after
+    ``(10 * decay - 1) / (1 - decay)`` updates (8990 for 0.999, 890 for 0.99). This is
+    the step-dependent decay of TensorFlow's ``ExponentialMovingAverage(num_updates=...)``.
+    The decay is computed on the host from the Python counter, so it costs no sync.
+
+    ``start_step``: until the optimizer step ``start_step`` the shadow just follows the
+    weights (it is a copy of them after every step, so a validation then sees the training
+    weights); the average starts from the weights at step ``start_step`` and the first
+    averaging update is at the next due step, with ``t = 0``. ``start_step=0`` starts from
+    the weights at fit start, as above.
+
+    The shadow covers every entry of the unwrapped model's ``state_dict()``:
 
     * floating-point parameters and buffers are kept in float32 on the device of the
       tensor they shadow, whatever the training dtype (half-precision averages round
@@ -60,15 +81,18 @@ class EMA(Callback):
     checkpoint also holds the shadow under this callback's state key.
 
     Args:
-        decay: The weight of the old average, in [0, 1) (1.0 would never update it).
+        decay: The weight of the old average, in [0, 1) (the limit of ``decay_t``; 1.0 would
+            never update it).
         every_n_steps: Update after every n-th optimizer step.
+        warmup: Use ``decay_t = min(decay, (1 + t) / (10 + t))``; False: ``decay`` always.
+        start_step: The optimizer step whose weights the average starts from (>= 0).
         validate_with_ema: Swap the EMA weights in for validation.
         buffers: ``"average"`` or ``"copy"`` (see above).
         name: State key, to keep two EMAs (e.g. two decays) apart.
 
     Raises:
-        ConfigurationError: a decay outside [0, 1), a bad ``every_n_steps``, ``buffers``,
-            ``name``, or a ``validate_with_ema`` that is not a bool.
+        ConfigurationError: a decay outside [0, 1), a bad ``every_n_steps``, ``start_step``,
+            ``warmup``, ``buffers``, ``name``, or a ``validate_with_ema`` that is not a bool.
 
     Example:
         >>> import torch
@@ -86,7 +110,7 @@ class EMA(Callback):
 
     def __init__(self, decay: float = 0.999, *, every_n_steps: int = 1,
                  validate_with_ema: bool = True, buffers: str = "average",
-                 name: str | None = None) -> None:
+                 warmup: bool = True, start_step: int = 0, name: str | None = None) -> None:
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
             extra = (" decay=1.0 would never move the average: it would stay the weights at fit "
                      "start, and validation would score those forever." if decay == 1 else "")
@@ -99,6 +123,12 @@ class EMA(Callback):
                 f"EMA validate_with_ema must be True or False, got {validate_with_ema!r}.")
         if name is not None and (not isinstance(name, str) or not name):
             raise ConfigurationError(f"EMA name must be a non-empty string or None, got {name!r}.")
+        if not isinstance(warmup, bool):
+            raise ConfigurationError(f"EMA warmup must be True or False, got {warmup!r}.")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ConfigurationError(
+                f"EMA start_step must be an int >= 0 (the optimizer step the average starts "
+                f"from), got {start_step!r}.")
         if not isinstance(buffers, str) or buffers not in _BUFFER_MODES:
             raise ConfigurationError(
                 f"EMA buffers must be 'average' or 'copy', got {buffers!r}.")
@@ -106,8 +136,10 @@ class EMA(Callback):
         self.every_n_steps = every_n_steps
         self.validate_with_ema = validate_with_ema
         self.buffers = buffers
+        self.warmup = warmup
+        self.start_step = start_step
         self.name = name
-        #: Number of averaging updates made so far.
+        #: Number of averaging updates made so far (``t`` of the warmup; checkpointed).
         self.updates = 0
         self._shadow: dict[str, torch.Tensor] | None = None
         self._model: nn.Module | None = None
@@ -117,7 +149,10 @@ class EMA(Callback):
         self._copy: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
     def __repr__(self) -> str:
-        return f"EMA(decay={self.decay}" + (f", name={self.name!r})" if self.name else ")")
+        extra = "" if self.warmup else ", warmup=False"
+        extra += f", start_step={self.start_step}" if self.start_step else ""
+        extra += f", name={self.name!r}" if self.name else ""
+        return f"EMA(decay={self.decay}{extra})"
 
     # ------------------------------------------------------------------ shadow
     def _build(self, model: nn.Module) -> None:
@@ -186,14 +221,47 @@ class EMA(Callback):
 
     def after_step(self, loop: Loop) -> None:
         """Average after every ``every_n_steps``-th real step; device ops only."""
-        if loop.state.step % self.every_n_steps:
+        step = loop.state.step
+        if step <= self.start_step:  # not started: follow the weights, start from step's
+            self._follow()
+            return
+        if step % self.every_n_steps:
             return
         self.update()
+
+    def current_decay(self) -> float:
+        """The decay the next `update` uses: ``min(decay, (1 + t) / (10 + t))`` with the
+        warmup, ``t = updates``; ``decay`` without.
+
+        Example:
+            >>> ema = EMA(0.999)
+            >>> ema.current_decay()
+            0.1
+            >>> ema.updates = 90
+            >>> round(ema.current_decay(), 4)
+            0.91
+        """
+        if not self.warmup:
+            return self.decay
+        t = self.updates
+        return min(self.decay, (1.0 + t) / (10.0 + t))
+
+    @torch.no_grad()
+    def _follow(self) -> None:
+        """Before ``start_step``: the shadow is a copy of the current weights."""
+        shadows, sources = self._lerp
+        if shadows:
+            torch._foreach_copy_(shadows, sources)
+        for shadow, source in self._casts:
+            shadow.copy_(source)
+        copy_shadows, copy_sources = self._copy
+        if copy_shadows:
+            torch._foreach_copy_(copy_shadows, copy_sources)
 
     @torch.no_grad()
     def update(self) -> None:
         """One averaging update from the current weights (the callback calls it itself)."""
-        weight = 1.0 - self.decay
+        weight = 1.0 - self.current_decay()  # host arithmetic on a Python int: no sync
         shadows, sources = self._lerp
         if shadows:
             torch._foreach_lerp_(shadows, sources, weight)
@@ -273,7 +341,7 @@ class EMA(Callback):
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """The shadow (unwrapped names -> tensors), the update count and the decay."""
+        """The shadow (unwrapped names -> tensors), the update count ``t`` and the decay."""
         return {
             "shadow": {} if self._shadow is None else self.averaged_state_dict(),
             "updates": self.updates,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import numbers
 from collections.abc import Callable, Iterable
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +22,16 @@ __all__ = ["Metrics"]
 
 def _is_stateful_metric(metric: Any) -> bool:
     return all(callable(getattr(metric, method, None)) for method in ("update", "compute", "reset"))
+
+
+def synchronises_itself(metric: Any) -> bool:
+    """True for an update/compute object that reduces its state across ranks by itself.
+
+    torchmetrics' ``Metric`` has a ``sync()`` method and the ``dist_sync_on_step`` and
+    ``_to_sync`` attributes; an object with any of them is taken to synchronise.
+    """
+    return (callable(getattr(metric, "sync", None)) or hasattr(metric, "dist_sync_on_step")
+            or hasattr(metric, "_to_sync"))
 
 
 class _Pass:
@@ -113,7 +124,10 @@ class Metrics(Callback):
     uneven validation set), and divides only after it, so every rank writes the same
     values; a pass that saw no sample on any rank writes no value. Object metrics are
     reset at the start of each pass and their ``compute()`` is read once at its end, on
-    every rank (torchmetrics objects synchronise across ranks inside ``compute()``).
+    every rank (torchmetrics objects synchronise across ranks inside ``compute()``). An
+    object that does not synchronise itself (no ``sync()``, ``dist_sync_on_step`` or
+    ``_to_sync``, as torchmetrics objects have) reports its own rank's shard only: under
+    DDP that is said once, in a warning, at the first validation.
 
     The values are written into ``loop.state.metrics`` as floats: ``val_<name>`` at
     ``on_validation_end`` (``<prefix>_<name>`` in `Loop.evaluate`, e.g. ``test_acc``) and, with ``on_train=True``, ``train_<name>`` when the training
@@ -195,6 +209,7 @@ class Metrics(Callback):
                                                  for key, value in objects.items()})
         self._loop: Loop | None = None
         self._train_pending = False
+        self._warned_unsynced = False
         # Training sums at the last step boundaries, keyed by the loop position (epoch,
         # batches done) they belong to: see state_dict. A loaded state adds its own.
         self._boundaries: dict[tuple[int, int], tuple[dict[str, torch.Tensor], int]] = {}
@@ -279,7 +294,24 @@ class Metrics(Callback):
             self._write_train(loop)
 
     # -------------------------------------------------------------- validation
+    def _warn_unsynced(self) -> None:
+        """Under DDP, once: name the object metrics that report this rank's shard only."""
+        if self._warned_unsynced or distributed.world_size() < 2:
+            return
+        self._warned_unsynced = True
+        local = [name for name, metric in self._validation.objects.items()
+                 if not synchronises_itself(metric)]
+        if local and distributed.is_main():
+            warnings.warn(
+                f"{self!r}: under DDP ({distributed.world_size()} processes) the metric "
+                f"object(s) {', '.join(map(repr, local))} do not synchronise across ranks (no "
+                "sync()/dist_sync_on_step as torchmetrics objects have), so compute() reports "
+                "this rank's shard of the data only. Use a torchmetrics metric, or a function "
+                "fn(outputs, targets) -> batch mean, which Metrics reduces over all ranks.",
+                RuntimeWarning, stacklevel=2)
+
     def on_validation_start(self, loop: Loop) -> None:
+        self._warn_unsynced()
         if self.on_train and loop.epoch_completed:  # not a validation in the middle of an epoch
             self._write_train(loop)
         self._validation.reset(loop.device)

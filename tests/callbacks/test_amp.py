@@ -106,7 +106,7 @@ def test_float16_scaler_clip_accumulation_cosine_ema_match_hand_loop() -> None:
     hook_model = make_model()
     hook_optimizer = torch.optim.SGD(hook_model.parameters(), lr=base_lr, momentum=0.9)
     amp = AMP(torch.float16, scaler={"init_scale": 1024.0})
-    ema = EMA(decay)
+    ema = EMA(decay, warmup=False)
     lr_log: list[float] = []
 
     class LogLR(Callback):

@@ -73,7 +73,7 @@ def hook_loop(data, epochs, ema, batch_norm=False, val_data=None):  # noqa: ANN0
 def test_matches_seed_ema(every: int) -> None:
     data = make_data(5)
     model, seed_ema = hand_loop(data, 2, 0.8, every)
-    ema = EMA(0.8, every_n_steps=every)
+    ema = EMA(0.8, warmup=False, every_n_steps=every)
     hook_model, _ = hook_loop(data, 2, ema)
     for p, hand in zip(hook_model.parameters(), model.parameters()):
         assert torch.allclose(p, hand, atol=1e-6)
@@ -89,7 +89,7 @@ def test_matches_seed_ema(every: int) -> None:
 def test_buffers(buffers: str) -> None:
     data = make_data(4)
     _, seed_ema = hand_loop(data, 2, 0.7, buffers=buffers, batch_norm=True)
-    ema = EMA(0.7, buffers=buffers)
+    ema = EMA(0.7, warmup=False, buffers=buffers)
     hook_model, _ = hook_loop(data, 2, ema, batch_norm=True)
     averaged = ema.averaged_state_dict()
     for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked", "1.weight"):
@@ -103,7 +103,7 @@ def test_buffers(buffers: str) -> None:
 def test_shadow_is_float32_for_a_half_model() -> None:
     model = make_model().to(torch.bfloat16)
     theta = {name: p.detach().float().clone() for name, p in model.named_parameters()}
-    ema = EMA(0.5)
+    ema = EMA(0.5, warmup=False)
     data = [(x.bfloat16(), y.bfloat16()) for x, y in make_data(1)]
     Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.mse_loss,
          device="cpu", callbacks=[ema]).fit(1)
@@ -118,7 +118,7 @@ def test_validation_uses_the_ema_weights_and_restores_training_weights() -> None
     data, val = make_data(4), make_data(2, seed=9)
     hand_model, _ = hand_loop(data, 2, 0.6)
     for validate_with_ema in (True, False):
-        ema = EMA(0.6, validate_with_ema=validate_with_ema)
+        ema = EMA(0.6, warmup=False, validate_with_ema=validate_with_ema)
         model, loop = hook_loop(data, 2, ema, val_data=val)
         # Validation ran after epoch 0 too: the training weights came back every time.
         for p, hand in zip(model.parameters(), hand_model.parameters()):
@@ -131,7 +131,7 @@ def test_validation_uses_the_ema_weights_and_restores_training_weights() -> None
 
 
 def test_swapped_restores_on_exception() -> None:
-    ema = EMA(0.5)
+    ema = EMA(0.5, warmup=False)
     model, _ = hook_loop(make_data(3), 1, ema)
     before = {name: value.clone() for name, value in model.state_dict().items()}
     averaged = ema.averaged_state_dict()
@@ -145,7 +145,7 @@ def test_swapped_restores_on_exception() -> None:
 
 
 def test_copy_to_and_averaged_model() -> None:
-    ema = EMA(0.5)
+    ema = EMA(0.5, warmup=False)
     model, _ = hook_loop(make_data(3), 1, ema)
     target = make_model()
     ema.copy_to(target)
@@ -180,13 +180,13 @@ def test_update_reads_nothing_back_to_the_host() -> None:
 
 def test_state_round_trip_and_placement(tmp_path) -> None:  # noqa: ANN001
     data = make_data(3)
-    ema = EMA(0.5)
+    ema = EMA(0.5, warmup=False)
     hook_loop(data, 1, ema)
     torch.save(ema.state_dict(), tmp_path / "ema.pt")
     state = torch.load(tmp_path / "ema.pt", weights_only=True)
     assert state["updates"] == 3 and "0.weight" in state["shadow"]
 
-    restored = EMA(0.5)
+    restored = EMA(0.5, warmup=False)
     restored.load_state_dict(state)  # before any fit: kept until the model is known
     other = make_model()
     with torch.no_grad():
@@ -209,7 +209,7 @@ def test_keys_are_the_unwrapped_names() -> None:
         def forward(self, inputs: torch.Tensor) -> torch.Tensor:
             return self._orig_mod(inputs)
 
-    ema = EMA(0.5)
+    ema = EMA(0.5, warmup=False)
     model = make_model()
     wrapped = Compiled(model)
     assert set(wrapped.state_dict()) != set(model.state_dict())
@@ -220,7 +220,7 @@ def test_keys_are_the_unwrapped_names() -> None:
 
 
 def test_mismatched_state_is_reported() -> None:
-    ema = EMA(0.5)
+    ema = EMA(0.5, warmup=False)
     ema.load_state_dict({"shadow": {"nope": torch.zeros(1)}, "updates": 1})
     model = make_model()
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(1),
@@ -233,7 +233,7 @@ def test_mismatched_state_is_reported() -> None:
 def test_continues_across_fits() -> None:
     data = make_data(3)
     _, seed_ema = hand_loop(data, 2, 0.5)
-    ema = EMA(0.5)
+    ema = EMA(0.5, warmup=False)
     model = make_model()
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), data,
                 loss_fn=F.mse_loss, device="cpu", callbacks=[ema])
@@ -260,7 +260,7 @@ def test_skipped_steps_do_not_update() -> None:
             if loop.state.batch_idx % 2:
                 loop.cancel_step()
 
-    ema = EMA(0.5)
+    ema = EMA(0.5, warmup=False)
     model = make_model()
     Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(6), loss_fn=F.mse_loss,
          device="cpu", callbacks=[CancelOdd(), ema]).fit(1)
@@ -268,7 +268,7 @@ def test_skipped_steps_do_not_update() -> None:
 
 
 def test_a_fit_on_another_loop_is_refused() -> None:
-    ema = EMA(0.5)
+    ema = EMA(0.5, warmup=False)
     hook_loop(make_data(3), 1, ema)
     other = make_model()
     with pytest.raises(ConfigurationError, match="already ran in another Loop"):
