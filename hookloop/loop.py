@@ -296,7 +296,7 @@ class Loop:
                     self._position.record(epoch + 1, 0, state.step, None, 0, self._generators)
                 self._emit(table.on_epoch_end)
                 if completed and not validated:
-                    self._record_history()
+                    self._record_epoch_end()
                 epoch += 1
         except BaseException as exc:
             self._position.rewind()  # a later fit continues from the last step boundary
@@ -636,6 +636,18 @@ class Loop:
         state = self.state
         state.history.append({"epoch": state.epoch, "step": state.step, **state.metrics})
 
+    def _record_epoch_end(self) -> None:
+        """The row of an epoch whose end did not validate: its training metrics only (a
+        validation earlier in the epoch has its own row); joined to the row of a validation
+        at the same step."""
+        state = self.state
+        row = {key: value for key, value in state.metrics.items() if not key.startswith("val_")}
+        last = state.history[-1] if state.history else None
+        if last is not None and (last["epoch"], last["step"]) == (state.epoch, state.step):
+            last.update(row)
+        else:
+            state.history.append({"epoch": state.epoch, "step": state.step, **row})
+
     def _mark_stepped(self, *_: Any) -> None:
         self._stepped = True
 
@@ -789,14 +801,18 @@ class Loop:
                 self._emit(table.after_backward)
             if state.step_boundary:
                 self._optimizer_step(table, batch_idx + 1, loss_sum, samples)
+                if (every_n_steps is not None and self._stepped
+                        and state.step % every_n_steps == 0):
+                    self._validate_pass(self.val_data, "val")
+                    self.model.train()
+                    state.training = True
+                    # Validation draws from the generators (a DataLoader's base seed): the
+                    # position's snapshot is taken again so a resume draws what follows it.
+                    self._position.record(state.epoch, batch_idx + 1, state.step, loss_sum,
+                                          samples, self._generators)
             if table.on_batch_end:
                 self._emit(table.on_batch_end)
             boundary = state.step_boundary
-            if (every_n_steps is not None and boundary and self._stepped
-                    and state.step % every_n_steps == 0):
-                self._validate_pass(self.val_data, "val")
-                self.model.train()
-                state.training = True
         if completed and samples == 0 and start == 0:
             raise ConfigurationError("train_data yielded no batches in this epoch: it is empty.")
         if samples:

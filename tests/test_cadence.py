@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import hookloop.loop
+import hookloop.checks
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import EarlyStopping, Metrics
 
@@ -40,9 +40,6 @@ CADENCES = [
     # steps and epoch ends; steps 12 and 20 are both: validated once
     (dict(val_every_n_steps=6), [4, 6, 8, 12, 16, 18, 20]),
 ]
-HISTORY_BUG = ("loop.py: an epoch-end history row repeats the val_* metrics of a validation "
-               "earlier in the epoch, and an epoch ending at a step that was just validated "
-               "appends a second row for that step (see the report)")
 
 
 @pytest.mark.parametrize(("kwargs", "steps"), CADENCES)
@@ -54,8 +51,7 @@ def test_validations_happen_at_the_right_steps(kwargs: dict[str, object], steps:
 
 
 @pytest.mark.parametrize(("kwargs", "steps"), [
-    pytest.param(*case, marks=[pytest.mark.xfail(strict=True, reason=HISTORY_BUG)]
-                 if case[0].get("val_every_n_steps") else []) for case in CADENCES])
+    pytest.param(*case) for case in CADENCES])
 def test_history_has_one_row_per_validation_or_epoch_end(kwargs: dict[str, object],
                                                          steps: list[int]) -> None:
     loop = make_loop(**kwargs)
@@ -93,8 +89,6 @@ def test_early_stopping_counts_validations_not_epochs() -> None:
 def test_resume_continues_the_cadence_and_the_history(kwargs: dict[str, object],
                                                       stop_at: int,
                                                       request: pytest.FixtureRequest) -> None:
-    if kwargs.get("val_every_n_epochs", 1) is None and stop_at % 4:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=HISTORY_BUG))
     recorders = ValidationSteps(), ValidationSteps()
     whole = make_loop([recorders[0]], **kwargs)
     whole.fit(4)
@@ -204,7 +198,7 @@ def test_device_none_picks_cuda_then_mps_then_cpu(monkeypatch: pytest.MonkeyPatc
                                                   mps: bool, expected: str) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
-    assert hookloop.loop.default_device().type == expected
+    assert hookloop.checks.default_device().type == expected
     model = nn.Linear(2, 1)
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [(torch.randn(1, 2),) * 2])
     assert loop.device.type == expected
