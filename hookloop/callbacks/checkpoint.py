@@ -418,7 +418,14 @@ class Checkpoint(Callback):
 
     def _retire_later_than(self, path: str, payload: dict[str, Any]) -> None:
         """Move the files a rollback abandons out of the way of the new branch."""
-        step = int(payload["loop"].get("step", 0))
+        # The step is in this callback's own record of the file (its name says it too).
+        step = payload["hookloop"].get("step")
+        if step is None:
+            match = self._pattern.match(os.path.basename(path))
+            if match is None:
+                return  # a file of unknown position: nothing can be said to come after it
+            step = match.group(2)
+        step = int(step)
         resumed = os.path.abspath(path)
         later = []
         for candidate in self.checkpoints():
@@ -464,7 +471,8 @@ class Checkpoint(Callback):
                     + non_finite_weights_advice(loop.callbacks), RuntimeWarning, stacklevel=2)
                 self._warned_not_finite = True
             return
-        payload = {"hookloop": self._meta("resume"), **run, "metrics": dict(state.metrics)}
+        payload = {"hookloop": {**self._meta("resume"), "epoch": state.epoch, "step": state.step},
+                   **run, "metrics": dict(state.metrics)}
         self._check_plain(payload)
         path = os.path.join(self.dirpath, self.filename(state.epoch, state.step))
         write_atomic(payload, path)
