@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["move_to_device", "find_targets", "batch_size_of", "is_pair", "length_of"]
+__all__ = ["move_to_device", "find_targets", "batch_size_of", "is_pair", "length_of", "Lookahead",
+           "has_more"]
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -93,3 +94,30 @@ def length_of(data: Any) -> int | None:
         return len(data)
     except TypeError:
         return None
+
+
+class Lookahead:
+    """An iterator that knows, once it has yielded an item, whether another one follows."""
+
+    __slots__ = ("_iterator", "_next", "exhausted")
+    _EMPTY = object()
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self._iterator = iterator
+        self._next = next(iterator, self._EMPTY)
+        self.exhausted = self._next is self._EMPTY
+
+    def __iter__(self) -> Lookahead:
+        return self
+
+    def __next__(self) -> Any:
+        if self._next is self._EMPTY:
+            raise StopIteration
+        item, self._next = self._next, next(self._iterator, self._EMPTY)
+        self.exhausted = self._next is self._EMPTY
+        return item
+
+
+def has_more(iterator: Any) -> bool:
+    """False only for a `Lookahead` that knows its data has run out."""
+    return not isinstance(iterator, Lookahead) or not iterator.exhausted

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -15,7 +14,8 @@ from torch import nn
 from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.checks import check_fit_arguments, check_fit_data, check_loop_arguments
-from hookloop.data import batch_size_of, find_targets, length_of, move_to_device
+from hookloop import run_state
+from hookloop.data import Lookahead, batch_size_of, find_targets, has_more, length_of, move_to_device
 from hookloop.dispatch import Handlers, Table, Wrapper, annotate, entered
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.forward import check_loss, compute, concatenate, predict_outputs
@@ -25,7 +25,6 @@ from hookloop.position import Position, RunPosition
 from hookloop.rng import capture_rng, loader_generators, restore_rng
 from hookloop.signals import terminate_on_sigterm
 from hookloop.state import LoopState
-from hookloop.storage import find_unplain, load_model_weights, load_optimizer_state
 
 __all__ = ["Loop"]
 
@@ -432,32 +431,7 @@ class Loop:
             gather: Under DDP, gather every rank's own part (a collective: every rank must
                 call it). False keeps this rank's only (for the exception path).
         """
-        shared, own = self._position.parts()
-        world = distributed.world_size()
-        if gather:
-            ranks = distributed.all_gather_object(own)
-        else:
-            if world > 1:  # the other ranks' sums are unknown: the resumed epoch recounts
-                own.update(train_loss_sum=None, train_samples=0)
-            ranks = [own]
-        optimizer = self.optimizer
-        return {
-            "model": self.unwrapped_model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "loop": {
-                **shared,
-                "world_size": world,
-                "optimizer_class": type(optimizer).__qualname__,
-                "param_groups": [len(group["params"]) for group in optimizer.param_groups],
-                "epochs": self.state.epochs,
-                "max_steps": self.state.max_steps,
-                "ended": self._ended(),
-                "history": [dict(row) for row in self.state.history],
-            },
-            "ranks": ranks,
-            "callbacks": {callback.state_key: callback.state_dict() for callback in self.callbacks
-                          if overrides(callback, "state_dict")},
-        }
+        return run_state.capture(self, gather=gather)
 
     def load_state_dict(self, state: Mapping[str, Any], *, source: str | None = None) -> None:
         """Continue the run of `state_dict` at the next ``fit`` (or ``validate``).
@@ -534,103 +508,7 @@ class Loop:
         return None
 
     def _check_callback_states(self) -> None:
-        """Each stateful callback's state must round-trip through a checkpoint file."""
-        for callback in self.callbacks:
-            saves, loads = overrides(callback, "state_dict"), overrides(callback, "load_state_dict")
-            if saves != loads:
-                have, lack = ("state_dict", "load_state_dict") if saves else (
-                    "load_state_dict", "state_dict")
-                raise ConfigurationError(
-                    f"{callback!r} overrides {have} but not {lack}, so its state would be "
-                    f"{'saved but never restored' if saves else 'never saved'} on resume. "
-                    f"Implement {lack} too (or neither).")
-            if saves:
-                problem = find_unplain(callback.state_dict(), "state_dict()")
-                if problem:
-                    raise ConfigurationError(
-                        f"{callback!r} (state key {callback.state_key!r}): {problem}, which "
-                        "torch.load(weights_only=True) cannot read back from a checkpoint. "
-                        "Return only tensors, numbers, strings, None and lists/tuples/dicts of "
-                        "them (e.g. list(a_deque), a_tensor.tolist()).")
-
-    def _apply_restore(self) -> None:
-        """Apply the state `load_state_dict` asked for; raise before touching anything wrong."""
-        assert self._restore is not None
-        payload, source = self._restore
-        self._restore = None
-        loop_part = payload.get("loop")
-        if not isinstance(loop_part, Mapping) or not isinstance(payload.get("model"), Mapping) \
-                or not isinstance(payload.get("optimizer"), Mapping):
-            missing = [key for key in ("model", "optimizer", "loop")
-                       if not isinstance(payload.get(key), Mapping)]
-            raise CheckpointError(f"{source}: not a training state: {', '.join(missing)} "
-                                  "missing or not a mapping.")
-        self._check_optimizer_fits(loop_part, payload["optimizer"], source)
-        load_model_weights(source, self.unwrapped_model, payload["model"])
-        load_optimizer_state(source, self.optimizer, payload["optimizer"])
-        ranks = payload.get("ranks") or [{}]
-        rank, world = distributed.rank(), distributed.world_size()
-        saved_world = int(loop_part.get("world_size", 1))
-        own = dict(ranks[rank] if rank < len(ranks) else ranks[0])
-        if rank >= len(ranks):
-            warnings.warn(
-                f"{source} has no random-generator state for rank {rank} (it was written by "
-                f"{saved_world} process(es), or after an exception); rank {rank} uses rank 0's, "
-                "so its random draws differ from an uninterrupted run.", RuntimeWarning,
-                stacklevel=4)
-        if saved_world != world or (world > 1 and len(ranks) < world):
-            own.update(train_loss_sum=None, train_samples=0)  # not this rank's own sums
-        if saved_world != world and distributed.is_main():
-            warnings.warn(
-                f"{source} was written by {saved_world} process(es), this run has {world}: "
-                "the position in the epoch does not carry over exactly.", RuntimeWarning,
-                stacklevel=4)
-        self._position.load(loop_part, own, self.device)
-        self._live_iterator = None
-        self.state.epoch, self.state.step = self._position.epoch, self._position.step
-        self.state.history = [dict(row) for row in loop_part.get("history") or []]
-        self._restored_end = loop_part.get("ended")
-        saved = dict(payload.get("callbacks") or {})
-        for callback in self.callbacks:
-            if not overrides(callback, "state_dict"):
-                continue
-            if callback.state_key in saved:
-                try:
-                    callback.load_state_dict(saved.pop(callback.state_key))
-                except BaseException as exc:
-                    annotate(exc, callback.load_state_dict)
-                    raise
-            elif distributed.is_main():
-                warnings.warn(f"{source} has no state for {callback!r} (key "
-                              f"{callback.state_key!r}); it starts fresh.", RuntimeWarning,
-                              stacklevel=4)
-        if saved and distributed.is_main():
-            warnings.warn(
-                f"{source} holds state that no callback in the stack claims: "
-                f"{', '.join(sorted(saved))}. Add those callbacks (with the same name=) to "
-                "restore it, or ignore this if you removed them on purpose.", RuntimeWarning,
-                stacklevel=4)
-
-    def _check_optimizer_fits(self, loop_part: Mapping[str, Any], saved: Mapping[str, Any],
-                              source: str) -> None:
-        ours = type(self.optimizer).__qualname__
-        theirs = loop_part.get("optimizer_class")
-        if theirs is not None and theirs != ours:
-            raise CheckpointError(
-                f"{source}: the run was trained with {theirs}, but this loop's optimizer is "
-                f"{ours}; its state (momentum buffers, moments, hyper-parameters) cannot be "
-                f"loaded into another class. Create a {theirs} as in the saved run, or load only "
-                "the weights with hookloop.load_checkpoint(path, model) and start a new run.")
-        layout = [len(group["params"]) for group in self.optimizer.param_groups]
-        groups = saved.get("param_groups")
-        saved_layout = ([len(group.get("params", ())) for group in groups]
-                        if isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups)
-                        else loop_part.get("param_groups"))
-        if saved_layout is not None and list(saved_layout) != layout:
-            raise CheckpointError(
-                f"{source}: the saved optimizer has param groups of sizes {list(saved_layout)}, "
-                f"this loop's {ours} has {layout}. Build the optimizer over the same parameters "
-                "in the same groups as the saved run.")
+        run_state.check_callback_states(self.callbacks)
 
     def _record_history(self) -> None:
         state = self.state
@@ -717,7 +595,9 @@ class Loop:
                                      "to train without validation, or check the dataset.")
         self.model.to(self.device)
         if self._restore is not None:
-            self._apply_restore()
+            state, source = self._restore
+            self._restore = None
+            run_state.restore(self, state, source)
         main = distributed.is_main()
         active = [c for c in self.callbacks if main or not c.rank_zero_only]
         self._table = Table(active, self.handler_wrapper)
@@ -757,7 +637,7 @@ class Loop:
             # A stop takes effect at a step boundary, never inside an accumulation window.
             stopping = boundary and (self._stop_requested or self._steps_exhausted())
             if stopping and (total is None or batch_idx + 1 < total):
-                if total is not None or _has_more(iterator):
+                if total is not None or has_more(iterator):
                     self._live_iterator = (state.epoch, iterator)  # a later fit continues it
                     completed = False
                     break
@@ -922,32 +802,6 @@ class Loop:
         if self._fitting and not self._sanity_checking and prefix == "val":
             self._validated_step = state.step
             self._record_history()
-
-
-class Lookahead:
-    """An iterator that knows, once it has yielded an item, whether another one follows."""
-
-    __slots__ = ("_iterator", "_next", "exhausted")
-    _EMPTY = object()
-
-    def __init__(self, iterator: Iterator[Any]) -> None:
-        self._iterator = iterator
-        self._next = next(iterator, self._EMPTY)
-        self.exhausted = self._next is self._EMPTY
-
-    def __iter__(self) -> Lookahead:
-        return self
-
-    def __next__(self) -> Any:
-        if self._next is self._EMPTY:
-            raise StopIteration
-        item, self._next = self._next, next(self._iterator, self._EMPTY)
-        self.exhausted = self._next is self._EMPTY
-        return item
-
-
-def _has_more(iterator: Any) -> bool:
-    return not isinstance(iterator, Lookahead) or not iterator.exhausted
 
 
 def _owner(handler: Callable[..., Any]) -> str:

@@ -1,0 +1,161 @@
+"""The run's state: what `Loop.state_dict` gathers and how `Loop.load_state_dict` applies it.
+
+The loop owns the run; these functions are the part of it that crosses launches. A state
+is applied after every callback's ``setup`` and before ``on_fit_start``, so no callback
+ever needs a "state arrived late" branch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hookloop import distributed
+from hookloop.callback import Callback
+from hookloop.dispatch import annotate
+from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.ordering import overrides
+from hookloop.storage import find_unplain, load_model_weights, load_optimizer_state
+
+if TYPE_CHECKING:
+    from hookloop.loop import Loop
+
+__all__ = ["capture", "restore", "check_callback_states", "check_optimizer_fits"]
+
+
+def capture(loop: Loop, *, gather: bool = True) -> dict[str, Any]:
+    """`Loop.state_dict`: the whole run, as tensors and plain values."""
+    shared, own = loop._position.parts()
+    world = distributed.world_size()
+    if gather:
+        ranks = distributed.all_gather_object(own)
+    else:
+        if world > 1:  # the other ranks' sums are unknown: the resumed epoch recounts
+            own.update(train_loss_sum=None, train_samples=0)
+        ranks = [own]
+    optimizer = loop.optimizer
+    return {
+        "model": loop.unwrapped_model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "loop": {
+            **shared,
+            "world_size": world,
+            "optimizer_class": type(optimizer).__qualname__,
+            "param_groups": [len(group["params"]) for group in optimizer.param_groups],
+            "epochs": loop.state.epochs,
+            "max_steps": loop.state.max_steps,
+            "ended": loop._ended(),
+            "history": [dict(row) for row in loop.state.history],
+        },
+        "ranks": ranks,
+        "callbacks": {callback.state_key: callback.state_dict() for callback in loop.callbacks
+                      if overrides(callback, "state_dict")},
+    }
+
+
+def check_callback_states(callbacks: Sequence[Callback]) -> None:
+    """Each stateful callback's state must round-trip through a checkpoint file.
+
+    Raises:
+        ConfigurationError: a callback overriding only one of ``state_dict`` and
+            ``load_state_dict``, or whose state ``torch.load(weights_only=True)`` could not
+            read back; the message names the callback and the key.
+    """
+    for callback in callbacks:
+        saves, loads = overrides(callback, "state_dict"), overrides(callback, "load_state_dict")
+        if saves != loads:
+            have, lack = ("state_dict", "load_state_dict") if saves else (
+                "load_state_dict", "state_dict")
+            raise ConfigurationError(
+                f"{callback!r} overrides {have} but not {lack}, so its state would be "
+                f"{'saved but never restored' if saves else 'never saved'} on resume. "
+                f"Implement {lack} too (or neither).")
+        if saves:
+            problem = find_unplain(callback.state_dict(), "state_dict()")
+            if problem:
+                raise ConfigurationError(
+                    f"{callback!r} (state key {callback.state_key!r}): {problem}, which "
+                    "torch.load(weights_only=True) cannot read back from a checkpoint. "
+                    "Return only tensors, numbers, strings, None and lists/tuples/dicts of "
+                    "them (e.g. list(a_deque), a_tensor.tolist()).")
+
+
+def restore(loop: Loop, payload: Mapping[str, Any], source: str) -> None:
+    """`Loop.load_state_dict`, applied after setup: raise before touching anything wrong."""
+    loop_part = payload.get("loop")
+    if not isinstance(loop_part, Mapping) or not isinstance(payload.get("model"), Mapping) \
+            or not isinstance(payload.get("optimizer"), Mapping):
+        missing = [key for key in ("model", "optimizer", "loop")
+                   if not isinstance(payload.get(key), Mapping)]
+        raise CheckpointError(f"{source}: not a training state: {', '.join(missing)} "
+                              "missing or not a mapping.")
+    check_optimizer_fits(loop.optimizer, loop_part, payload["optimizer"], source)
+    load_model_weights(source, loop.unwrapped_model, payload["model"])
+    load_optimizer_state(source, loop.optimizer, payload["optimizer"])
+    ranks = payload.get("ranks") or [{}]
+    rank, world = distributed.rank(), distributed.world_size()
+    saved_world = int(loop_part.get("world_size", 1))
+    own = dict(ranks[rank] if rank < len(ranks) else ranks[0])
+    if rank >= len(ranks):
+        warnings.warn(
+            f"{source} has no random-generator state for rank {rank} (it was written by "
+            f"{saved_world} process(es), or after an exception); rank {rank} uses rank 0's, "
+            "so its random draws differ from an uninterrupted run.", RuntimeWarning,
+            stacklevel=4)
+    if saved_world != world or (world > 1 and len(ranks) < world):
+        own.update(train_loss_sum=None, train_samples=0)  # not this rank's own sums
+    if saved_world != world and distributed.is_main():
+        warnings.warn(
+            f"{source} was written by {saved_world} process(es), this run has {world}: "
+            "the position in the epoch does not carry over exactly.", RuntimeWarning,
+            stacklevel=4)
+    loop._position.load(loop_part, own, loop.device)
+    loop._live_iterator = None
+    loop.state.epoch, loop.state.step = loop._position.epoch, loop._position.step
+    loop.state.history = [dict(row) for row in loop_part.get("history") or []]
+    loop._restored_end = loop_part.get("ended")
+    saved = dict(payload.get("callbacks") or {})
+    for callback in loop.callbacks:
+        if not overrides(callback, "state_dict"):
+            continue
+        if callback.state_key in saved:
+            try:
+                callback.load_state_dict(saved.pop(callback.state_key))
+            except BaseException as exc:
+                annotate(exc, callback.load_state_dict)
+                raise
+        elif distributed.is_main():
+            warnings.warn(f"{source} has no state for {callback!r} (key "
+                          f"{callback.state_key!r}); it starts fresh.", RuntimeWarning,
+                          stacklevel=4)
+    if saved and distributed.is_main():
+        warnings.warn(
+            f"{source} holds state that no callback in the stack claims: "
+            f"{', '.join(sorted(saved))}. Add those callbacks (with the same name=) to "
+            "restore it, or ignore this if you removed them on purpose.", RuntimeWarning,
+            stacklevel=4)
+
+def check_optimizer_fits(optimizer: torch.optim.Optimizer, loop_part: Mapping[str, Any],
+                         saved: Mapping[str, Any], source: str) -> None:
+    """Another optimizer class or param-group layout is refused, naming both."""
+    ours = type(optimizer).__qualname__
+    theirs = loop_part.get("optimizer_class")
+    if theirs is not None and theirs != ours:
+        raise CheckpointError(
+            f"{source}: the run was trained with {theirs}, but this loop's optimizer is "
+            f"{ours}; its state (momentum buffers, moments, hyper-parameters) cannot be "
+            f"loaded into another class. Create a {theirs} as in the saved run, or load only "
+            "the weights with hookloop.load_checkpoint(path, model) and start a new run.")
+    layout = [len(group["params"]) for group in optimizer.param_groups]
+    groups = saved.get("param_groups")
+    saved_layout = ([len(group.get("params", ())) for group in groups]
+                    if isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups)
+                    else loop_part.get("param_groups"))
+    if saved_layout is not None and list(saved_layout) != layout:
+        raise CheckpointError(
+            f"{source}: the saved optimizer has param groups of sizes {list(saved_layout)}, "
+            f"this loop's {ours} has {layout}. Build the optimizer over the same parameters "
+            "in the same groups as the saved run.")
