@@ -194,7 +194,8 @@ def test_validation_with_an_empty_shard_and_buffers_does_not_hang(train_run: Pat
         # both ranks report the value of the one sample (nothing divided by a local zero).
         assert log["metrics"][0] == pytest.approx({"train_loss": log["metrics"][0]["train_loss"],
                                                    **expected}, rel=1e-5)
-        # validate() after fit: a new process group, the data sharded again, same values.
+        # validate() after fit (no process group left): every rank runs all the data with
+        # the same model and gets the same values.
         assert log["validate"] == pytest.approx(expected, rel=1e-5)
 
 

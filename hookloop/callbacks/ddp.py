@@ -34,6 +34,7 @@ __all__ = ["DDP", "UnpaddedDistributedSampler", "check_equal_batches"]
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _groups_created = 0  # process groups this module created in this process
+_store: Any = None  # the store of the first one, shared by the later ones
 
 
 def _init_process_group(backend: str) -> None:
@@ -44,13 +45,16 @@ def _init_process_group(backend: str) -> None:
     read the other ranks' addresses of the first group and fail to connect. Later groups
     therefore get keys of their own, in the same order on every rank.
     """
-    global _groups_created
-    if _groups_created == 0:
+    global _groups_created, _store
+    if _store is None:
         dist.init_process_group(backend=backend)
+        # Later groups reuse this connection to torchrun's store: a second rendezvous would
+        # open another client, whose thread aborts the process at exit.
+        _store = dist.distributed_c10d._get_default_store()
     else:
-        store, rank, world_size = next(dist.rendezvous("env://"))
-        store = dist.PrefixStore(f"hookloop.ddp/{_groups_created}", store)
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
+        store = dist.PrefixStore(f"hookloop.ddp/{_groups_created}", _store)
+        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     _groups_created += 1
 
 
@@ -288,6 +292,11 @@ class DDP(Callback):
     forward, hence no collective that unequal validation batch counts could hang). At the
     end of a fit that ended cleanly, the process group is destroyed if this callback
     created it (the model and loaders are put back, so a later ``fit`` sets up again).
+    Before that, the buffers (BatchNorm statistics) are broadcast from rank 0: DDP syncs them
+    at the start of each forward, so the last forward leaves them different on each rank, and
+    every rank should end the fit with the same model. ``validate()``, ``evaluate()`` or
+    ``predict()`` called outside a fit while no process group exists run on each rank over
+    the whole data (every rank gets the same values, and no group is left behind).
     After an exception nothing collective is called: the process exits with the traceback
     and torchrun stops the other ranks.
 
@@ -353,6 +362,13 @@ class DDP(Callback):
         if loop.device.type == "cuda":
             loop.device = torch.device("cuda", distributed.local_rank())
             torch.cuda.set_device(loop.device)
+        if not loop.fitting and not distributed.is_initialized():
+            # validate()/evaluate()/predict() outside a fit: each rank runs the whole data
+            # itself (every rank holds the same model, so every rank gets the same values),
+            # rather than setting up a process group that nothing would tear down (its
+            # threads can abort the process at exit).
+            self._active = False
+            return
         if not distributed.is_initialized():
             backend = self.backend or ("nccl" if loop.device.type == "cuda" else "gloo")
             _init_process_group(backend)
@@ -411,6 +427,13 @@ class DDP(Callback):
     def on_fit_end(self, loop: Loop) -> None:
         if not self._active or self._failed or not self._created_group:
             return  # on the error path: no collective; the process exits with the traceback
+        self._teardown(loop)
+
+    def _teardown(self, loop: Loop) -> None:
+        """Share rank 0's buffers, unwrap the model, put back the user's loaders, and
+        destroy the group this callback created."""
+        for buffer in loop.unwrapped_model.buffers():
+            dist.broadcast(buffer.data, src=0)
         if isinstance(loop.model, DistributedDataParallel):
             loop.model = loop.model.module
         # Put back the user's loaders, so that a later fit shards them for its new group.
