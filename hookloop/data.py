@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["move_to_device", "find_targets", "batch_size_of", "is_pair", "length_of", "Lookahead",
-           "has_more"]
+__all__ = ["move_to_device", "find_targets", "batch_size_of", "is_pair", "length_of", "Lookahead"]
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -97,15 +96,25 @@ def length_of(data: Any) -> int | None:
 
 
 class Lookahead:
-    """An iterator that knows, once it has yielded an item, whether another one follows."""
+    """An iterator that knows, once it has yielded an item, whether another one follows.
 
-    __slots__ = ("_iterator", "_next", "exhausted")
+    ``snapshot()``, when given, is called before each item is fetched, and its result kept
+    in ``pending_snapshot`` for the item fetched but not yet yielded: the random state that
+    item was drawn with (a resume fetches it again with the same draws).
+    """
+
+    __slots__ = ("_iterator", "_next", "_snapshot", "exhausted", "pending_snapshot")
     _EMPTY = object()
 
-    def __init__(self, iterator: Iterator[Any]) -> None:
+    def __init__(self, iterator: Iterator[Any], snapshot: Callable[[], Any] | None = None) -> None:
         self._iterator = iterator
-        self._next = next(iterator, self._EMPTY)
+        self._snapshot = snapshot
+        self._next = self._fetch()
         self.exhausted = self._next is self._EMPTY
+
+    def _fetch(self) -> Any:
+        self.pending_snapshot = self._snapshot() if self._snapshot is not None else None
+        return next(self._iterator, self._EMPTY)
 
     def __iter__(self) -> Lookahead:
         return self
@@ -113,11 +122,6 @@ class Lookahead:
     def __next__(self) -> Any:
         if self._next is self._EMPTY:
             raise StopIteration
-        item, self._next = self._next, next(self._iterator, self._EMPTY)
+        item, self._next = self._next, self._fetch()
         self.exhausted = self._next is self._EMPTY
         return item
-
-
-def has_more(iterator: Any) -> bool:
-    """False only for a `Lookahead` that knows its data has run out."""
-    return not isinstance(iterator, Lookahead) or not iterator.exhausted

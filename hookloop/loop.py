@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-from hookloop import distributed
+from hookloop import distributed, run_state
 from hookloop.callback import Callback
 from hookloop.checks import check_fit_arguments, check_fit_data, check_loop_arguments
-from hookloop import run_state
-from hookloop.data import Lookahead, batch_size_of, find_targets, has_more, length_of, move_to_device
+from hookloop.data import (
+    Lookahead,
+    batch_size_of,
+    find_targets,
+    length_of,
+    move_to_device,
+)
 from hookloop.dispatch import Handlers, Table, Wrapper, annotate, entered
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.forward import check_loss, compute, concatenate, predict_outputs
@@ -122,6 +129,7 @@ class Loop:
         self._fitting = False
         self._sanity_checking = False
         self._validated_step = -1
+        self._lookahead: Lookahead | None = None
         self._generators: list[torch.Generator] = []
         self._position = Position()  # where the weights are, in data terms (see state_dict)
         self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
@@ -259,7 +267,6 @@ class Loop:
         state = self.state
         state.epochs, state.max_steps = epochs, max_steps
         self._stop_requested, self.stop_reason = False, None
-        self._validated_step = -1
         # Until setup has run (DDP may create the process group), every callback listens.
         table = Table(self.callbacks)
         hook = getattr(self.optimizer, "register_step_post_hook", None)
@@ -270,6 +277,9 @@ class Loop:
             self._setup()
             table = self._table
             assert table is not None
+            # A step validation the run already did (before an exception, or in the run a
+            # checkpoint resumes) is not done again.
+            self._validated_step = self._position.step if self._position.validated else -1
             self.optimizer.zero_grad(set_to_none=True)
             idle = self._nothing_to_train(epochs, max_steps)
             if idle is not None:
@@ -365,7 +375,8 @@ class Loop:
         data = self.val_data if data is None else data
         was_training = self.model.training
         try:
-            self._validate_pass(data, prefix)
+            with self._random_streams_kept(data):
+                self._validate_pass(data, prefix)
         finally:
             self.model.train(was_training)  # a check in the middle of work changes nothing
         return {key: value for key, value in self.state.metrics.items()
@@ -402,7 +413,7 @@ class Loop:
         self.model.eval()
         outputs: list[Any] = []
         try:
-            with entered(table.validation_context, self):
+            with self._random_streams_kept(data), entered(table.validation_context, self):
                 for batch in data:
                     batch = move_to_device(batch, self.device)
                     with entered(table.forward_context, self):
@@ -596,8 +607,11 @@ class Loop:
         self.model.to(self.device)
         if self._restore is not None:
             state, source = self._restore
-            self._restore = None
             run_state.restore(self, state, source)
+            # validate()/evaluate()/predict() alone apply it too (the weights, the EMA), and
+            # leave it for the next fit, whose setup builds what only a fit builds.
+            if self._fitting:
+                self._restore = None
         main = distributed.is_main()
         active = [c for c in self.callbacks if main or not c.rank_zero_only]
         self._table = Table(active, self.handler_wrapper)
@@ -623,24 +637,35 @@ class Loop:
         self.model.train()
         state.training = True
         live, self._live_iterator = self._live_iterator, None
-        iterator, start, loss_sum, samples = self._position.start_epoch(
-            state.epoch, self.train_data, self._generators, self._accumulator,
-            live=live[1] if live is not None and live[0] == state.epoch else None)
         window = self.accumulation_steps
         total = self.batches_per_epoch
+        wrap = None
         if total is None and window > 1:  # the last window ends where the data does: look ahead
-            iterator = Lookahead(iterator)
+            full = self._position.full_snapshots
+            wrap = functools.partial(Lookahead, snapshot=lambda: capture_rng(self._generators,
+                                                                            full=full))
+        iterator, start, loss_sum, samples = self._position.start_epoch(
+            state.epoch, self.train_data, self._generators, self._accumulator,
+            live=live[1] if live is not None and live[0] == state.epoch else None, wrap=wrap)
+        self._lookahead = iterator if isinstance(iterator, Lookahead) else None
         last = (total or 0) - 1
         every_n_steps = self.val_every_n_steps if self.val_data is not None else None
+        if (start and every_n_steps is not None and state.step and not self._position.validated
+                and state.step % every_n_steps == 0):
+            # The run stopped (an exception, a kill) during the validation due at this step.
+            self._step_validation(start, loss_sum, samples)
         completed, boundary, batch_idx = True, True, start - 1
         while True:
             # A stop takes effect at a step boundary, never inside an accumulation window.
             stopping = boundary and (self._stop_requested or self._steps_exhausted())
-            if stopping and (total is None or batch_idx + 1 < total):
-                if total is not None or has_more(iterator):
-                    self._live_iterator = (state.epoch, iterator)  # a later fit continues it
-                    completed = False
-                    break
+            # More data is known to follow: keep the iterator for a later fit. Without a
+            # length (and no look-ahead), one more batch is fetched below to find out.
+            more = (batch_idx + 1 < total if total is not None
+                    else isinstance(iterator, Lookahead) and not iterator.exhausted)
+            if stopping and more:
+                self._live_iterator = (state.epoch, iterator)  # a later fit continues it
+                completed = False
+                break
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -683,13 +708,7 @@ class Loop:
                 self._optimizer_step(table, batch_idx + 1, loss_sum, samples)
                 if (every_n_steps is not None and self._stepped
                         and state.step % every_n_steps == 0):
-                    self._validate_pass(self.val_data, "val")
-                    self.model.train()
-                    state.training = True
-                    # Validation draws from the generators (a DataLoader's base seed): the
-                    # position's snapshot is taken again so a resume draws what follows it.
-                    self._position.record(state.epoch, batch_idx + 1, state.step, loss_sum,
-                                          samples, self._generators)
+                    self._step_validation(batch_idx + 1, loss_sum, samples)
             if table.on_batch_end:
                 self._emit(table.on_batch_end)
             boundary = state.step_boundary
@@ -700,6 +719,19 @@ class Loop:
             sums = totals.tolist()  # the one host sync of the training pass
             state.metrics["train_loss"] = sums[0] / sums[1]
         return completed
+
+    def _step_validation(self, batches_done: int, loss_sum: torch.Tensor, samples: int) -> None:
+        """The validation every ``val_every_n_steps`` steps, at the current step boundary."""
+        state = self.state
+        self._validate_pass(self.val_data, "val")
+        self.model.train()
+        state.training = True
+        # Validation draws from the generators (a DataLoader's base seed): the position's
+        # snapshot is taken again, so that a resume draws what follows it.
+        lookahead = self._lookahead
+        self._position.record(state.epoch, batches_done, state.step, loss_sum, samples,
+                              self._generators, lookahead.pending_snapshot if lookahead else None)
+        self._position.validated = True
 
     def _optimizer_step(self, table: Table, batches_done: int, loss_sum: torch.Tensor,
                         samples: int) -> None:
@@ -722,8 +754,9 @@ class Loop:
             if self._stepped:
                 state.step += 1
         # The weights now match this position, whatever an after_step callback does next.
+        lookahead = self._lookahead
         self._position.record(state.epoch, batches_done, state.step, loss_sum, samples,
-                              self._generators)
+                              self._generators, lookahead.pending_snapshot if lookahead else None)
         if self._stepped and table.after_step:
             self._emit(table.after_step)
         self.optimizer.zero_grad(set_to_none=True)
@@ -747,19 +780,30 @@ class Loop:
         state = self.state
         saved_state = (dict(state.metrics), state.history, state.batch_idx, state.batch,
                        state.outputs, state.loss, state.targets, state.batch_size, state.training)
-        val_generators = loader_generators(self.val_data)
-        saved_rng = capture_rng([*self._generators, *val_generators])
         was_training = self.model.training
         self._sanity_checking = True
         try:
-            self._validate_pass(self.val_data, "val", limit=self.sanity_val_batches,
-                                events=Table(producers, self.handler_wrapper))
+            with self._random_streams_kept(self.val_data):
+                self._validate_pass(self.val_data, "val", limit=self.sanity_val_batches,
+                                    events=Table(producers, self.handler_wrapper))
         finally:
             self._sanity_checking = False
             self.model.train(was_training)
-            restore_rng(saved_rng, [*self._generators, *val_generators])
             (state.metrics, state.history, state.batch_idx, state.batch, state.outputs,
              state.loss, state.targets, state.batch_size, state.training) = saved_state
+
+    @contextmanager
+    def _random_streams_kept(self, data: Any) -> Iterator[None]:
+        """A pass outside training (the sanity check, validate, evaluate, predict) leaves
+        every random generator as it found it: iterating a DataLoader draws its base seed
+        from torch's, and a later fit must draw what it would have drawn without the pass."""
+        generators = [*self._generators, *loader_generators(self.train_data),
+                      *loader_generators(data)]
+        saved = capture_rng(generators)
+        try:
+            yield
+        finally:
+            restore_rng(saved, generators)
 
     def _validate_pass(self, data: Iterable[Any], prefix: str, limit: int | None = None,
                        events: Table | None = None) -> None:

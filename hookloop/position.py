@@ -37,7 +37,7 @@ class Position:
     """
 
     __slots__ = ("epoch", "batches_done", "step", "loss_sum", "samples", "full_snapshots",
-                 "rng", "epoch_rng", "_replay")
+                 "rng", "epoch_rng", "prefetch_rng", "validated", "_replay")
 
     def __init__(self) -> None:
         self.epoch = self.batches_done = self.step = self.samples = 0
@@ -45,6 +45,11 @@ class Position:
         self.full_snapshots = False
         self.rng: dict[str, Any] | None = None
         self.epoch_rng: dict[str, Any] | None = None
+        #: Data without a length, read one batch ahead: the random state the batch after
+        #: the position was fetched with (before the position's own).
+        self.prefetch_rng: dict[str, Any] | None = None
+        #: The validation due at ``step`` (``Loop(val_every_n_steps=...)``) has run.
+        self.validated = False
         self._replay = False  # the next epoch start replays from the recorded generators
 
     @property
@@ -52,8 +57,11 @@ class Position:
         return RunPosition(self.epoch, self.batches_done, self.step)
 
     def record(self, epoch: int, batches_done: int, step: int, loss_sum: torch.Tensor | None,
-               samples: int, generators: Sequence[torch.Generator]) -> None:
+               samples: int, generators: Sequence[torch.Generator],
+               prefetch_rng: dict[str, Any] | None = None) -> None:
         """The weights now are those after ``batches_done`` batches of ``epoch``."""
+        self.prefetch_rng = prefetch_rng
+        self.validated = self.validated and step == self.step  # still that step's
         self.epoch, self.batches_done, self.step = epoch, batches_done, step
         self.loss_sum, self.samples = loss_sum, samples
         self.rng = capture_rng(generators, full=self.full_snapshots)
@@ -65,7 +73,8 @@ class Position:
     def parts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(shared, own)``: what every rank agrees on, and what is this rank's own
         (its generators and the loss sums of its shard). Tensors and plain values only."""
-        shared = {"epoch": self.epoch, "batch_idx": self.batches_done, "step": self.step}
+        shared = {"epoch": self.epoch, "batch_idx": self.batches_done, "step": self.step,
+                  "validated": self.validated}
         own: dict[str, Any] = {
             "train_loss_sum": None if self.loss_sum is None else self.loss_sum.detach().cpu(),
             "train_samples": self.samples,
@@ -74,6 +83,8 @@ class Position:
             own["rng"] = self.rng
             if self.batches_done and self.epoch_rng is not None:
                 own["epoch_rng"] = self.epoch_rng
+            if self.batches_done and self.prefetch_rng is not None:
+                own["prefetch_rng"] = self.prefetch_rng
         return shared, own
 
     def load(self, shared: Mapping[str, Any], own: Mapping[str, Any], device: torch.device) -> None:
@@ -81,12 +92,15 @@ class Position:
         loss_sum = own.get("train_loss_sum")
         self.epoch, self.batches_done = int(shared["epoch"]), int(shared["batch_idx"])
         self.step, self.samples = int(shared["step"]), int(own.get("train_samples") or 0)
+        self.validated = bool(shared.get("validated", False))
         self.loss_sum = None if loss_sum is None else loss_sum.to(device)
         self.rng, self.epoch_rng = own.get("rng"), own.get("epoch_rng")
+        self.prefetch_rng = own.get("prefetch_rng")
         self._replay = True
 
     def start_epoch(self, epoch: int, data: Iterable[Any], generators: Sequence[torch.Generator],
-                    new_sum: Callable[[], torch.Tensor], live: Any = None
+                    new_sum: Callable[[], torch.Tensor], live: Any = None,
+                    wrap: Callable[[Any], Any] | None = None
                     ) -> tuple[Any, int, torch.Tensor, int]:
         """The epoch's iterator past the batches already trained on, the first batch index,
         and the training-loss sum and sample count so far.
@@ -95,7 +109,9 @@ class Position:
         interrupted run created this epoch's iterator (same data order), the trained batches
         are skipped, then the generators are put back as they were at the position (same
         dropout and augmentation draws). ``live``, the iterator of an epoch that ``stop``
-        cut short in this process, is continued as it is.
+        cut short in this process, is continued as it is. ``wrap`` (the loop's look-ahead
+        for data without a length) wraps the iterator after the skipped batches, under the
+        random state its first fetch had in the interrupted run.
         """
         skip = self.batches_done if self.epoch == epoch else 0
         if skip and self.loss_sum is not None:
@@ -120,6 +136,10 @@ class Position:
             iterator = iter(data)
             for _ in range(skip):
                 next(iterator)
+        if wrap is not None:
+            if replay and skip and self.prefetch_rng is not None:
+                restore_rng(self.prefetch_rng, generators)
+            iterator = wrap(iterator)
         if replay and skip and self.rng is not None:
             restore_rng(self.rng, generators)
         return iterator, skip, loss_sum, samples

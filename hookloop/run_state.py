@@ -116,6 +116,9 @@ def restore(loop: Loop, payload: Mapping[str, Any], source: str) -> None:
     loop._live_iterator = None
     loop.state.epoch, loop.state.step = loop._position.epoch, loop._position.step
     loop.state.history = [dict(row) for row in loop_part.get("history") or []]
+    if loop.state.history:  # what fit() returns when the resumed run has nothing left to do
+        loop.state.metrics = {key: value for key, value in loop.state.history[-1].items()
+                              if key not in ("epoch", "step")}
     loop._restored_end = loop_part.get("ended")
     saved = dict(payload.get("callbacks") or {})
     for callback in loop.callbacks:

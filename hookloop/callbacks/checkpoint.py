@@ -271,6 +271,7 @@ class Checkpoint(Callback):
         """At a fit: check the directory, and at the first fit pick the file to resume."""
         if not loop.fitting:
             return  # validate/evaluate/predict alone write and read nothing
+        self._saved_at = None  # until on_fit_start: a fit that fails to start saves nothing
         if self._monitor is not None:
             self._monitor.resolve()
         loop.enable_resume_snapshots()
@@ -324,8 +325,8 @@ class Checkpoint(Callback):
             self._save(loop, collective=True)
 
     def on_exception(self, loop: Loop, exc: BaseException) -> None:
-        if not loop.fitting or not self._started or not distributed.is_main():
-            return
+        if not loop.fitting or self._saved_at is None or not distributed.is_main():
+            return  # the fit failed before it started (a bad stack, a bad file): nothing new
         if loop.state.step != loop.position.step:
             warnings.warn(
                 f"Checkpoint: no checkpoint written for the {type(exc).__name__}: it came during "

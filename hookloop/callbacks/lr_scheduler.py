@@ -174,8 +174,9 @@ class LRScheduler(Callback):
                 done = int(getattr(self._scheduler, "last_epoch", 0))
             else:  # where the run is: its steps (or whole epochs) so far
                 done = loop.state.step if self.interval == "step" else loop.position.epoch
-            self._build(loop, total)
-            self._advance(done)
+            self._build(loop.optimizer, total)
+            if not self.is_plateau:  # a plateau schedule has no position to advance to
+                self._advance(done)
 
     def on_fit_start(self, loop: Loop) -> None:
         """Check that a fixed-length scheduler lasts for what is left of the run."""
@@ -220,8 +221,14 @@ class LRScheduler(Callback):
             f"{taken} taken), but this fit will step it {needed} times ({unit}: {done}); it "
             f"would fail mid-run with torch's 'Tried to step {left + 1} times'. {fix}")
 
-    def _build(self, loop: Loop, total: int) -> None:
-        scheduler = self._factory(loop.optimizer, total)  # type: ignore[misc]
+    def _build(self, optimizer: torch.optim.Optimizer, total: int) -> None:
+        # A schedule starts from the optimizer's own learning rates, not from where an
+        # earlier schedule left them (chainable schedulers such as CosineAnnealingLR read
+        # the current lr as their start).
+        for group in optimizer.param_groups:
+            if "initial_lr" in group:
+                group["lr"] = group["initial_lr"]
+        scheduler = self._factory(optimizer, total)  # type: ignore[misc]
         if not _is_scheduler(scheduler):
             raise ConfigurationError(
                 f"The LRScheduler factory returned {type(scheduler).__name__}, not a torch "
@@ -299,5 +306,8 @@ class LRScheduler(Callback):
             return
         if self._factory is None or self.is_plateau:
             self._scheduler.load_state_dict(state)
-        else:
-            self._advance(int(state.get("last_epoch", 0)))
+            return
+        saved = int(state.get("last_epoch", 0))
+        if int(getattr(self._scheduler, "last_epoch", 0)) > saved:  # a rollback: start over
+            self._build(self._scheduler.optimizer, self._built_total)  # type: ignore[arg-type]
+        self._advance(saved)
