@@ -230,30 +230,26 @@ class Checkpoint(Callback):
         """Top-k files in ``dirpath`` as ``(value, step, path)``, read from the names only."""
         if self.monitor is None:
             return []
+        found = []
+        for match, file_name in self._matching(self._scored):
+            with suppress(ValueError):
+                found.append((float(match.group(1)), int(match.group(2)),
+                              os.path.join(self.dirpath, file_name)))
+        return sorted(found, key=lambda item: item[1])
+
+    def _matching(self, pattern: re.Pattern[str]) -> list[tuple[re.Match[str], str]]:
+        """``(match, file name)`` of the names in ``dirpath`` that ``pattern`` matches."""
         try:
             names = os.listdir(self.dirpath)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        found = []
-        for file_name in names:
-            match = self._scored.match(file_name)
-            if match:
-                with suppress(ValueError):
-                    found.append((float(match.group(1)), int(match.group(2)),
-                                  os.path.join(self.dirpath, file_name)))
-        return sorted(found, key=lambda item: item[1])
+        matches = ((pattern.match(file_name), file_name) for file_name in names)
+        return [(match, file_name) for match, file_name in matches if match]
 
     def checkpoints(self) -> list[str]:
         """Rotating checkpoint files in ``dirpath``, oldest first (temporary files excluded)."""
-        try:
-            names = os.listdir(self.dirpath)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        found = []
-        for file_name in names:
-            match = self._pattern.match(file_name)
-            if match:
-                found.append(((int(match.group(2)), int(match.group(1))), file_name))
+        found = [((int(match.group(2)), int(match.group(1))), file_name)
+                 for match, file_name in self._matching(self._pattern)]
         return regular_checkpoint_files(self.dirpath, [file_name for _, file_name in sorted(found)])
 
     def run_files(self) -> list[str]:
