@@ -88,7 +88,10 @@ class TensorBoard(Callback):
       once, on a logging step: no host sync on the steps in between.
     * every entry of ``loop.state.metrics`` as ``metrics/<name>`` at each validation end,
       and at each epoch end for those not logged at that step yet (``train_loss`` without
-      validation data, metrics written after validation).
+      validation data, metrics written after validation). Validation metrics (``val_*``)
+      appear once per validation, at its step: an epoch end that did not validate (with
+      ``val_every_n_steps``, or ``val_every_n_epochs=k > 1``) logs only the other metrics,
+      as ``loop.state.history`` does.
     * with ``histograms_every_n_epochs=k``: ``weights/<param>`` and ``gradients/<param>``
       every k-th epoch, at its last optimizer step (the gradients exist only until
       ``zero_grad``). Off by default: histograms are slow to write and to load.
@@ -163,6 +166,7 @@ class TensorBoard(Callback):
         self._latest_step = -1
         self._latest: dict[str, float] = {}
         self._metrics_step: dict[str, int] = {}
+        self._validated_step = -1  # the step of this fit's latest validation
         self._graph_done = False
         self._histogram_epoch = -1
         self._epoch_ran = False
@@ -239,6 +243,7 @@ class TensorBoard(Callback):
         """Find the AMP scaler, if any; the writer opens at the first epoch."""
         self._epoch_ran = self._failed = self._graph_done = False
         self._metrics_step = {}
+        self._validated_step = -1
         self._histogram_epoch = -1
         self._scaler = None
         for callback in loop.callbacks:
@@ -291,12 +296,19 @@ class TensorBoard(Callback):
 
     def on_validation_end(self, loop: Loop) -> None:
         """Every metric of this validation, once, at the current step."""
-        if loop.fitting:
+        if loop.fitting and not loop.sanity_checking:
+            if loop.state.prefix == "val":
+                self._validated_step = loop.state.step
             self._metrics(loop, only_new=False)
 
     def on_epoch_end(self, loop: Loop) -> None:
-        """Metrics not logged at this step yet (train_loss without validation), then flush."""
-        self._metrics(loop, only_new=True)
+        """Metrics not logged at this step yet (train_loss without validation), then flush.
+
+        Without a validation at this step, the ``val_*`` values in ``loop.state.metrics``
+        are those of an earlier validation, already logged at its step: left out.
+        """
+        self._metrics(loop, only_new=True,
+                      stale_val=self._validated_step != loop.state.step)
         if self._writer is not None:
             self._writer.flush()
 
@@ -325,10 +337,12 @@ class TensorBoard(Callback):
         self._latest = {str(tag): float(value) for tag, value in state["scalars"].items()}
 
     # ------------------------------------------------------------------ inside
-    def _metrics(self, loop: Loop, *, only_new: bool) -> None:
+    def _metrics(self, loop: Loop, *, only_new: bool, stale_val: bool = False) -> None:
         step = loop.state.step
         for name, value in loop.state.metrics.items():
             if only_new and self._metrics_step.get(name) == step:
+                continue
+            if stale_val and name.startswith("val_"):
                 continue
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()
@@ -373,7 +387,8 @@ class TensorBoard(Callback):
                   for key, value in params.items()}
         writer = self.writer
         for tag, value in metrics.items():  # the metric tags must hold values in this run
-            if self._metrics_step.get(tag[len("metrics/"):]) != loop.state.step:
+            # (a val_* value logged at its validation's step is not logged again here)
+            if tag[len("metrics/"):] not in self._metrics_step:
                 self._scalar(tag, value, loop.state.step)
         file_writer = writer._get_file_writer()
         for summary in hparams_summary(params, metrics):
