@@ -56,7 +56,8 @@ class ProgressBar(Callback):
 
     Args:
         console: The ``rich.console.Console`` to draw on; None makes one on stdout.
-        terminal: Force bars (True) or plain lines (False); None asks the console.
+        terminal: Force bars (True) or plain lines (False); None asks the console (bars
+            in a terminal or a Jupyter notebook).
         refresh_per_second: How often the bars and the shown loss are refreshed.
         plain_every_s: In plain mode, seconds between progress lines inside an epoch.
 
@@ -113,7 +114,10 @@ class ProgressBar(Callback):
 
         if self.console is None:
             self.console = Console()
-        self._bars = self.console.is_terminal if self.terminal is None else bool(self.terminal)
+        if self.terminal is None:  # rich's is_terminal is False in Jupyter, which shows bars
+            self._bars = self.console.is_terminal or self.console.is_jupyter
+        else:
+            self._bars = bool(self.terminal)
         self._columns = None
         self._tasks = {}
         self._validated_step, self._after_validation = -1, False

@@ -134,3 +134,17 @@ def test_step_validation_shown_once_and_never_stale_at_epoch_end(sized: bool) ->
                                       if "val_loss" in row] == [4, 8, 12, 16]
     # step 12 is epoch 2's last step: its validation is in that epoch's line
     assert "val_loss" in epoch_lines[1] and "val_loss" not in epoch_lines[0] + epoch_lines[2]
+
+
+@pytest.mark.filterwarnings("ignore:install \"ipywidgets\":UserWarning")  # rich, without ipywidgets
+def test_notebook_console_gets_bars() -> None:
+    """rich's Console.is_terminal is False in Jupyter by design; the docs promise bars
+    "in a terminal or a notebook", so a Jupyter console gets bars, not plain lines."""
+    screen = Console(file=io.StringIO(), force_jupyter=True, width=100)
+    bar = ProgressBar(console=screen)
+    loop = make_loop([bar])
+    bar.on_fit_start(loop)  # decides bars or plain lines
+    try:
+        assert bar._bars and bar._progress is not None
+    finally:
+        bar._stop()
