@@ -21,7 +21,9 @@ def describe(callbacks: Sequence[Callback], *, print_table: bool = True) -> str:
     Columns are headed by the callback's index in the list; a legend under the table names
     each index (its ``repr``), so event names and callbacks stay whole at 80 columns. A
     cell holds the position of that callback among the listeners of the event (1 runs
-    first). Rows after the events are the hooks that change how the loop works.
+    first). Rows after the events are the hooks that change how the loop works. A stack
+    too wide for 80 columns (about ten callbacks or more) is shown as several tables, one
+    after the other, each with the event column and the next callbacks' columns.
 
     Args:
         callbacks: A callback stack, as given to `Loop`.
@@ -44,30 +46,51 @@ def describe(callbacks: Sequence[Callback], *, print_table: bool = True) -> str:
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title="hookloop: who runs at which event", show_lines=False, padding=(0, 1),
-                  caption="a cell: the callback's turn among those listening (1 runs first)")
     rows = [event.value for event in Event] + list(HOOKS)
-    table.add_column("event", style="bold", no_wrap=True, min_width=max(map(len, rows)))
-    for index, _ in enumerate(callbacks):
-        table.add_column(str(index), justify="center", no_wrap=True)
+    cells: dict[str, list[str]] = {}  # the turns are counted over the whole stack
     for row in rows:
-        if row == HOOKS[0]:
-            table.add_section()
-        cells, order = [], 0
+        order, cells[row] = 0, []
         for callback in callbacks:
             if overrides(callback, row):
                 order += 1
-                cells.append(str(order))
+                cells[row].append(str(order))
             else:
-                cells.append("")
-        table.add_row(row, *cells, style=None if order else "dim")
-    legend = Text()
+                cells[row].append("")
+    event_width = max(map(len, rows))
+    cell_width = len(str(len(callbacks)))  # the widest index or turn
+    # A table is "│ event │ c │ c │...│": the event column takes event_width + 3 characters,
+    # each callback column cell_width + 3, the closing border 1.
+    per_table = max(1, (WIDTH - (event_width + 3) - 1) // (cell_width + 3))
+    count = max(1, -(-len(callbacks) // per_table))
+    size = max(1, -(-len(callbacks) // count))  # tables of even widths: 15 callbacks give 8 + 7
+    chunks = [range(start, min(start + size, len(callbacks)))
+              for start in range(0, len(callbacks), size)] or [range(0)]
+    caption = "a cell: the callback's turn among those listening (1 runs first)"
+    tables = []
+    for number, chunk in enumerate(chunks):
+        title = "hookloop: who runs at which event"
+        if len(chunks) > 1:
+            title = (f"{title} ({number + 1}/{len(chunks)})" if number == 0 else
+                     f"callbacks {chunk[0]}-{chunk[-1]} ({number + 1}/{len(chunks)})")
+        table = Table(title=title, show_lines=False, padding=(0, 1),
+                      caption=caption if len(chunks) == 1 else None)
+        table.add_column("event", style="bold", no_wrap=True, min_width=event_width)
+        for index in chunk:
+            table.add_column(str(index), justify="center", no_wrap=True, min_width=cell_width)
+        for row in rows:
+            if row == HOOKS[0]:
+                table.add_section()
+            listening = any(cells[row])
+            table.add_row(row, *(cells[row][index] for index in chunk),
+                          style=None if listening else "dim")
+        tables.append(table)
+    legend = Text(caption + "\n" if len(chunks) > 1 else "")
     for index, callback in enumerate(callbacks):
         line = f"{index}: {callback!r}"
         if callback.rank_zero_only:
             line += " (rank 0 only)"
         legend.append(line + "\n")
-    renderable = Group(table, legend) if callbacks else table
+    renderable = Group(*tables, legend) if callbacks else tables[0]
     buffer = io.StringIO()
     Console(file=buffer, width=WIDTH, color_system=None).print(renderable)
     if print_table:

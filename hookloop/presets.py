@@ -174,7 +174,8 @@ def standard(
     Args:
         amp: ``"bf16"`` or ``"fp16"`` (a GradScaler is added for fp16), or a torch dtype.
         clip: Maximum total gradient norm (``GradClip(clip)``).
-        accumulate: Micro-batches per optimizer step (``GradAccumulation``).
+        accumulate: Micro-batches per optimizer step (``GradAccumulation``); 1, 0, False
+            or None: one batch per step (no ``GradAccumulation``).
         ema: Decay of the weights' moving average (``EMA(ema)``); validation and
             ``best.pt`` then use the averaged weights.
         schedule: ``"warmup_cosine"``, ``"warmup_linear"``, or a factory
@@ -183,12 +184,13 @@ def standard(
             ``0 < x < 1`` of the run's steps.
         checkpoint_dir: Directory of the resumable checkpoints and ``best.pt``.
         tensorboard: Directory of the TensorBoard event files.
-        early_stopping: Patience in epochs without improvement of ``monitor``.
+        early_stopping: Patience in validations without improvement of ``monitor`` (ignored
+            when ``monitor`` is None).
         metrics: ``{"acc": fn(outputs, targets)}`` for ``Metrics(**metrics)``, or a
             ready ``Metrics(...)`` callback.
         monitor: The metric early stopping and ``best.pt`` follow (``"val_acc"`` needs
             ``metrics={"acc": ...}``; ``"train_loss"`` for a run without validation data).
-            None: no early stopping and no ``best.pt``.
+            None: no early stopping (whatever ``early_stopping`` says) and no ``best.pt``.
         mode: ``"min"``, ``"max"``, or ``"auto"``: max for accuracy-like names (acc, f1,
             auc, precision, recall, iou, score...), min for loss-like ones (loss, error,
             perplexity...).
@@ -226,7 +228,7 @@ def standard(
                 f"standard(amp={amp!r}): use 'bf16' or 'fp16' (or a torch dtype), or None to "
                 "train in full precision.")
         callbacks.append(AMP(_AMP_NAMES[amp]))
-    if accumulate is not None and accumulate != 1:
+    if accumulate is True or accumulate not in (None, False, 0, 1):  # True == 1: refused
         _check_count("standard(accumulate=...)", accumulate, minimum=1)
         callbacks.append(GradAccumulation(accumulate))
     if clip:
@@ -246,11 +248,7 @@ def standard(
                 f"standard(metrics={metrics!r}): pass a dict of metric functions, e.g. "
                 "metrics={'acc': accuracy}, or a Metrics(...) callback.")
     resolved = Monitor(monitor, mode, owner="standard()").resolve() if monitor else None
-    if early_stopping:
-        if not monitor:
-            raise ConfigurationError(
-                "standard(early_stopping=...) needs a metric to follow: pass monitor='val_loss' "
-                "(or another metric), or early_stopping=None.")
+    if early_stopping and monitor:  # monitor=None switches early stopping off
         _check_count("standard(early_stopping=...)", early_stopping, minimum=1)
         callbacks.append(EarlyStopping(monitor=monitor, mode=resolved, patience=early_stopping))
     if tensorboard:

@@ -111,7 +111,7 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int,
         t >= W:  p  = min(1, (t - W) / max(1, T - W))
                  lr = min_lr + (base - min_lr) * (1 + cos(pi * p)) / 2
 
-    The warmup is the seeds' ``lr = base_lr * global_step / warmup_steps`` (so the very first
+    The warmup is the usual ``lr = base_lr * global_step / warmup_steps`` (so the very first
     step runs at lr 0 when ``W > 0``); the cosine part is ``CosineAnnealingLR(T_max=T - W,
     eta_min=min_lr)``. Past the end of the decay the rate stays at ``min_lr``.
 

@@ -36,3 +36,16 @@ def test_python_blocks_run(document: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, (
         f"{document.name}: a python block failed\n--- stdout\n{result.stdout[-3000:]}"
         f"\n--- stderr\n{result.stderr[-5000:]}")
+
+
+def test_every_callback_page_is_linked_from_the_index() -> None:
+    """A page nothing links to is a page nobody finds: docs/index.md lists every callback
+    page (one line each), and README's "Learn more" points there."""
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    linked = set(re.findall(r"\]\((callbacks/[\w-]+\.md)\)", index))
+    pages = {f"callbacks/{path.name}" for path in (ROOT / "docs" / "callbacks").glob("*.md")}
+    assert pages - linked == set(), f"not linked from docs/index.md: {sorted(pages - linked)}"
+    assert linked <= pages, f"links to missing pages: {sorted(linked - pages)}"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    learn_more = readme.split("## Learn more", 1)[1]
+    assert "](docs/index.md#built-in-callbacks)" in learn_more

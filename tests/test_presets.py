@@ -89,6 +89,23 @@ def test_every_part_can_be_switched_off() -> None:
     assert isinstance(fp16, AMP) and fp16.dtype == torch.float16
 
 
+def test_monitor_none_switches_off_early_stopping_and_best() -> None:
+    """The docstring and docs/presets.md: monitor=None means no early stopping (whatever
+    early_stopping says) and no best.pt; it used to raise."""
+    callbacks = presets.standard(monitor=None, tensorboard=None, progress=False)
+    assert not any(isinstance(c, EarlyStopping) for c in callbacks)
+    checkpoint = next(c for c in callbacks if isinstance(c, Checkpoint))
+    assert checkpoint.monitor is None
+
+
+@pytest.mark.parametrize("off", [0, False, None, 1])
+def test_accumulate_off_values_add_no_grad_accumulation(off) -> None:
+    kinds = [type(c).__name__ for c in presets.standard(accumulate=off, **QUIET)]
+    assert "GradAccumulation" not in kinds
+    assert "GradAccumulation" in [type(c).__name__
+                                  for c in presets.standard(accumulate=2, **QUIET)]
+
+
 def test_each_call_builds_new_callbacks() -> None:
     first, second = presets.standard(**QUIET), presets.standard(**QUIET)
     assert all(a is not b for a, b in zip(first, second))
@@ -99,9 +116,9 @@ def test_each_call_builds_new_callbacks() -> None:
     ({"schedule": "cosine"}, "'warmup_cosine', 'warmup_linear'"),
     ({"warmup": 1.5}, "strictly between 0 and 1"),
     ({"warmup": -3}, "warmup must be"),
-    ({"accumulate": 0}, "accumulate"),
+    ({"accumulate": -2}, "accumulate"),
+    ({"accumulate": True}, "accumulate"),
     ({"clip": -1.0}, "clip"),
-    ({"monitor": None}, "early_stopping=None"),
     ({"monitor": "val_thing"}, "mode='max'"),
     ({"metrics": ["acc"]}, "dict of metric functions"),
 ])

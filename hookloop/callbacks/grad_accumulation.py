@@ -27,8 +27,8 @@ class GradAccumulation(Callback):
     ``steps=4`` an epoch makes 3 steps, averaging 4, 4 and 2 batches. Gradients never leak
     into the next epoch. ``loop.state.loss`` keeps the undivided loss.
 
-    The loss division is a per-micro-batch mean (each micro-batch weighs the same), as in
-    the seeds' ``loss / accumulation_steps``.
+    The loss division is a per-micro-batch mean (each micro-batch weighs the same), as the
+    usual ``loss / accumulation_steps`` of a hand-written loop.
 
     Data without a length (an ``IterableDataset``, a generator) works too: the loop looks
     one batch ahead to find where the data ends, and the last, partial window is stepped

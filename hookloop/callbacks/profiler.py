@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hookloop import distributed
 from hookloop.callback import Callback
 
 if TYPE_CHECKING:
@@ -43,12 +44,15 @@ class Profiler(Callback):
     device at every boundary for exact attribution, at a cost; the default adds no sync.
 
     The table is printed at the Profiler's ``on_fit_end`` (put it last to include every
-    callback's ``on_fit_end``); `report` returns the same rows as dicts.
+    callback's ``on_fit_end``); `report` returns the same rows as dicts. Under DDP every
+    rank measures its own run, and only rank 0 prints its table (one table, not one per
+    process); on another rank, `report` or `print_report` give that rank's figures.
 
     Args:
         sync_cuda: Synchronise CUDA at every measured boundary (exact, slower).
         console: The ``rich.console.Console`` to print on; None makes one on stdout.
-        print_table: Print the table at fit end; False only collects (see `report`).
+        print_table: Print the table at fit end (on rank 0 only); False only collects
+            (see `report`).
 
     Example:
         >>> import torch
@@ -170,12 +174,12 @@ class Profiler(Callback):
         self._open = None
 
     def on_fit_end(self, loop: Loop) -> None:
-        """Stop wrapping, and print the table."""
+        """Stop wrapping, and print the table (rank 0 only: each rank measures, one prints)."""
         self._mark(None)
         self._sync()
         self._end = time.perf_counter()
         loop.handler_wrapper = None
-        if self.print_table:
+        if self.print_table and distributed.is_main():
             self.print_report()
 
     # ------------------------------------------------------------------ report

@@ -45,13 +45,19 @@ class ProgressBar(Callback):
     without carriage returns or colours, plus a progress line every ``plain_every_s``
     seconds inside long epochs so a log never goes silent.
 
+    Validation metrics (``val_*``) are shown once per validation: in the epoch's row or
+    line when the validation ran at the epoch's end, else (``val_every_n_steps``) in a
+    line of their own printed right after that validation; an epoch end that did not
+    validate shows only the other metrics, as ``loop.state.history`` records them.
+
     The shown loss is read from the device at most ``refresh_per_second`` times a second
     (time-throttled), never on every batch: no sync per batch. The bars are stopped at
     ``on_exception``, before the traceback is printed, so it stays readable.
 
     Args:
         console: The ``rich.console.Console`` to draw on; None makes one on stdout.
-        terminal: Force bars (True) or plain lines (False); None asks the console.
+        terminal: Force bars (True) or plain lines (False); None asks the console (bars
+            in a terminal or a Jupyter notebook).
         refresh_per_second: How often the bars and the shown loss are refreshed.
         plain_every_s: In plain mode, seconds between progress lines inside an epoch.
 
@@ -94,6 +100,9 @@ class ProgressBar(Callback):
         self._samples = 0
         self._batches = 0
         self._val_batches = 0
+        self._validated_step = -1  # the step of a validation not shown yet
+        self._after_validation = False  # the next on_batch_end ends the batch that validated
+        self._train_batch_idx = 0  # the training batch a validation inside the epoch followed
 
     def __repr__(self) -> str:
         return "ProgressBar()"
@@ -105,9 +114,13 @@ class ProgressBar(Callback):
 
         if self.console is None:
             self.console = Console()
-        self._bars = self.console.is_terminal if self.terminal is None else bool(self.terminal)
+        if self.terminal is None:  # rich's is_terminal is False in Jupyter, which shows bars
+            self._bars = self.console.is_terminal or self.console.is_jupyter
+        else:
+            self._bars = bool(self.terminal)
         self._columns = None
         self._tasks = {}
+        self._validated_step, self._after_validation = -1, False
         if self._bars:
             from rich.progress import (
                 BarColumn,
@@ -140,9 +153,22 @@ class ProgressBar(Callback):
             self._task("train", description, loop.batches_per_epoch)
 
     def on_batch_end(self, loop: Loop) -> None:
-        """Count samples; at most ``refresh_per_second`` times a second, read and show the loss."""
+        """Count samples; at most ``refresh_per_second`` times a second, read and show the loss.
+
+        A validation inside the epoch (``val_every_n_steps``) gets its own line of
+        ``val_*`` metrics once it is known not to be at the epoch's last batch: at once when
+        the data has a length, else at the next batch (the epoch's row shows the others).
+        """
+        batch_idx, ended_validating = loop.state.batch_idx, self._after_validation
+        if ended_validating:  # the validation's batches moved state.batch_idx
+            batch_idx, self._after_validation = self._train_batch_idx, False
+        if self._validated_step >= 0:
+            total = loop.batches_per_epoch
+            if not ended_validating or (total is not None and batch_idx < total - 1):
+                self._print_validation(loop, self._validated_step)
+                self._validated_step = -1
         self._samples += loop.state.batch_size
-        self._batches = loop.state.batch_idx + 1
+        self._batches = batch_idx + 1
         now = time.perf_counter()
         if now < self._next_refresh:
             return
@@ -154,12 +180,13 @@ class ProgressBar(Callback):
             self._next_refresh = now + self.plain_every_s
             total = loop.batches_per_epoch
             state = loop.state
-            self._print(f"epoch {state.epoch + 1}/{state.epochs}  batch {state.batch_idx + 1}/"
+            self._print(f"epoch {state.epoch + 1}/{state.epochs}  batch {batch_idx + 1}/"
                         f"{'?' if total is None else total}  {self._batch_info(loop, now)}")
 
     def on_validation_start(self, loop: Loop) -> None:
         """Show the validation bar."""
         self._val_batches = 0
+        self._train_batch_idx = loop.state.batch_idx
         if self._progress is not None and loop.fitting:
             self._next_refresh = 0.0
             self._progress.update(self._tasks["train"], completed=self._batches)
@@ -176,16 +203,25 @@ class ProgressBar(Callback):
             self._progress.update(self._tasks["val"], completed=self._val_batches)
 
     def on_validation_end(self, loop: Loop) -> None:
-        """Hide the validation bar."""
+        """Hide the validation bar; note the step of a validation inside fit."""
+        if loop.fitting and not loop.sanity_checking and loop.state.prefix == "val":
+            self._validated_step, self._after_validation = loop.state.step, True
         if self._progress is not None and "val" in self._tasks:
             self._progress.update(self._tasks["val"], completed=self._val_batches, visible=False)
 
     def on_epoch_end(self, loop: Loop) -> None:
-        """Print the epoch's metrics: a table row (terminal) or a plain line."""
+        """Print the epoch's metrics: a table row (terminal) or a plain line.
+
+        The ``val_*`` metrics only when a validation ran at this step and was not shown yet:
+        otherwise they are an earlier validation's values.
+        """
         state = loop.state
         seconds = time.perf_counter() - self._epoch_start
+        fresh = self._validated_step == state.step
+        self._validated_step, self._after_validation = -1, False
         metrics = {name: value for name, value in state.metrics.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)
+                   and (fresh or not name.startswith("val_"))}
         lr = loop.optimizer.param_groups[0]["lr"] if loop.optimizer.param_groups else None
         if self._progress is None:
             parts = [f"epoch {state.epoch + 1}/{state.epochs}", f"step {state.step}"]
@@ -226,6 +262,14 @@ class ProgressBar(Callback):
             parts.append(f"lr {float(loop.optimizer.param_groups[0]['lr']):.2e}")
         parts.append(f"{self._samples / max(now - self._epoch_start, 1e-9):.0f} samples/s")
         return "  ".join(parts)
+
+    def _print_validation(self, loop: Loop, step: int) -> None:
+        state = loop.state
+        parts = [f"epoch {state.epoch + 1}/{state.epochs}", f"step {step}", "validation"]
+        parts += [f"{name} {format_number(float(value))}" for name, value in state.metrics.items()
+                  if name.startswith("val_") and isinstance(value, (int, float))
+                  and not isinstance(value, bool)]
+        self._print("  ".join(parts))
 
     def _print(self, line: str) -> None:
         assert self.console is not None

@@ -88,7 +88,10 @@ class TensorBoard(Callback):
       once, on a logging step: no host sync on the steps in between.
     * every entry of ``loop.state.metrics`` as ``metrics/<name>`` at each validation end,
       and at each epoch end for those not logged at that step yet (``train_loss`` without
-      validation data, metrics written after validation).
+      validation data, metrics written after validation). Validation metrics (``val_*``)
+      appear once per validation, at its step: an epoch end that did not validate (with
+      ``val_every_n_steps``, or ``val_every_n_epochs=k > 1``) logs only the other metrics,
+      as ``loop.state.history`` does.
     * with ``histograms_every_n_epochs=k``: ``weights/<param>`` and ``gradients/<param>``
       every k-th epoch, at its last optimizer step (the gradients exist only until
       ``zero_grad``). Off by default: histograms are slow to write and to load.
@@ -106,8 +109,12 @@ class TensorBoard(Callback):
 
     Resume: a run resumed from a checkpoint appends to the same ``log_dir``; the writer
     starts with ``purge_step`` at the resumed step, so TensorBoard drops what the killed
-    run logged after the checkpoint, and the scalars logged at the resumed step itself,
-    kept in this callback's checkpointed state, are written again. Each step appears once.
+    run logged after the checkpoint, including everything logged at the resumed step
+    itself. What this callback logged at that step is written again: the scalars and the
+    gradient histograms (kept in its checkpointed state, a few KB per parameter), and the
+    weight histograms (computed again from the restored weights, which are the weights of
+    that step). Each step appears once. What other callbacks logged through ``writer`` at
+    the resumed step (images, text...) is not written again.
     A new run started at step 0 in a directory that already holds event files hides them
     the same way (and warns): give each experiment its own ``log_dir``.
 
@@ -163,8 +170,13 @@ class TensorBoard(Callback):
         self._latest_step = -1
         self._latest: dict[str, float] = {}
         self._metrics_step: dict[str, int] = {}
+        self._validated_step = -1  # the step of this fit's latest validation
         self._graph_done = False
         self._histogram_epoch = -1
+        # The gradient histograms (serialized summaries) of the latest histogram step: the
+        # gradients are gone after zero_grad, so a resume that purges it replays these.
+        self._histogram_step = -1
+        self._gradient_histograms: dict[str, bytes] = {}
         self._epoch_ran = False
         self._failed = False
 
@@ -213,6 +225,8 @@ class TensorBoard(Callback):
             self._latest = {}
             for tag, value in replay.items():
                 self._scalar(tag, value, step)
+        if purge_step == step and self._histogram_step == step:
+            self._add_histograms(loop, gradients=self._gradient_histograms)
 
     def _close(self) -> None:
         writer, self._writer = self._writer, None
@@ -239,6 +253,7 @@ class TensorBoard(Callback):
         """Find the AMP scaler, if any; the writer opens at the first epoch."""
         self._epoch_ran = self._failed = self._graph_done = False
         self._metrics_step = {}
+        self._validated_step = -1
         self._histogram_epoch = -1
         self._scaler = None
         for callback in loop.callbacks:
@@ -291,12 +306,19 @@ class TensorBoard(Callback):
 
     def on_validation_end(self, loop: Loop) -> None:
         """Every metric of this validation, once, at the current step."""
-        if loop.fitting:
+        if loop.fitting and not loop.sanity_checking:
+            if loop.state.prefix == "val":
+                self._validated_step = loop.state.step
             self._metrics(loop, only_new=False)
 
     def on_epoch_end(self, loop: Loop) -> None:
-        """Metrics not logged at this step yet (train_loss without validation), then flush."""
-        self._metrics(loop, only_new=True)
+        """Metrics not logged at this step yet (train_loss without validation), then flush.
+
+        Without a validation at this step, the ``val_*`` values in ``loop.state.metrics``
+        are those of an earlier validation, already logged at its step: left out.
+        """
+        self._metrics(loop, only_new=True,
+                      stale_val=self._validated_step != loop.state.step)
         if self._writer is not None:
             self._writer.flush()
 
@@ -314,21 +336,31 @@ class TensorBoard(Callback):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The scalars logged at the latest step; flushes the writer (a checkpoint is taken)."""
+        """What was logged at the latest step, to write again after a resume purges it: its
+        scalars and, when histograms were logged there, the gradient histograms. Flushes
+        the writer (a checkpoint is taken)."""
         if self._writer is not None:
             self._writer.flush()
-        return {"step": self._latest_step, "scalars": dict(self._latest)}
+        latest = self._histogram_step == self._latest_step
+        return {"step": self._latest_step, "scalars": dict(self._latest),
+                "histogram_step": self._histogram_step if latest else -1,
+                "gradient_histograms": dict(self._gradient_histograms) if latest else {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned; the next writer replays those scalars."""
+        """Restore what `state_dict` returned; the next writer replays those values."""
         self._latest_step = int(state["step"])
         self._latest = {str(tag): float(value) for tag, value in state["scalars"].items()}
+        self._histogram_step = int(state.get("histogram_step", -1))  # older checkpoints lack it
+        self._gradient_histograms = {str(tag): bytes(value) for tag, value
+                                     in state.get("gradient_histograms", {}).items()}
 
     # ------------------------------------------------------------------ inside
-    def _metrics(self, loop: Loop, *, only_new: bool) -> None:
+    def _metrics(self, loop: Loop, *, only_new: bool, stale_val: bool = False) -> None:
         step = loop.state.step
         for name, value in loop.state.metrics.items():
             if only_new and self._metrics_step.get(name) == step:
+                continue
+            if stale_val and name.startswith("val_"):
                 continue
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()
@@ -337,12 +369,26 @@ class TensorBoard(Callback):
             self._metrics_step[name] = step
             self._scalar(f"metrics/{name}", float(value), step)
 
-    def _add_histograms(self, loop: Loop) -> None:
+    def _add_histograms(self, loop: Loop, gradients: Mapping[str, bytes] | None = None) -> None:
+        """Weight and gradient histograms at the current step; with ``gradients`` (a resume
+        replaying this step), those serialized gradient summaries instead of ``.grad``."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard.summary import histogram
+
         writer, step = self.writer, loop.state.step
+        file_writer, bins = writer._get_file_writer(), writer.default_bins
+        kept: dict[str, bytes] = {}
         for name, param in loop.unwrapped_model.named_parameters():
-            writer.add_histogram(f"weights/{name}", param.detach(), step)
-            if param.grad is not None:
-                writer.add_histogram(f"gradients/{name}", param.grad.detach(), step)
+            file_writer.add_summary(histogram(f"weights/{name}", param.detach(), bins), step)
+            if gradients is not None:
+                if name in gradients:
+                    file_writer.add_summary(Summary.FromString(gradients[name]), step)
+            elif param.grad is not None:
+                summary = histogram(f"gradients/{name}", param.grad.detach(), bins)
+                file_writer.add_summary(summary, step)
+                kept[name] = summary.SerializeToString()
+        if gradients is None:
+            self._histogram_step, self._gradient_histograms = step, kept
 
     def _add_graph(self, loop: Loop) -> None:
         model = loop.unwrapped_model
@@ -373,7 +419,8 @@ class TensorBoard(Callback):
                   for key, value in params.items()}
         writer = self.writer
         for tag, value in metrics.items():  # the metric tags must hold values in this run
-            if self._metrics_step.get(tag[len("metrics/"):]) != loop.state.step:
+            # (a val_* value logged at its validation's step is not logged again here)
+            if tag[len("metrics/"):] not in self._metrics_step:
                 self._scalar(tag, value, loop.state.step)
         file_writer = writer._get_file_writer()
         for summary in hparams_summary(params, metrics):

@@ -95,3 +95,19 @@ def test_crash_after_a_checkpoint_then_resume_repeats_no_row(tmp_path: Path, eve
 def test_bad_interval() -> None:
     with pytest.raises(ConfigurationError, match="every_n_steps"):
         CSVLogger("x.csv", every_n_steps=0)
+
+
+def test_step_validation_values_appear_once_each(tmp_path: Path) -> None:
+    """Validation every 3 steps, 7 batches an epoch: each val_loss sits in the row of its
+    validation; the epoch-end rows (steps 7, 14) hold train_loss only, never a stale copy."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    data = [(torch.randn(4, 5), torch.randint(0, 3, (4,))) for _ in range(7)]
+    path = tmp_path / "log.csv"
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=data[:2],
+         loss_fn=F.cross_entropy, device="cpu", val_every_n_epochs=None, val_every_n_steps=3,
+         sanity_val_batches=0, callbacks=[CSVLogger(path)]).fit(2)
+    history = pd.read_csv(path)
+    history = history[history.kind == "history"]
+    assert list(history.dropna(subset=["val_loss"]).step) == [3, 6, 9, 12]
+    assert list(history.dropna(subset=["train_loss"]).step) == [7, 14]

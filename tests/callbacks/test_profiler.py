@@ -71,3 +71,17 @@ def test_errors_still_name_the_callback_through_the_wrapper() -> None:
         assert any("Broken at event after_step" in note for note in error.__notes__)
     else:
         raise AssertionError("no error")
+
+
+def test_prints_on_rank_zero_only_and_measures_on_every_rank(monkeypatch) -> None:
+    """Under torchrun every rank runs the stack: one table (rank 0's), not one per process."""
+    data = [(torch.randn(4, 5), torch.randint(0, 3, (4,))) for _ in range(4)]
+    for rank, prints in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)  # what torchrun sets for each process
+        console = Console(file=io.StringIO(), width=100)
+        profiler = Profiler(console=console)
+        model = torch.nn.Linear(5, 3)
+        Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.cross_entropy,
+             device="cpu", callbacks=[GradClip(1.0), profiler]).fit(1)
+        assert ("hookloop profile" in console.file.getvalue()) is prints, rank
+        assert [row["calls"] for row in profiler.report() if row["name"] == "GradClip"] == [4]

@@ -96,3 +96,55 @@ def test_bars_stop_before_the_traceback() -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(ConfigurationError, match="refresh_per_second"):
         ProgressBar(refresh_per_second=0)
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_step_validation_shown_once_and_never_stale_at_epoch_end(sized: bool) -> None:
+    """Validation every 4 steps, 6 batches an epoch: validations at steps 4, 8, 12 and 16.
+    The epoch ends at steps 6 and 18 did not validate, so their lines must not repeat the
+    previous validation's val_loss; each validation is shown once, where it ran."""
+    screen = console(False)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    data = [(torch.randn(4, 5), torch.randint(0, 3, (4,))) for _ in range(6)]
+    validations: list[tuple[int, float]] = []
+
+    class Seen(Callback):
+        def on_validation_end(self, loop: Loop) -> None:
+            validations.append((loop.state.step, loop.state.metrics["val_loss"]))
+
+    class Unsized:  # iterable again every epoch, without a length
+        def __iter__(self):
+            return iter(data)
+
+    train = data if sized else Unsized()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.05), train, val_data=data[:2],
+                loss_fn=F.cross_entropy, device="cpu", val_every_n_epochs=None,
+                val_every_n_steps=4, sanity_val_batches=0,
+                callbacks=[Seen(), ProgressBar(console=screen)])
+    loop.fit(3)
+    lines = screen.file.getvalue().splitlines()
+    assert [step for step, _ in validations] == [4, 8, 12, 16]
+    shown = [line for line in lines if "val_loss" in line]
+    assert len(shown) == 4, lines
+    for line, (step, value) in zip(shown, validations):
+        assert f"step {step}  " in line and f"val_loss {value:.4f}" in line, line
+    epoch_lines = [line for line in lines if line.startswith("epoch") and "train_loss" in line]
+    assert len(epoch_lines) == 3 and [row["step"] for row in loop.state.history
+                                      if "val_loss" in row] == [4, 8, 12, 16]
+    # step 12 is epoch 2's last step: its validation is in that epoch's line
+    assert "val_loss" in epoch_lines[1] and "val_loss" not in epoch_lines[0] + epoch_lines[2]
+
+
+@pytest.mark.filterwarnings("ignore:install \"ipywidgets\":UserWarning")  # rich, without ipywidgets
+def test_notebook_console_gets_bars() -> None:
+    """rich's Console.is_terminal is False in Jupyter by design; the docs promise bars
+    "in a terminal or a notebook", so a Jupyter console gets bars, not plain lines."""
+    screen = Console(file=io.StringIO(), force_jupyter=True, width=100)
+    bar = ProgressBar(console=screen)
+    loop = make_loop([bar])
+    bar.on_fit_start(loop)  # decides bars or plain lines
+    try:
+        assert bar._bars and bar._progress is not None
+    finally:
+        bar._stop()

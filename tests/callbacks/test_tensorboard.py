@@ -242,3 +242,61 @@ def test_exception_after_checkpoint_then_resume_logs_each_step_once(tmp_path: Pa
         got, want = scalars(resumed, tag), scalars(expected, tag)
         assert [s for s, _ in got] == [s for s, _ in want], tag  # each step exactly once
         assert [v for _, v in got] == [v for _, v in want], tag  # exact resume
+
+
+class Validations(Callback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_validation_end(self, loop: Loop) -> None:
+        if loop.fitting:
+            self.steps.append(loop.state.step)
+
+
+def test_val_metrics_once_per_validation_with_step_cadence(tmp_path: Path) -> None:
+    """Validation every 3 steps, 7 batches an epoch: the epoch ends (steps 7, 14) did not
+    validate, so they must not log the previous validation's val_loss again (the loop's
+    history leaves it out of those rows too), not even at fit end with the hparams."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    data = [(torch.randn(4, 5), torch.randint(0, 3, (4,))) for _ in range(7)]
+    seen = Validations()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=data[:2],
+                loss_fn=F.cross_entropy, device="cpu", val_every_n_epochs=None,
+                val_every_n_steps=3, sanity_val_batches=0,
+                callbacks=[seen, TensorBoard(tmp_path, every_n_steps=50)])
+    loop.fit(2)
+    accumulator = events(tmp_path)
+    assert seen.steps == [3, 6, 9, 12]
+    assert [row["step"] for row in loop.state.history if "val_loss" in row] == [3, 6, 9, 12]
+    assert [step for step, _ in scalars(accumulator, "metrics/val_loss")] == seen.steps
+    assert [step for step, _ in scalars(accumulator, "metrics/train_loss")] == [7, 14]
+
+
+def make_histogram_loop(log_dir: Path, checkpoints: Path, resume: bool) -> Loop:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 5, generator=generator), torch.randint(0, 3, (4,), generator=generator))
+            for _ in range(BATCHES)]
+    return Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=data[:2],
+                loss_fn=F.cross_entropy, device="cpu",
+                callbacks=[TensorBoard(log_dir, every_n_steps=7, histograms_every_n_epochs=1),
+                           Checkpoint(checkpoints, resume=resume)])
+
+
+def test_histograms_of_the_resumed_step_survive_its_purge(tmp_path: Path) -> None:
+    """The resumed writer purges the resumed step (step 14, where the first run logged its
+    scalars and histograms): the weight and gradient histograms of that step are written
+    again, identical to an uninterrupted run's."""
+    make_histogram_loop(tmp_path / "reference", tmp_path / "reference_ckpt", False).fit(3)
+    make_histogram_loop(tmp_path / "run", tmp_path / "ckpt", False).fit(2)
+    make_histogram_loop(tmp_path / "run", tmp_path / "ckpt", True).fit(3)  # one more epoch
+    reference, resumed = events(tmp_path / "reference"), events(tmp_path / "run")
+    for tag in ("weights/weight", "weights/bias", "gradients/weight", "gradients/bias"):
+        want, got = reference.Histograms(tag), resumed.Histograms(tag)
+        assert [event.step for event in want] == [7, 14, 21]
+        assert [event.step for event in got] == [7, 14, 21], tag
+        for w, g in zip(want, got):
+            assert g.histogram_value == w.histogram_value, (tag, w.step)
+    assert [s for s, _ in scalars(resumed, "step/loss")] == [7, 14, 21]
