@@ -723,9 +723,15 @@ class Loop:
     def _step_validation(self, batches_done: int, loss_sum: torch.Tensor, samples: int) -> None:
         """The validation every ``val_every_n_steps`` steps, at the current step boundary."""
         state = self.state
+        # on_batch_end comes after this pass: it must see the training batch, not the last
+        # validation batch.
+        batch = (state.batch_idx, state.batch, state.outputs, state.loss, state.targets,
+                 state.batch_size)
         self._validate_pass(self.val_data, "val")
         self.model.train()
         state.training = True
+        (state.batch_idx, state.batch, state.outputs, state.loss, state.targets,
+         state.batch_size) = batch
         # Validation draws from the generators (a DataLoader's base seed): the position's
         # snapshot is taken again, so that a resume draws what follows it.
         lookahead = self._lookahead

@@ -202,3 +202,17 @@ def test_device_none_picks_cuda_then_mps_then_cpu(monkeypatch: pytest.MonkeyPatc
     model = nn.Linear(2, 1)
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [(torch.randn(1, 2),) * 2])
     assert loop.device.type == expected
+
+
+def test_on_batch_end_after_a_step_validation_sees_the_training_batch() -> None:
+    class Seen(Callback):
+        def __init__(self) -> None:
+            self.rows: list[tuple[int, int, bool]] = []
+
+        def on_batch_end(self, loop: Loop) -> None:
+            self.rows.append((loop.state.step, loop.state.batch_idx, loop.state.training))
+
+    seen = Seen()
+    loop = make_loop([seen], val_every_n_epochs=None, val_every_n_steps=2)
+    loop.fit(1)
+    assert seen.rows == [(step + 1, step, True) for step in range(4)]
