@@ -34,7 +34,6 @@ __all__ = ["DDP", "UnpaddedDistributedSampler", "check_equal_batches"]
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _groups_created = 0  # process groups this module created in this process
-_store: Any = None  # the store of the first one, shared by the later ones
 
 
 def _init_process_group(backend: str) -> None:
@@ -45,16 +44,13 @@ def _init_process_group(backend: str) -> None:
     read the other ranks' addresses of the first group and fail to connect. Later groups
     therefore get keys of their own, in the same order on every rank.
     """
-    global _groups_created, _store
-    if _store is None:
+    global _groups_created
+    if _groups_created == 0:
         dist.init_process_group(backend=backend)
-        # Later groups reuse this connection to torchrun's store: a second rendezvous would
-        # open another client, whose thread aborts the process at exit.
-        _store = dist.distributed_c10d._get_default_store()
     else:
-        store = dist.PrefixStore(f"hookloop.ddp/{_groups_created}", _store)
-        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]))
+        store, rank, world_size = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"hookloop.ddp/{_groups_created}", store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
     _groups_created += 1
 
 
