@@ -22,6 +22,11 @@ from hookloop.errors import HookloopError
 __all__ = ["main", "parse_assignment"]
 
 
+def _help_text(docstring: str | None) -> str:
+    """A docstring as a terminal shows it: no reStructuredText markup."""
+    return (docstring or "").replace("``", "").replace("::", ":")
+
+
 def parse_assignment(text: str) -> tuple[str, Any]:
     """Split ``key=value`` and read the value as a Python literal, else keep the string.
 
@@ -90,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     parser = argparse.ArgumentParser(
-        prog="hookloop", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="hookloop", description=_help_text(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser(
         "presets", help="list the presets: built-in and installed by other packages",
