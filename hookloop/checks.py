@@ -7,6 +7,7 @@ what is wrong with it and the fix.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -18,7 +19,41 @@ from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
 
 __all__ = ["check_loop_arguments", "check_fit_arguments", "check_fit_data", "resolve_device",
-           "available_devices"]
+           "available_devices", "check_flag", "check_path", "check_console"]
+
+
+def check_flag(owner: str, label: str, value: Any) -> bool:
+    """``value`` if it is a bool, else a `ConfigurationError` naming ``owner`` and ``label``.
+
+    Example:
+        >>> check_flag("TensorBoard", "graph", True)
+        True
+    """
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{owner} {label} must be True or False, got {value!r}.")
+    return value
+
+
+def check_path(owner: str, label: str, value: Any) -> str:
+    """``value`` as a non-empty path string (``str`` or ``os.PathLike``), else an error."""
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value):
+        return os.fspath(value)
+    raise ConfigurationError(
+        f"{owner} {label} must be a file or directory path (a str or pathlib.Path), got "
+        f"{value!r}.")
+
+
+def check_console(owner: str, console: Any) -> Any:
+    """``console`` if it is None or a ``rich.console.Console`` (rich imported only then)."""
+    if console is None:
+        return None
+    from rich.console import Console
+
+    if not isinstance(console, Console):
+        raise ConfigurationError(
+            f"{owner} console must be a rich.console.Console (or None for the terminal), got "
+            f"{type(console).__name__}.")
+    return console
 
 
 def available_devices() -> list[str]:

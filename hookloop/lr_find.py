@@ -8,11 +8,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from hookloop.data import move_to_device
 from hookloop.errors import ConfigurationError
 from hookloop.forward import check_loss, compute
+from hookloop.modules import modes_kept, tensors_kept
 from hookloop.rng import capture_rng, loader_generators, restore_rng
 
 if TYPE_CHECKING:
@@ -163,48 +162,53 @@ def lr_find(loop: Loop, start_lr: float = 1e-7, end_lr: float = 10.0, steps: int
     model.to(loop.device)
     generators = loader_generators(loop.train_data)
     saved_rng = capture_rng(generators, full=True)
-    saved_model = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     saved_optimizer = copy.deepcopy(optimizer.state_dict())
-    was_training = model.training
     result = LRFindResult()
-    try:
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
-        batches = _cycle(loop.train_data)
-        ratio = end_lr / start_lr
-        average, best = 0.0, math.inf
-        for index in range(steps):
-            lr = start_lr * ratio ** (index / (steps - 1))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batch = move_to_device(next(batches), loop.device)
-            _, loss = compute(loop, batch)
-            check_loss(loss, training=True)
-            value = float(loss.detach())  # one host sync per step: this is a measurement
-            if not math.isfinite(value):
-                result.stop_reason = f"the loss is {value} at lr={lr:.3g}"
-                break
-            loss.backward()
-            optimizer.step()
+    # Every parameter and buffer (non-persistent ones too) and every submodule's mode.
+    with tensors_kept(model), modes_kept(model):
+        try:
+            _ramp(loop, start_lr, end_lr, steps, smoothing, divergence, result)
+        finally:
             optimizer.zero_grad(set_to_none=True)
-            average = smoothing * average + (1 - smoothing) * value
-            smoothed = average / (1 - smoothing ** (index + 1))
-            result.lrs.append(lr)
-            result.raw_losses.append(value)
-            result.losses.append(smoothed)
-            best = min(best, smoothed)
-            if smoothed > divergence * best:
-                result.stop_reason = (f"the smoothed loss {smoothed:.4g} exceeds {divergence:g}x "
-                                      f"the best {best:.4g} at lr={lr:.3g}")
-                break
-    finally:
-        optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            model.load_state_dict(saved_model)
-        optimizer.load_state_dict(saved_optimizer)
-        model.train(was_training)
-        restore_rng(saved_rng, generators)
+            optimizer.load_state_dict(saved_optimizer)
+            restore_rng(saved_rng, generators)
     # The diverging point is shown, but the suggestion comes from the curve before it.
     end = len(result.losses) - (1 if result.stop_reason and result.losses else 0)
     result.suggestion = _steepest(result.lrs[:end], result.losses[:end])
     return result
+
+
+def _ramp(loop: Loop, start_lr: float, end_lr: float, steps: int, smoothing: float,
+          divergence: float, result: LRFindResult) -> None:
+    """The range test itself: an exponential ramp, stopped at divergence."""
+    model, optimizer = loop.model, loop.optimizer
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    batches = _cycle(loop.train_data)
+    ratio = end_lr / start_lr
+    average, best = 0.0, math.inf
+    for index in range(steps):
+        lr = start_lr * ratio ** (index / (steps - 1))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = move_to_device(next(batches), loop.device)
+        _, loss = compute(loop, batch)
+        check_loss(loss, training=True)
+        value = float(loss.detach())  # one host sync per step: this is a measurement
+        if not math.isfinite(value):
+            result.stop_reason = f"the loss is {value} at lr={lr:.3g}"
+            break
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        average = smoothing * average + (1 - smoothing) * value
+        smoothed = average / (1 - smoothing ** (index + 1))
+        result.lrs.append(lr)
+        result.raw_losses.append(value)
+        result.losses.append(smoothed)
+        best = min(best, smoothed)
+        if smoothed > divergence * best:
+            result.stop_reason = (f"the smoothed loss {smoothed:.4g} exceeds {divergence:g}x "
+                                  f"the best {best:.4g} at lr={lr:.3g}")
+            break
+

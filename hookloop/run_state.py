@@ -125,8 +125,15 @@ def restore(loop: Loop, payload: Mapping[str, Any], source: str) -> None:
         if not overrides(callback, "state_dict"):
             continue
         if callback.state_key in saved:
+            key = callback.state_key
             try:
-                callback.load_state_dict(saved.pop(callback.state_key))
+                callback.load_state_dict(saved.pop(key))
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError,
+                    RuntimeError) as error:
+                raise CheckpointError(
+                    f"{source}: the state of {callback!r} (field 'callbacks.{key}') does not fit "
+                    f"it: {type(error).__name__}: {error}. It was saved by another version or "
+                    "configuration of that callback, or the file was edited.") from error
             except BaseException as exc:
                 annotate(exc, callback.load_state_dict)
                 raise

@@ -323,9 +323,11 @@ def link_atomic(source: str, path: str) -> None:
                 writer.flush()
                 os.fsync(writer.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         with suppress(OSError):
             os.unlink(temporary)
+        if isinstance(error, OSError):
+            raise _write_error(path, error, f"linking {os.path.basename(source)} to it") from error
         raise
     _fsync_directory(directory)
 
@@ -509,10 +511,28 @@ def check_payload(path: str, payload: Mapping[str, Any]) -> None:
             value = part["train_loss_sum"]
             _expect(path, f"{where}.train_loss_sum", value, isinstance(value, torch.Tensor),
                     "a tensor or None")
-        for field in ("rng", "epoch_rng"):
+        for field in ("rng", "epoch_rng", "prefetch_rng"):
             if part.get(field) is not None:
-                _expect(path, f"{where}.{field}", part[field], isinstance(part[field], Mapping),
-                        "a dict")
+                _check_rng(path, f"{where}.{field}", part[field])
+
+
+def _check_rng(path: str, where: str, state: Any) -> None:
+    """A saved set of random generators (`hookloop.rng.capture_rng`) has its field types."""
+    _expect(path, where, state, isinstance(state, Mapping), "a dict")
+    torch_state = state.get("torch")
+    _expect(path, f"{where}.torch", torch_state, isinstance(torch_state, torch.Tensor)
+            and torch_state.dtype == torch.uint8, "a uint8 tensor")
+    generators = state.get("generators", [])
+    _expect(path, f"{where}.generators", generators, isinstance(generators, list) and all(
+        isinstance(item, torch.Tensor) for item in generators), "a list of tensors")
+    if "python" in state:
+        python = state["python"]
+        _expect(path, f"{where}.python", python, isinstance(python, list) and len(python) == 3,
+                "a list of 3 items")
+    if "numpy" in state:
+        numpy_state = state["numpy"]
+        _expect(path, f"{where}.numpy", numpy_state, isinstance(numpy_state, list)
+                and len(numpy_state) == 5, "a list of 5 items")
 
 
 def read_payload(path: str | os.PathLike[str], map_location: Any) -> dict[str, Any]:
@@ -534,7 +554,11 @@ def read_payload(path: str | os.PathLike[str], map_location: Any) -> dict[str, A
         raise CheckpointError(
             f"{path}: the file is empty (0 bytes), not a checkpoint. It was not written by "
             "hookloop, which never leaves a partial file under a final name; delete it.")
-    if head.startswith(b"PK") and not zipfile.is_zipfile(path):
+    try:
+        is_zip = zipfile.is_zipfile(path)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        is_zip = False
+    if head.startswith(b"PK") and not is_zip:
         raise CheckpointError(
             f"{path}: the file is truncated or corrupt ({size} bytes; its zip archive has no "
             "central directory, so its end is missing). Delete it to resume from an older "

@@ -31,11 +31,16 @@ from hookloop.callbacks import (
     DDP,
     EMA,
     Checkpoint,
+    CSVLogger,
     EarlyStopping,
     GradAccumulation,
     GradClip,
     LRScheduler,
     Metrics,
+    ModelSummary,
+    Profiler,
+    ProgressBar,
+    TensorBoard,
     TerminateOnNaN,
 )
 
@@ -96,6 +101,8 @@ CALLBACKS: dict[type, tuple[Callable[[Path], dict[str, Any]], dict[str, list[Any
         "every_n_steps": POSITIVE_INTS,
         "validate_with_ema": NON_BOOLS,
         "buffers": ["avg", 3, []],
+        "warmup": NON_BOOLS,
+        "start_step": [-1, 1.5, "2", True],
         "name": NAMES,
     }),
     GradAccumulation: (lambda directory: {"steps": 2}, {"steps": [*POSITIVE_INTS, None]}),
@@ -119,6 +126,8 @@ CALLBACKS: dict[type, tuple[Callable[[Path], dict[str, Any]], dict[str, list[Any
         "keep_last": POSITIVE_INTS,
         "resume": [3, None, "missing.pt"],
         "name": ["a/b", 3, ""],
+        "save_top_k": [0, -1, 1.5, "2", True],
+        "initial_value_threshold": ["0.5", [1]],
     }),
     DDP: (lambda directory: {}, {
         "backend": [123, "", ["gloo"]],
@@ -129,16 +138,52 @@ CALLBACKS: dict[type, tuple[Callable[[Path], dict[str, Any]], dict[str, list[Any
         "mode": ["maximum", 3],
         "patience": POSITIVE_INTS,
         "min_delta": [-1.0, math.nan, "0.1", True],
+        "baseline": ["0.5", math.nan, True],
+        "start_from_epoch": [-1, 1.5, "1", True],
+        "stopping_threshold": ["0.1", math.inf],
+        "divergence_threshold": ["9", math.nan],
+        "check_finite": NON_BOOLS,
+        "restore_best_weights": NON_BOOLS,
         "name": NAMES,
     }),
     Metrics: (lambda directory: {"error": _mean_error, "on_train": True}, {
         "on_train": NON_BOOLS,
+        "name": NAMES,
+        "targets": [3, "label"],
+        "outputs": [3, "logits"],
         "error": [3, "accuracy", Fresh(lambda: lambda outputs, targets: "high",
                                        "a function returning a str")],
     }),
     TerminateOnNaN: (lambda directory: {}, {
         "check_gradients": NON_BOOLS,
         "restore_buffers": NON_BOOLS,
+        "raise_error": NON_BOOLS,
+    }),
+    TensorBoard: (lambda directory: {"log_dir": directory / "runs"}, {
+        "log_dir": [3, "", None],
+        "every_n_steps": POSITIVE_INTS,
+        "histograms_every_n_epochs": POSITIVE_INTS,
+        "graph": NON_BOOLS,
+        "hparams": [3, "lr=0.1", ["lr"]],
+    }),
+    ProgressBar: (lambda directory: {"console": None}, {
+        "console": [3, "stdout"],
+        "terminal": ["yes", 1],
+        "refresh_per_second": [0, -1.0, "4", True],
+    }),
+    ModelSummary: (lambda directory: {"print_summary": False}, {
+        "input_size": [-1, "1x3", [0, 3], [[1, 3], "x"]],
+        "depth": [-1, 1.5, "3", True],
+        "print_summary": NON_BOOLS,
+    }),
+    CSVLogger: (lambda directory: {"path": directory / "log.csv"}, {
+        "path": [3, "", None],
+        "every_n_steps": POSITIVE_INTS,
+    }),
+    Profiler: (lambda directory: {"print_table": False}, {
+        "sync_cuda": NON_BOOLS,
+        "console": [3, "stdout"],
+        "print_table": NON_BOOLS,
     }),
 }
 
@@ -166,6 +211,9 @@ LOOP: dict[str, list[Any]] = {
                   [TerminateOnNaN], 3],
     "device": ["gpu", True, -1, 1.5, "cuda:x",
                *([] if torch.cuda.is_available() else ["cuda", 3])],
+    "val_every_n_epochs": POSITIVE_INTS,
+    "val_every_n_steps": POSITIVE_INTS,
+    "sanity_val_batches": [-1, 1.5, "2", True],
 }
 FIT: dict[str, list[Any]] = {
     "epochs": [-1, 1.5, "2", True, None],

@@ -7,14 +7,14 @@ tensorboard, rich and torchinfo only when a fit uses them.
 from __future__ import annotations
 
 from hookloop.callbacks.amp import AMP
-from hookloop.callbacks.ema import EMA
-from hookloop.callbacks.grad_accumulation import GradAccumulation
-from hookloop.callbacks.grad_clip import GradClip
-from hookloop.callbacks.lr_scheduler import LRScheduler
 from hookloop.callbacks.checkpoint import Checkpoint
 from hookloop.callbacks.csv_logger import CSVLogger
 from hookloop.callbacks.ddp import DDP
 from hookloop.callbacks.early_stopping import EarlyStopping
+from hookloop.callbacks.ema import EMA
+from hookloop.callbacks.grad_accumulation import GradAccumulation
+from hookloop.callbacks.grad_clip import GradClip
+from hookloop.callbacks.lr_scheduler import LRScheduler
 from hookloop.callbacks.metrics import Metrics
 from hookloop.callbacks.model_summary import ModelSummary
 from hookloop.callbacks.profiler import Profiler

@@ -275,6 +275,8 @@ class AMP(Callback):
         if self._unscaled and self._scaler is not None:
             self._scaler.update()
             self._unscaled = False
+            if self._scaler.get_scale() < MIN_SCALE:
+                self._scaler.update(new_scale=MIN_SCALE)
 
     # -------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -357,6 +357,11 @@ class Checkpoint(Callback):
             if distributed.is_main():
                 link_atomic(os.path.join(self.dirpath, top["file"]), self._best_file)
             self.best_path = self._best_file
+        if self.best is not None and self.best_path is None:
+            # No file holds that score any more (a rollback retired best.pt): the branch
+            # starts its best file afresh rather than run without one.
+            self.best, self.best_epoch, self.best_step, self.top_k = None, -1, -1, []
+        self._adopt_best()
 
     # ------------------------------------------------------------------ inside
     def _meta(self, kind: str) -> dict[str, Any]:
@@ -456,7 +461,7 @@ class Checkpoint(Callback):
         if position == self._saved_at:
             return  # this position is on disk already (or is where the run started)
         run = loop.state_dict(gather=collective)  # a collective under DDP when gathering
-        self._saved_at = position
+        previous, self._saved_at = self._saved_at, position
         if not distributed.is_main():
             return
         state = loop.state
@@ -472,7 +477,11 @@ class Checkpoint(Callback):
                    **run, "metrics": dict(state.metrics)}
         self._check_plain(payload)
         path = os.path.join(self.dirpath, self.filename(state.epoch, state.step))
-        write_atomic(payload, path)
+        try:
+            write_atomic(payload, path)
+        except BaseException:
+            self._saved_at = previous  # not on disk: on_exception writes it
+            raise
         self.last_path = path
         self._prune(path)
 
@@ -538,23 +547,40 @@ class Checkpoint(Callback):
             self.best, self.best_epoch, self.best_step = value, state.epoch, state.step
 
     def _adopt_best(self) -> None:
-        """Nothing to resume from, but a ``best.pt`` (a crash before the first rotating file):
-        keep its score, so it is only ever replaced by a better one."""
-        value = None
-        if self.monitor is not None and distributed.is_main() and os.path.exists(self._best_file):
-            meta = read_payload(self._best_file, "cpu")["hookloop"]
+        """Keep what the files on disk say when it is better than the state: ``best.pt`` (and
+        the scored top-k files) may be newer than the file resumed from (a kill between a
+        validation and the next rotating file), so a best file is only ever replaced by a
+        better one, and the kept files stay ``save_top_k``."""
+        if self._monitor is None:
+            return
+        found = None
+        if distributed.is_main() and os.path.exists(self._best_file):
+            payload = read_payload(self._best_file, "cpu")
+            meta = payload["hookloop"]
             if meta.get("monitor") == self.monitor and meta.get("value") is not None:
-                value = float(meta["value"])
-        value = distributed.broadcast_object(value)
-        if value is not None:
-            self.best, self.best_path = value, self._best_file
-        if self._monitor is not None and self.save_top_k != 1:  # scores are in the names
-            found = distributed.broadcast_object(
-                self.scored_files() if distributed.is_main() else None)
-            ranked: list[dict[str, Any]] = []
-            for found_value, step, path in found:  # oldest first: ties keep the earlier
-                place = next((index for index, other in enumerate(ranked)
-                              if self._monitor.better(found_value, other["value"])), len(ranked))
-                ranked.insert(place, {"value": found_value, "epoch": -1, "step": step,
-                                      "file": os.path.basename(path)})
-            self.top_k = ranked[: self.save_top_k]
+                found = (float(meta["value"]), int(payload.get("epoch", -1)),
+                         int(payload.get("step", -1)))
+        found = distributed.broadcast_object(found)
+        if found is not None and self._monitor.better(found[0], self.best):
+            self.best, self.best_epoch, self.best_step = found
+            self.best_path = self._best_file
+        if self.save_top_k == 1:  # best.pt is the only file
+            return
+        scored = distributed.broadcast_object(
+            self.scored_files() if distributed.is_main() else None)
+        ranked = [dict(entry) for entry in self.top_k]
+        known = {entry["file"] for entry in ranked}
+        for value, step, path in scored:  # oldest first: ties keep the earlier
+            if os.path.basename(path) in known:
+                continue
+            place = next((index for index, other in enumerate(ranked)
+                          if self._monitor.better(value, other["value"])), len(ranked))
+            ranked.insert(place, {"value": value, "epoch": -1, "step": step,
+                                  "file": os.path.basename(path)})
+        limit = self.save_top_k if self.save_top_k is not None else len(ranked)
+        self.top_k = ranked[:limit]
+        if distributed.is_main():  # files beyond the k best, as the normal pruning would
+            for entry in ranked[limit:]:
+                if entry["file"] is not None:
+                    with suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.dirpath, entry["file"]))

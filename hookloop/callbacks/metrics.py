@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 import numbers
-from collections.abc import Callable, Iterable
 import warnings
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch

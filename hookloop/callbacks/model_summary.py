@@ -6,8 +6,11 @@ import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from hookloop.callback import Callback
 from hookloop.callbacks.probe import model_inputs, untouched
+from hookloop.checks import check_flag
 from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -16,6 +19,21 @@ if TYPE_CHECKING:
     from hookloop.loop import Loop
 
 __all__ = ["ModelSummary"]
+
+
+def _check_input_size(input_size: Any) -> list[Any]:
+    """A shape (``[1, 3, 32, 32]``) or a list of shapes, every size a positive int."""
+    def is_shape(value: Any) -> bool:
+        return isinstance(value, (list, tuple, torch.Size)) and len(value) > 0 and all(
+            isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in value)
+
+    if is_shape(input_size) or (isinstance(input_size, (list, tuple)) and input_size
+                                and all(is_shape(shape) for shape in input_size)):
+        return list(input_size)
+    raise ConfigurationError(
+        f"ModelSummary input_size must be a shape such as (1, 3, 32, 32), a list of shapes "
+        f"for a model with several inputs, or None (the shape of the first batch), got "
+        f"{input_size!r}.")
 
 
 class ModelSummary(Callback):
@@ -65,9 +83,9 @@ class ModelSummary(Callback):
                  depth: int = 3, print_summary: bool = True) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ConfigurationError(f"ModelSummary depth must be a non-negative int, got {depth!r}.")
-        self.input_size = None if input_size is None else list(input_size)
+        self.input_size = None if input_size is None else _check_input_size(input_size)
         self.depth = depth
-        self.print_summary = bool(print_summary)
+        self.print_summary = check_flag("ModelSummary", "print_summary", print_summary)
         #: The torchinfo result of the latest fit, or None before it (or when it failed).
         self.summary: ModelStatistics | None = None
         self._pending = False

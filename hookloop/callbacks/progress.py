@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hookloop.callback import Callback
+from hookloop.checks import check_console, check_flag
 from hookloop.data import length_of
 from hookloop.errors import ConfigurationError
 
@@ -87,7 +88,9 @@ class ProgressBar(Callback):
                             ("plain_every_s", plain_every_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigurationError(f"ProgressBar {name} must be a positive number, got {value!r}.")
-        self.console = console
+        self.console = check_console("ProgressBar", console)
+        if terminal is not None:
+            check_flag("ProgressBar", "terminal", terminal)
         self.terminal = terminal
         self.refresh_per_second = float(refresh_per_second)
         self.plain_every_s = float(plain_every_s)

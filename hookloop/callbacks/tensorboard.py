@@ -12,6 +12,7 @@ import torch
 
 from hookloop.callback import Callback
 from hookloop.callbacks.probe import model_inputs, untouched
+from hookloop.checks import check_flag, check_path
 from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -156,10 +157,10 @@ class TensorBoard(Callback):
             raise ConfigurationError(
                 f"TensorBoard hparams must be a dict of name -> number/str/bool, got "
                 f"{type(hparams).__name__}.")
-        self.log_dir = os.fspath(log_dir)
+        self.log_dir = check_path("TensorBoard", "log_dir", log_dir)
         self.every_n_steps = every_n_steps
         self.histograms_every_n_epochs = histograms_every_n_epochs
-        self.graph = bool(graph)
+        self.graph = check_flag("TensorBoard", "graph", graph)
         self.hparams = None if hparams is None else dict(hparams)
         self.flush_secs = flush_secs
         self._writer: SummaryWriter | None = None
