@@ -26,7 +26,7 @@ from hookloop.data import (
 from hookloop.dispatch import Handlers, Table, Wrapper, annotate, entered
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.forward import check_loss, compute, concatenate, predict_outputs
-from hookloop.modules import unwrap
+from hookloop.modules import modes_kept, unwrap
 from hookloop.ordering import check_callbacks, overrides
 from hookloop.position import Position, RunPosition
 from hookloop.rng import capture_rng, loader_generators, restore_rng
@@ -373,12 +373,8 @@ class Loop:
     def _evaluate(self, data: Iterable[Any] | None, prefix: str) -> dict[str, float]:
         self._prepare_alone()
         data = self.val_data if data is None else data
-        was_training = self.model.training
-        try:
-            with self._random_streams_kept(data):
-                self._validate_pass(data, prefix)
-        finally:
-            self.model.train(was_training)  # a check in the middle of work changes nothing
+        with self._untouched(data):  # a check in the middle of work changes nothing
+            self._validate_pass(data, prefix)
         return {key: value for key, value in self.state.metrics.items()
                 if key.startswith(prefix + "_")}
 
@@ -409,18 +405,14 @@ class Loop:
         self._prepare_alone()
         table = self._table
         assert table is not None
-        was_training = self.model.training
-        self.model.eval()
         outputs: list[Any] = []
-        try:
-            with self._random_streams_kept(data), entered(table.validation_context, self):
-                for batch in data:
-                    batch = move_to_device(batch, self.device)
-                    with entered(table.forward_context, self):
-                        outputs.append(move_to_device(predict_outputs(self, batch),
-                                                      torch.device("cpu")))
-        finally:
-            self.model.train(was_training)
+        with self._untouched(data), entered(table.validation_context, self):
+            self.model.eval()
+            for batch in data:
+                batch = move_to_device(batch, self.device)
+                with entered(table.forward_context, self):
+                    outputs.append(move_to_device(predict_outputs(self, batch),
+                                                  torch.device("cpu")))
         return concatenate(outputs)
 
     def describe(self) -> str:
@@ -786,28 +778,28 @@ class Loop:
         state = self.state
         saved_state = (dict(state.metrics), state.history, state.batch_idx, state.batch,
                        state.outputs, state.loss, state.targets, state.batch_size, state.training)
-        was_training = self.model.training
         self._sanity_checking = True
         try:
-            with self._random_streams_kept(self.val_data):
+            with self._untouched(self.val_data):
                 self._validate_pass(self.val_data, "val", limit=self.sanity_val_batches,
                                     events=Table(producers, self.handler_wrapper))
         finally:
             self._sanity_checking = False
-            self.model.train(was_training)
             (state.metrics, state.history, state.batch_idx, state.batch, state.outputs,
              state.loss, state.targets, state.batch_size, state.training) = saved_state
 
     @contextmanager
-    def _random_streams_kept(self, data: Any) -> Iterator[None]:
+    def _untouched(self, data: Any) -> Iterator[None]:
         """A pass outside training (the sanity check, validate, evaluate, predict) leaves
-        every random generator as it found it: iterating a DataLoader draws its base seed
-        from torch's, and a later fit must draw what it would have drawn without the pass."""
+        every random generator and every submodule's train/eval mode as it found them:
+        iterating a DataLoader draws its base seed from torch's, and a later fit must draw
+        what it would have drawn without the pass."""
         generators = [*self._generators, *loader_generators(self.train_data),
                       *loader_generators(data)]
         saved = capture_rng(generators)
         try:
-            yield
+            with modes_kept(self.model):
+                yield
         finally:
             restore_rng(saved, generators)
 

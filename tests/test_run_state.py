@@ -394,3 +394,14 @@ def test_history_is_kept_and_returned() -> None:
     state = loop.fit(2)
     assert [(row["epoch"], row["step"]) for row in state.history] == [(0, 12), (1, 24)]
     assert all(math.isfinite(row["val_loss"]) and "train_loss" in row for row in state.history)
+
+
+def test_passes_outside_training_keep_each_submodule_s_mode() -> None:
+    model, loop = shuffled_run()
+    loop.val_data = list(loop.train_data)[:2]
+    model.train()
+    model[1].eval()  # a frozen dropout: the user's choice survives every pass
+    loop.validate()
+    loop.evaluate(loop.val_data)
+    loop.predict(loop.val_data)
+    assert model.training and not model[1].training
