@@ -24,7 +24,7 @@ from hookloop.data import (
     move_to_device,
 )
 from hookloop.dispatch import Handlers, Table, Wrapper, annotate, entered
-from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.errors import CheckpointError, ConfigurationError, Terminated
 from hookloop.forward import check_loss, compute, concatenate, predict_outputs
 from hookloop.modules import modes_kept, unwrap
 from hookloop.ordering import check_callbacks, overrides
@@ -310,14 +310,21 @@ class Loop:
         except BaseException as exc:
             self._position.rewind()  # a later fit continues from the last step boundary
             self._live_iterator = None
+            terminated: Terminated | None = None
             for handler in table.on_exception:
                 try:
                     handler(self, exc)
                 except KeyboardInterrupt:
                     raise  # a second Ctrl-C while handling the first: stop at once
+                except Terminated as signal:  # preempted while handling: finish, then exit
+                    terminated = terminated or signal
+                    exc.add_note(f"hookloop: SIGTERM arrived during {_owner(handler)}"
+                                 ".on_exception")
                 except Exception as error:  # keep going: the first exception is what matters
                     exc.add_note(f"hookloop: {_owner(handler)}.on_exception also raised {error!r}")
             self._emit_fit_end(table, exc)
+            if terminated is not None:
+                raise terminated from exc  # exit with SIGTERM's status, the cause attached
             raise
         else:
             self._emit_fit_end(table, None)

@@ -405,3 +405,25 @@ def test_passes_outside_training_keep_each_submodule_s_mode() -> None:
     loop.evaluate(loop.val_data)
     loop.predict(loop.val_data)
     assert model.training and not model[1].training
+
+
+def test_a_sigterm_while_handling_an_exception_lets_the_others_finish(tmp_path: Path) -> None:
+    from hookloop import Terminated
+
+    class Preempted(Callback):  # SIGTERM arrives while the first handler runs
+        def on_exception(self, loop: Loop, exc: BaseException) -> None:
+            raise Terminated()
+
+    class Closes(Callback):
+        closed = False
+
+        def on_fit_end(self, loop: Loop) -> None:
+            Closes.closed = True
+
+    _, loop = shuffled_run([Preempted(), InterruptOnce(0, 5, RuntimeError), Closes(),
+                            Checkpoint(tmp_path)])
+    with pytest.raises(Terminated) as caught:
+        loop.fit(2)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert Closes.closed  # every on_fit_end ran
+    assert [path.name for path in tmp_path.glob("epoch=*.pt")] == ["epoch=0000-step=00000005.pt"]
