@@ -114,7 +114,11 @@ def restore(loop: Loop, payload: Mapping[str, Any], source: str) -> None:
             stacklevel=4)
     loop._position.load(loop_part, own, loop.device)
     loop._live_iterator = None
-    loop.state.epoch, loop.state.step = loop._position.epoch, loop._position.step
+    epoch, done, step = loop._position.public
+    # The epoch the weights are in, as an uninterrupted run shows it: after a whole epoch e
+    # (position e + 1, no batch done) that is e, not the epoch that has not started.
+    loop.state.epoch = epoch if done or epoch == 0 else epoch - 1
+    loop.state.step = step
     loop.state.history = [dict(row) for row in loop_part.get("history") or []]
     if loop.state.history:  # what fit() returns when the resumed run has nothing left to do
         loop.state.metrics = {key: value for key, value in loop.state.history[-1].items()

@@ -427,3 +427,13 @@ def test_a_sigterm_while_handling_an_exception_lets_the_others_finish(tmp_path: 
     assert isinstance(caught.value.__cause__, RuntimeError)
     assert Closes.closed  # every on_fit_end ran
     assert [path.name for path in tmp_path.glob("epoch=*.pt")] == ["epoch=0000-step=00000005.pt"]
+
+
+def test_a_restored_run_shows_the_epoch_and_step_an_uninterrupted_one_ends_with() -> None:
+    _, whole = shuffled_run()
+    whole.fit(2)
+    _, restored = shuffled_run()
+    restored.load_state_dict(whole.state_dict())
+    state = restored.fit(2)  # nothing left to train
+    assert (state.epoch, state.step) == (whole.state.epoch, whole.state.step) == (1, 24)
+    assert state.metrics == whole.state.metrics  # the last history row
