@@ -282,8 +282,8 @@ class Checkpoint(Callback):
         if self.resume is False:
             self._refuse_earlier_run()
         elif self.resume is True:
-            newest = self.checkpoints()[-1] if distributed.is_main() and self.checkpoints() else None
-            path = distributed.broadcast_object(newest)
+            files = self.checkpoints() if distributed.is_main() else []
+            path = distributed.broadcast_object(files[-1] if files else None)
             if path is not None:
                 self._resume_from(loop, path)
             else:
