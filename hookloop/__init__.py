@@ -21,6 +21,7 @@ from hookloop.errors import (
 from hookloop.events import Event
 from hookloop.loop import Loop
 from hookloop.lr_find import LRFindResult, lr_find
+from hookloop.phase import Phase
 from hookloop.state import LoopState
 from hookloop.storage import load_checkpoint
 
@@ -38,6 +39,7 @@ __all__ = [
     "Loop",
     "LoopState",
     "NonFiniteError",
+    "Phase",
     "Terminated",
     "__version__",
     "describe",

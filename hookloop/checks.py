@@ -1,12 +1,20 @@
-"""Checks of the `Loop`'s arguments, made when it is built and when ``fit`` starts.
+"""Argument checks: the generic ones every constructor uses, and the `Loop`'s own.
 
 Each mistake found here would otherwise fail late (after an epoch), raw (a TypeError
 from deep inside torch), or not at all (training nothing). Every error names the argument,
-what is wrong with it and the fix.
+what is wrong with it and the fix, in one form::
+
+    EarlyStopping patience must be an int >= 1, got 0.
+
+The generic checks (`check_int`, `check_optional_int`, `check_flag`, `check_number`,
+`check_name`, `check_choice`, `check_path`) take the label first (the owner and the
+argument: ``"EarlyStopping patience"``) and return the value they accepted, so a
+constructor reads ``self.patience = check_int("EarlyStopping patience", patience)``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -18,29 +26,147 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
 
-__all__ = ["check_loop_arguments", "check_fit_arguments", "check_fit_data", "resolve_device",
-           "available_devices", "check_flag", "check_path", "check_console"]
+__all__ = ["check_int", "check_optional_int", "check_flag", "check_number", "check_name",
+           "check_choice", "check_path", "check_console", "check_loop_arguments",
+           "check_fit_arguments", "check_fit_data", "resolve_device", "available_devices"]
 
 
-def check_flag(owner: str, label: str, value: Any) -> bool:
-    """``value`` if it is a bool, else a `ConfigurationError` naming ``owner`` and ``label``.
+def _refuse(label: str, requirement: str, value: Any, hint: str = "") -> ConfigurationError:
+    """The one message form: ``{label} must be {requirement}, got {value!r}. {hint}``."""
+    return ConfigurationError(f"{label} must be {requirement}, got {value!r}."
+                              + (f" {hint}" if hint else ""))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(label: str, value: Any, *, minimum: int = 1, hint: str = "") -> int:
+    """``value`` if it is an int >= ``minimum`` (a bool is not an int here).
 
     Example:
-        >>> check_flag("TensorBoard", "graph", True)
-        True
+        >>> check_int("EarlyStopping patience", 3)
+        3
+        >>> check_int("EarlyStopping patience", 0)
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: EarlyStopping patience must be an int >= 1, got 0.
     """
-    if not isinstance(value, bool):
-        raise ConfigurationError(f"{owner} {label} must be True or False, got {value!r}.")
+    if not _is_int(value) or value < minimum:
+        raise _refuse(label, f"an int >= {minimum}", value, hint)
     return value
 
 
-def check_path(owner: str, label: str, value: Any) -> str:
-    """``value`` as a non-empty path string (``str`` or ``os.PathLike``), else an error."""
+def check_optional_int(label: str, value: Any, *, minimum: int = 1, hint: str = "") -> int | None:
+    """``value`` if it is None or an int >= ``minimum``.
+
+    Example:
+        >>> check_optional_int("Checkpoint keep_last", None) is None
+        True
+        >>> check_optional_int("Checkpoint keep_last", 0)
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: Checkpoint keep_last must be an int >= 1 or None, got 0.
+    """
+    if value is None:
+        return None
+    if not _is_int(value) or value < minimum:
+        raise _refuse(label, f"an int >= {minimum} or None", value, hint)
+    return value
+
+
+def check_flag(label: str, value: Any, *, hint: str = "") -> bool:
+    """``value`` if it is True or False (not 0, 1 or None).
+
+    Example:
+        >>> check_flag("TensorBoard graph", True)
+        True
+    """
+    if not isinstance(value, bool):
+        raise _refuse(label, "True or False", value, hint)
+    return value
+
+
+def check_number(label: str, value: Any, *, minimum: float | None = None,
+                 above: float | None = None, below: float | None = None,
+                 maximum: float | None = None, optional: bool = False,
+                 hint: str = "") -> float | None:
+    """``value`` as a float if it is a finite number within the bounds given.
+
+    ``minimum``/``maximum`` are inclusive, ``above``/``below`` exclusive; ``optional``
+    accepts None (returned as None).
+
+    Example:
+        >>> check_number("EMA decay", 0.99, above=0.0, below=1.0)
+        0.99
+        >>> check_number("GradClip max_norm", -1, above=0)
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: GradClip max_norm must be a finite number > 0, got -1.
+    """
+    if value is None and optional:
+        return None
+    bounds = [f"{sign} {bound:g}" for sign, bound in ((">=", minimum), (">", above),
+                                                     ("<", below), ("<=", maximum))
+              if bound is not None]
+    requirement = "a finite number" + (f" {' and '.join(bounds)}" if bounds else "")
+    if optional:
+        requirement += " or None"
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or (
+            (minimum is not None and value < minimum) or (above is not None and value <= above)
+            or (below is not None and value >= below) or (maximum is not None and value > maximum)):
+        raise _refuse(label, requirement, value, hint)
+    return float(value)
+
+
+def check_name(label: str, value: Any, *, optional: bool = True, hint: str = "") -> str | None:
+    """``value`` if it is a non-empty string without ``/`` (a state key, a file-name part).
+
+    Example:
+        >>> check_name("EMA name", "ema_slow")
+        'ema_slow'
+        >>> check_name("EMA name", "")
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: EMA name must be a non-empty string without '/' or None, got ''.
+    """
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value or "/" in value:
+        requirement = "a non-empty string without '/'" + (" or None" if optional else "")
+        raise _refuse(label, requirement, value, hint)
+    return value
+
+
+def check_choice(label: str, value: Any, choices: Iterable[Any], *, hint: str = "") -> Any:
+    """``value`` if it is one of ``choices``.
+
+    Example:
+        >>> check_choice("EarlyStopping mode", "max", ("auto", "min", "max"))
+        'max'
+        >>> check_choice("EarlyStopping mode", "up", ("auto", "min", "max"))
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: EarlyStopping mode must be one of 'auto', 'min', 'max', got 'up'.
+    """
+    options = tuple(choices)
+    if isinstance(value, bool) or value not in options:
+        listed = ", ".join(repr(option) for option in options)
+        raise _refuse(label, f"one of {listed}", value, hint)
+    return value
+
+
+def check_path(label: str, value: Any, *, hint: str = "") -> str:
+    """``value`` as a non-empty path string (``str`` or ``os.PathLike``).
+
+    Example:
+        >>> check_path("CSVLogger path", "runs/metrics.csv")
+        'runs/metrics.csv'
+    """
     if isinstance(value, (str, os.PathLike)) and os.fspath(value):
         return os.fspath(value)
-    raise ConfigurationError(
-        f"{owner} {label} must be a file or directory path (a str or pathlib.Path), got "
-        f"{value!r}.")
+    raise _refuse(label, "a file or directory path (a str or pathlib.Path)", value, hint)
 
 
 def check_console(owner: str, console: Any) -> Any:

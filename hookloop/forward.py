@@ -13,7 +13,7 @@ from hookloop.errors import ConfigurationError
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["compute", "check_loss", "predict_outputs", "concatenate"]
+__all__ = ["compute", "check_loss", "predict_outputs", "concatenate", "model_inputs"]
 
 
 def compute(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
@@ -127,3 +127,24 @@ def concatenate(outputs: list[Any]) -> Any:
             return type(first)(*columns)
         return type(first)(columns)
     return outputs
+
+
+def model_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """What the loop's built-in rules pass to the model: ``(args, kwargs)``, or None.
+
+    An ``(inputs, targets)`` pair (or longer tuple/list) gives ``model(inputs)``; a mapping
+    gives ``model(**batch)``; a lone tensor gives ``model(batch)``.
+
+    Example:
+        >>> import torch
+        >>> args, kwargs = model_inputs((torch.zeros(2, 3), torch.zeros(2)))
+        >>> args[0].shape, kwargs
+        (torch.Size([2, 3]), {})
+    """
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)) and batch:
+        return (batch[0],), {}
+    if isinstance(batch, torch.Tensor):
+        return (batch,), {}
+    return None

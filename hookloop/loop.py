@@ -26,12 +26,14 @@ from hookloop.data import (
 from hookloop.dispatch import Handlers, Table, Wrapper, annotate, entered
 from hookloop.errors import CheckpointError, ConfigurationError, Terminated
 from hookloop.forward import check_loss, compute, concatenate, predict_outputs
-from hookloop.modules import modes_kept, unwrap
+from hookloop.modules import unwrap
 from hookloop.ordering import check_callbacks, overrides
+from hookloop.phase import Phase
 from hookloop.position import Position, RunPosition
-from hookloop.rng import capture_rng, loader_generators, restore_rng
+from hookloop.rng import capture_rng, loader_generators
 from hookloop.signals import terminate_on_sigterm
 from hookloop.state import LoopState
+from hookloop.untouched import untouched
 
 __all__ = ["Loop"]
 
@@ -115,6 +117,9 @@ class Loop:
         self.state = LoopState()
         #: Micro-batches per optimizer step; set by ``GradAccumulation`` in ``setup``.
         self.accumulation_steps = 1
+        #: The ``torch.amp.GradScaler`` scaling the loss, set by ``AMP`` in ``setup`` (None
+        #: without one): callbacks that read gradients or the scale find it here.
+        self.scaler: torch.amp.GradScaler | None = None
         self.stop_reason: str | None = None
         self._stop_requested = False
         self._step_cancelled = False
@@ -126,8 +131,7 @@ class Loop:
         #: ``fn(callback, event, method) -> callable`` wrapping every dispatched method
         #: (set by a profiler or tracer in its ``setup``); None dispatches the methods as they are.
         self.handler_wrapper: Wrapper | None = None
-        self._fitting = False
-        self._sanity_checking = False
+        self._phase = Phase.IDLE
         self._validated_step = -1
         self._lookahead: Lookahead | None = None
         self._generators: list[torch.Generator] = []
@@ -172,9 +176,19 @@ class Loop:
         return self._epoch_completed
 
     @property
+    def phase(self) -> Phase:
+        """What the loop is running now: a `Phase` (``TRAIN``, ``VALIDATE``...).
+
+        ``loop.phase is Phase.VALIDATE`` is the validation that counts (inside ``fit``, not
+        the sanity check, not an ``evaluate`` pass).
+        """
+        return self._phase
+
+    @property
     def fitting(self) -> bool:
-        """True inside `fit` (from ``setup`` to ``on_fit_end``); False in `validate` alone."""
-        return self._fitting
+        """True inside `fit` (from ``setup`` to ``on_fit_end``), outside the passes a
+        callback runs itself with `validate`, `evaluate` or `predict`."""
+        return self._phase.fitting
 
     @property
     def sanity_checking(self) -> bool:
@@ -183,7 +197,15 @@ class Loop:
         Callbacks that decide on metrics (best checkpoint, early stopping, plateau
         schedules, loggers) ignore that pass; its metrics are discarded.
         """
-        return self._sanity_checking
+        return self._phase is Phase.SANITY_CHECK
+
+    @contextmanager
+    def _in_phase(self, phase: Phase) -> Iterator[None]:
+        previous, self._phase = self._phase, phase
+        try:
+            yield
+        finally:
+            self._phase = previous
 
     @property
     def optimizer_stepped(self) -> bool:
@@ -272,7 +294,7 @@ class Loop:
         hook = getattr(self.optimizer, "register_step_post_hook", None)
         handle = hook(self._mark_stepped) if hook is not None else None
         self._step_observed = handle is not None
-        self._fitting = True
+        previous_phase, self._phase = self._phase, Phase.TRAIN
         try:
             self._setup()
             table = self._table
@@ -329,7 +351,7 @@ class Loop:
         else:
             self._emit_fit_end(table, None)
         finally:
-            self._fitting = False
+            self._phase = previous_phase
             if handle is not None:
                 handle.remove()
             # Device memory of the last batch is not kept alive by the returned state.
@@ -378,10 +400,11 @@ class Loop:
         return self._evaluate(data, prefix)
 
     def _evaluate(self, data: Iterable[Any] | None, prefix: str) -> dict[str, float]:
-        self._prepare_alone()
-        data = self.val_data if data is None else data
-        with self._untouched(data):  # a check in the middle of work changes nothing
-            self._validate_pass(data, prefix)
+        with self._in_phase(Phase.EVALUATE):
+            self._prepare_alone()
+            data = self.val_data if data is None else data
+            with self._untouched(data):  # a check in the middle of work changes nothing
+                self._validate_pass(data, prefix)
         return {key: value for key, value in self.state.metrics.items()
                 if key.startswith(prefix + "_")}
 
@@ -409,6 +432,10 @@ class Loop:
         """
         if data is None:
             raise ConfigurationError("predict() needs data, got None.")
+        with self._in_phase(Phase.PREDICT):
+            return self._predict(data)
+
+    def _predict(self, data: Iterable[Any]) -> Any:
         self._prepare_alone()
         table = self._table
         assert table is not None
@@ -582,6 +609,7 @@ class Loop:
     def _setup(self) -> None:
         """Run the setup hooks, check the data, move the model, restore, build the table."""
         self.accumulation_steps = 1  # the step geometry is read afresh at every fit
+        self.scaler = None
         self.handler_wrapper = None
         for callback in self.callbacks:
             if overrides(callback, "setup"):
@@ -609,7 +637,7 @@ class Loop:
             run_state.restore(self, state, source)
             # validate()/evaluate()/predict() alone apply it too (the weights, the EMA), and
             # leave it for the next fit, whose setup builds what only a fit builds.
-            if self._fitting:
+            if self.fitting:
                 self._restore = None
         main = distributed.is_main()
         active = [c for c in self.callbacks if main or not c.rank_zero_only]
@@ -785,30 +813,21 @@ class Loop:
         state = self.state
         saved_state = (dict(state.metrics), state.history, state.batch_idx, state.batch,
                        state.outputs, state.loss, state.targets, state.batch_size, state.training)
-        self._sanity_checking = True
         try:
-            with self._untouched(self.val_data):
+            with self._in_phase(Phase.SANITY_CHECK), self._untouched(self.val_data):
                 self._validate_pass(self.val_data, "val", limit=self.sanity_val_batches,
                                     events=Table(producers, self.handler_wrapper))
         finally:
-            self._sanity_checking = False
             (state.metrics, state.history, state.batch_idx, state.batch, state.outputs,
              state.loss, state.targets, state.batch_size, state.training) = saved_state
 
-    @contextmanager
-    def _untouched(self, data: Any) -> Iterator[None]:
+    def _untouched(self, data: Any) -> Any:
         """A pass outside training (the sanity check, validate, evaluate, predict) leaves
         every random generator and every submodule's train/eval mode as it found them:
         iterating a DataLoader draws its base seed from torch's, and a later fit must draw
         what it would have drawn without the pass."""
-        generators = [*self._generators, *loader_generators(self.train_data),
-                      *loader_generators(data)]
-        saved = capture_rng(generators)
-        try:
-            with modes_kept(self.model):
-                yield
-        finally:
-            restore_rng(saved, generators)
+        return untouched(self.model, [*self._generators, *loader_generators(self.train_data),
+                                      *loader_generators(data)])
 
     def _validate_pass(self, data: Iterable[Any], prefix: str, limit: int | None = None,
                        events: Table | None = None) -> None:
@@ -821,8 +840,9 @@ class Loop:
         state.training = False
         state.prefix = prefix
         loss_sum, samples = self._accumulator(), 0
+        phase = Phase.VALIDATE if self._phase is Phase.TRAIN else self._phase
         try:
-            with entered(contexts.validation_context, self):
+            with self._in_phase(phase), entered(contexts.validation_context, self):
                 self._emit(table.on_validation_start)
                 with torch.no_grad():
                     for batch_idx, batch in enumerate(data):
@@ -848,7 +868,7 @@ class Loop:
                 self._emit(table.on_validation_end)
         finally:
             state.prefix = "val"
-        if self._fitting and not self._sanity_checking and prefix == "val":
+        if phase is Phase.VALIDATE:
             self._validated_step = state.step
             self._record_history()
 

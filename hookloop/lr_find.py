@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 from hookloop.data import move_to_device
 from hookloop.errors import ConfigurationError
 from hookloop.forward import check_loss, compute
-from hookloop.modules import modes_kept, tensors_kept
-from hookloop.rng import capture_rng, loader_generators, restore_rng
+from hookloop.rng import loader_generators
+from hookloop.untouched import untouched
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -160,18 +160,16 @@ def lr_find(loop: Loop, start_lr: float = 1e-7, end_lr: float = 10.0, steps: int
         raise ConfigurationError(f"lr_find divergence must be > 1, got {divergence!r}.")
     model, optimizer = loop.model, loop.optimizer
     model.to(loop.device)
-    generators = loader_generators(loop.train_data)
-    saved_rng = capture_rng(generators, full=True)
     saved_optimizer = copy.deepcopy(optimizer.state_dict())
     result = LRFindResult()
-    # Every parameter and buffer (non-persistent ones too) and every submodule's mode.
-    with tensors_kept(model), modes_kept(model):
+    # Every parameter and buffer (non-persistent ones too), every submodule's mode and
+    # every random generator.
+    with untouched(model, loader_generators(loop.train_data), tensors="all"):
         try:
             _ramp(loop, start_lr, end_lr, steps, smoothing, divergence, result)
         finally:
             optimizer.zero_grad(set_to_none=True)
             optimizer.load_state_dict(saved_optimizer)
-            restore_rng(saved_rng, generators)
     # The diverging point is shown, but the suggestion comes from the curve before it.
     end = len(result.losses) - (1 if result.stop_reason and result.losses else 0)
     result.suggestion = _steepest(result.lrs[:end], result.losses[:end])

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from hookloop import distributed
 from hookloop.errors import ConfigurationError
+from hookloop.phase import Phase
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -133,6 +134,19 @@ class Monitor:
                 "those, or make sure the callback producing it runs before "
                 f"{self.owner} in every epoch.")
         return float(distributed.broadcast_object(float(value)))
+
+    def due(self, loop: Loop, *, epoch_end: bool = False) -> bool:
+        """Whether a decision on the metric is due now.
+
+        From ``on_validation_end``: True at a validation that counts (``loop.phase is
+        Phase.VALIDATE``: inside ``fit``, not the sanity check, not an ``evaluate`` pass).
+        From ``on_epoch_end`` with ``epoch_end=True``: True when the loop has no validation
+        data and the epoch ran through all its data, so the decision is taken on the
+        training metrics there.
+        """
+        if epoch_end:
+            return loop.val_data is None and loop.epoch_completed
+        return loop.phase is Phase.VALIDATE
 
     def describe(self) -> str:
         """``"val_acc (max)"``: the metric and its direction, for messages and reprs."""

@@ -19,7 +19,7 @@ from conftest import subprocess_env
 from hookloop import Callback, Loop, distributed
 from hookloop.callbacks import AMP, GradAccumulation, TerminateOnNaN
 from hookloop.callbacks import amp as amp_module
-from hookloop.callbacks.terminate_on_nan import non_finite_weights_advice
+from hookloop.grads import non_finite_weights_advice
 from hookloop.errors import Terminated
 from hookloop.signals import terminate_on_sigterm
 

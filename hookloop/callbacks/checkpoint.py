@@ -18,8 +18,8 @@ import torch
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.callbacks.terminate_on_nan import non_finite_weights_advice
 from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.grads import non_finite_weights_advice
 from hookloop.monitor import Monitor
 from hookloop.storage import (
     FORMAT,

@@ -84,7 +84,7 @@ class CSVLogger(Callback):
                                           or not isinstance(every_n_steps, int) or every_n_steps < 1):
             raise ConfigurationError(
                 f"CSVLogger every_n_steps must be a positive int or None, got {every_n_steps!r}.")
-        self.path = check_path("CSVLogger", "path", path)
+        self.path = check_path("CSVLogger path", path)
         self.every_n_steps = every_n_steps
         self._columns: list[str] = list(FIXED)
         self._rows = 0                 # data rows in the file, or owed to it (pending)

@@ -10,28 +10,12 @@ import torch
 
 from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
+from hookloop.grads import total_norm
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["GradClip", "total_norm"]
-
-
-def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients taken as one vector, as a tensor (no host sync).
-
-    The same number ``torch.nn.utils.clip_grad_norm_`` returns; works on torch >= 2.3
-    (``torch.nn.utils.get_total_norm`` exists only from 2.6).
-    """
-    if not grads:
-        return torch.tensor(0.0)
-    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
-    if get_total_norm is not None:
-        return get_total_norm(grads, norm_type)
-    norms = [torch.linalg.vector_norm(grad, norm_type) for grad in grads]
-    if len({norm.device for norm in norms}) > 1:
-        norms = [norm.to(grads[0].device) for norm in norms]
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+__all__ = ["GradClip"]
 
 
 class GradClip(Callback):

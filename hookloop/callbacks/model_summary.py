@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.callbacks.probe import model_inputs, untouched
 from hookloop.checks import check_flag
 from hookloop.errors import ConfigurationError
+from hookloop.forward import model_inputs
+from hookloop.untouched import untouched
 
 if TYPE_CHECKING:
     from torchinfo.model_statistics import ModelStatistics
@@ -85,7 +86,7 @@ class ModelSummary(Callback):
             raise ConfigurationError(f"ModelSummary depth must be a non-negative int, got {depth!r}.")
         self.input_size = None if input_size is None else _check_input_size(input_size)
         self.depth = depth
-        self.print_summary = check_flag("ModelSummary", "print_summary", print_summary)
+        self.print_summary = check_flag("ModelSummary print_summary", print_summary)
         #: The torchinfo result of the latest fit, or None before it (or when it failed).
         self.summary: ModelStatistics | None = None
         self._pending = False
@@ -120,7 +121,7 @@ class ModelSummary(Callback):
             import torchinfo
 
             model = loop.unwrapped_model
-            with untouched(model):
+            with untouched(model, tensors="buffers"), torch.no_grad():
                 self.summary = torchinfo.summary(model, depth=self.depth, device=loop.device,
                                                  mode="eval", verbose=0, **inputs)
         except Exception as error:  # a summary never stops training

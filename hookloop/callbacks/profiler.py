@@ -72,9 +72,9 @@ class Profiler(Callback):
 
     def __init__(self, *, sync_cuda: bool = False, console: Console | None = None,
                  print_table: bool = True) -> None:
-        self.sync_cuda = check_flag("Profiler", "sync_cuda", sync_cuda)
+        self.sync_cuda = check_flag("Profiler sync_cuda", sync_cuda)
         self.console = check_console("Profiler", console)
-        self.print_table = check_flag("Profiler", "print_table", print_table)
+        self.print_table = check_flag("Profiler print_table", print_table)
         self._cells: dict[tuple[int, str], list[float]] = {}
         self._labels: dict[int, str] = {}
         self._callback_time = [0.0]

@@ -90,7 +90,7 @@ class ProgressBar(Callback):
                 raise ConfigurationError(f"ProgressBar {name} must be a positive number, got {value!r}.")
         self.console = check_console("ProgressBar", console)
         if terminal is not None:
-            check_flag("ProgressBar", "terminal", terminal)
+            check_flag("ProgressBar terminal", terminal)
         self.terminal = terminal
         self.refresh_per_second = float(refresh_per_second)
         self.plain_every_s = float(plain_every_s)

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.callbacks.probe import model_inputs, untouched
 from hookloop.checks import check_flag, check_path
 from hookloop.errors import ConfigurationError
+from hookloop.forward import model_inputs
+from hookloop.untouched import untouched
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -157,10 +158,10 @@ class TensorBoard(Callback):
             raise ConfigurationError(
                 f"TensorBoard hparams must be a dict of name -> number/str/bool, got "
                 f"{type(hparams).__name__}.")
-        self.log_dir = check_path("TensorBoard", "log_dir", log_dir)
+        self.log_dir = check_path("TensorBoard log_dir", log_dir)
         self.every_n_steps = every_n_steps
         self.histograms_every_n_epochs = histograms_every_n_epochs
-        self.graph = check_flag("TensorBoard", "graph", graph)
+        self.graph = check_flag("TensorBoard graph", graph)
         self.hparams = None if hparams is None else dict(hparams)
         self.flush_secs = flush_secs
         self._writer: SummaryWriter | None = None
@@ -400,8 +401,10 @@ class TensorBoard(Callback):
                           "graph is logged.", RuntimeWarning, stacklevel=2)
             return
         try:
-            with untouched(model), warnings.catch_warnings():
+            with untouched(model, tensors="buffers"), torch.no_grad(), \
+                    warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # tracer chatter
+                model.eval()
                 self.writer.add_graph(model, inputs[0][0])
         except Exception as error:  # best effort: a graph never stops training
             warnings.warn(f"TensorBoard(graph=True): could not trace the model ({error!r}); "

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.callbacks.grad_clip import total_norm
 from hookloop.errors import ConfigurationError, NonFiniteError
+from hookloop.grads import total_norm
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["TerminateOnNaN", "non_finite_weights_advice"]
+__all__ = ["TerminateOnNaN"]
 
 
 def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
@@ -26,28 +25,6 @@ def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
         else:  # pragma: no cover - older torch
             for target, source in zip(targets, sources):
                 target.copy_(source)
-
-
-def non_finite_weights_advice(callbacks: Sequence[Callback]) -> str:
-    """What to tell a user whose weights became non-finite, given the stack they run.
-
-    For `Checkpoint`'s "weights are not finite" warning: advise adding `TerminateOnNaN`
-    only when it is not there already.
-
-    Example:
-        >>> non_finite_weights_advice([])[:24]
-        'Add TerminateOnNaN() to '
-    """
-    present = [callback for callback in callbacks if isinstance(callback, TerminateOnNaN)]
-    if not present:
-        return ("Add TerminateOnNaN() to stop before a non-finite loss or gradient reaches "
-                "the weights.")
-    if not present[0].check_gradients:
-        return ("TerminateOnNaN(check_gradients=False) only watches the loss; a finite loss "
-                "with non-finite gradients passed it. Use TerminateOnNaN() to check both.")
-    return ("TerminateOnNaN is in the stack and saw finite losses and gradients, so the "
-            "optimizer step itself (a learning rate or eps that overflows), a callback that "
-            "writes the weights, or weights that were non-finite from the start made them so.")
 
 
 class TerminateOnNaN(Callback):
