@@ -23,12 +23,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from hookloop import distributed
 from hookloop.callback import Callback
+from hookloop.data import length_of
 from hookloop.errors import ConfigurationError
+from hookloop.ordering import check_callbacks
 
 __all__ = ["check_int", "check_optional_int", "check_flag", "check_number", "check_name",
            "check_choice", "check_path", "check_console", "check_loop_arguments",
-           "check_fit_arguments", "check_fit_data", "resolve_device", "available_devices"]
+           "check_fit", "check_fit_arguments", "check_fit_data", "check_evaluation", "check_setup", "resolve_device",
+           "available_devices"]
 
 
 def _refuse(label: str, requirement: str, value: Any, hint: str = "") -> ConfigurationError:
@@ -324,8 +328,9 @@ def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
 
 
 def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: Any,
-                         loss_fn: Any, forward: Any, callbacks: Any, device: Any
-                         ) -> torch.device:
+                         loss_fn: Any, forward: Any, callbacks: Any, device: Any, *,
+                         val_every_n_epochs: Any = 1, val_every_n_steps: Any = None,
+                         sanity_val_batches: Any = 2) -> torch.device:
     """Check `Loop`'s arguments when it is built; return the device to train on.
 
     Checks: a ``nn.Module`` model; an optimizer with at least one of the model's
@@ -376,6 +381,10 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
                 raise ConfigurationError(
                     f"callbacks[{index}] is {callback!r} ({type(callback).__name__}), not a "
                     "hookloop.Callback. Subclass hookloop.Callback and pass an instance.")
+    check_optional_int("Loop val_every_n_epochs", val_every_n_epochs)
+    check_optional_int("Loop val_every_n_steps", val_every_n_steps)
+    check_int("Loop sanity_val_batches", sanity_val_batches, minimum=0,
+              hint="(0 turns the check off.)")
     return resolve_device(device)
 
 
@@ -417,6 +426,14 @@ def check_fit_data(train_data: Any, epochs_left: int, val_data: Any = None) -> N
                 "(class Batches: def __iter__(self): yield from make_batches()).")
 
 
+def check_fit(loop: Any, epochs: Any, max_steps: Any) -> None:
+    """At ``fit``: its arguments (`check_fit_arguments`), the callback stack
+    (`hookloop.ordering.check_callbacks`) and one-shot data (`check_fit_data`)."""
+    check_fit_arguments(epochs, max_steps)
+    check_callbacks(loop.callbacks, loop)  # a stack that cannot work: nothing ran yet
+    check_fit_data(loop.train_data, epochs - loop.position.epoch, loop.val_data)
+
+
 def check_fit_arguments(epochs: Any, max_steps: Any) -> None:
     """``fit``'s own arguments: ``epochs`` an int >= 0, ``max_steps`` None or an int >= 1.
 
@@ -441,3 +458,30 @@ def check_fit_arguments(epochs: Any, max_steps: Any) -> None:
         raise ConfigurationError(
             f"max_steps must be a positive int or None, got {max_steps!r} "
             f"({type(max_steps).__name__}).")
+
+
+def check_evaluation(data: Any, prefix: Any) -> None:
+    """`Loop.evaluate`'s arguments: some data, and a prefix that makes metric names."""
+    if not isinstance(prefix, str) or not prefix.isidentifier():
+        raise ConfigurationError(f"prefix must be a name such as 'test', got {prefix!r}.")
+    if data is None:
+        raise ConfigurationError("evaluate() needs data to evaluate, got None.")
+
+
+def check_setup(loop: Any) -> None:
+    """After every ``setup`` hook ran (DDP may have rebuilt the data): the step geometry and
+    the data are usable.
+
+    Raises:
+        ConfigurationError: ``accumulation_steps`` set to something else than an int >= 1,
+            empty training data, or empty validation data in a single process (under DDP
+            one rank's shard may be empty; the validation pass checks the total).
+    """
+    check_int("Loop accumulation_steps (set by a callback's setup)", loop.accumulation_steps)
+    if length_of(loop.train_data) == 0:
+        raise ConfigurationError(
+            "train_data is empty (len(train_data) == 0): check the dataset, the batch size "
+            "and drop_last.")
+    if loop.val_data is not None and length_of(loop.val_data) == 0 and distributed.world_size() == 1:
+        raise ConfigurationError("val_data is empty (len(val_data) == 0): pass val_data=None "
+                                 "to train without validation, or check the dataset.")

@@ -7,7 +7,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["move_to_device", "find_targets", "batch_size_of", "is_pair", "length_of", "Lookahead"]
+from hookloop import distributed
+from hookloop.errors import ConfigurationError
+
+__all__ = ["move_to_device", "find_targets", "batch_size_of", "is_pair", "length_of", "Lookahead",
+           "LossSum"]
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -125,3 +129,44 @@ class Lookahead:
         item, self._next = self._next, self._fetch()
         self.exhausted = self._next is self._EMPTY
         return item
+
+
+class LossSum:
+    """A sample-weighted sum of batch losses, kept on the device and read once.
+
+    Adding costs one device operation and no host sync; `mean` reduces over all ranks
+    with one all-reduce and reads the result once.
+
+    Example:
+        >>> losses = LossSum(torch.device("cpu"))
+        >>> losses.add(torch.tensor(1.0), 2); losses.add(torch.tensor(4.0), 1)
+        >>> losses.mean()
+        2.0
+    """
+
+    __slots__ = ("total", "samples")
+
+    def __init__(self, device: torch.device, total: torch.Tensor | None = None,
+                 samples: int = 0) -> None:
+        if total is None:
+            dtype = torch.float32 if device.type == "mps" else torch.float64
+            total = torch.zeros((), dtype=dtype, device=device)
+        self.total, self.samples = total, samples
+
+    def add(self, loss: torch.Tensor, batch_size: int) -> None:
+        """Add a batch's loss weighted by its size."""
+        self.total = torch.add(self.total, loss.detach(), alpha=batch_size)
+        self.samples += batch_size
+
+    def mean(self, *, empty: str = "the data") -> float:
+        """The mean over every rank's samples: one all-reduce, one host read.
+
+        Raises:
+            ConfigurationError: no rank saw a sample (``empty`` names the data).
+        """
+        totals = distributed.all_reduce_sum(
+            torch.stack([self.total, self.total.new_tensor(self.samples)]))
+        total, samples = totals.tolist()
+        if samples == 0:
+            raise ConfigurationError(f"{empty} yielded no batches: it is empty.")
+        return total / samples

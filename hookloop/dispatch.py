@@ -1,16 +1,26 @@
-"""The dispatch table: for each event, the methods that callbacks really override."""
+"""Emitting events: the dispatch table, the exception path, and which loop a callback is in.
+
+The table is built once per fit: for each event, the methods callbacks really override, so
+an event nobody listens to costs nothing. Emitting is one loop over a tuple. An exception
+from a callback gets a note naming the callback and the event. When ``fit`` fails, every
+``on_exception`` and then every ``on_fit_end`` still runs (they save, close files and
+process groups); their own errors become notes on the first exception.
+"""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 from hookloop.callback import Callback
+from hookloop.errors import ConfigurationError, Terminated
 from hookloop.events import Event
 from hookloop.ordering import overrides
 
-__all__ = ["Table", "Wrapper", "annotate", "entered"]
+__all__ = ["Table", "Wrapper", "annotate", "entered", "emit", "call", "emit_fit_end",
+           "handle_exception", "bind"]
 
 _NULL_CONTEXT = nullcontext()
 _LISTS = tuple(event.value for event in Event) + (
@@ -26,14 +36,18 @@ class Table:
     ``step`` is the one callback method that routes the optimizer step, or None.
     ``wrap(callback, name, method) -> callable``, when given, replaces every method in the
     table (a profiler or a tracer); without it the table holds the bound methods themselves.
+    ``main=False`` (a rank other than 0) leaves out the ``rank_zero_only`` callbacks.
     """
 
     __slots__ = _LISTS + ("step",)
 
-    def __init__(self, callbacks: Sequence[Callback], wrap: Wrapper | None = None) -> None:
+    def __init__(self, callbacks: Sequence[Callback], wrap: Wrapper | None = None, *,
+                 main: bool = True) -> None:
         def entry(callback: Callback, name: str) -> Callable[..., Any]:
             method = getattr(callback, name)
             return method if wrap is None else wrap(callback, name, method)
+
+        callbacks = [callback for callback in callbacks if main or not callback.rank_zero_only]
 
         for name in _LISTS:
             setattr(self, name, tuple(entry(c, name) for c in callbacks if overrides(c, name)))
@@ -79,3 +93,94 @@ def _stacked(hooks: Handlers, loop: Any) -> Iterator[None]:
             if context is not None:
                 stack.enter_context(context)
         yield
+
+
+def emit(loop: Any, handlers: Handlers) -> None:
+    """Call every handler of one event with the loop, naming the callback if one raises."""
+    for handler in handlers:
+        try:
+            handler(loop)
+        except BaseException as exc:
+            annotate(exc, handler)
+            raise
+
+
+def call(hook: Callable[..., Any], loop: Any, *args: Any) -> Any:
+    """Call one hook (``setup``, ``scale_loss``, ``optimizer_step``...), naming it on error."""
+    try:
+        return hook(loop, *args)
+    except BaseException as exc:
+        annotate(exc, hook)
+        raise
+
+
+def _owner(handler: Callable[..., Any]) -> str:
+    return type(getattr(handler, "__self__", None)).__name__
+
+
+def emit_fit_end(loop: Any, table: Table, failure: BaseException | None) -> None:
+    """Every ``on_fit_end`` runs, even after one raised (they close files, groups...).
+
+    With ``failure`` (fit is already raising), their errors become notes on it;
+    otherwise the first error is raised once all have run. Ctrl-C stops at once.
+    """
+    first: BaseException | None = None
+    for handler in table.on_fit_end:
+        try:
+            handler(loop)
+        except KeyboardInterrupt:
+            raise
+        except Exception as error:
+            annotate(error, handler)
+            note = f"hookloop: {_owner(handler)}.on_fit_end also raised {error!r}"
+            if failure is not None:
+                failure.add_note(note)
+            elif first is None:
+                first = error
+            else:
+                first.add_note(note)
+    if first is not None:
+        raise first
+
+
+def handle_exception(loop: Any, table: Table, exc: BaseException) -> Terminated | None:
+    """The exception path of ``fit``: every ``on_exception``, then every ``on_fit_end``.
+
+    A handler's own error becomes a note on ``exc`` and the others still run; a second
+    Ctrl-C stops at once. A SIGTERM that arrives meanwhile lets the others finish and is
+    returned, so ``fit`` exits as SIGTERM with ``exc`` as its cause.
+    """
+    terminated: Terminated | None = None
+    for handler in table.on_exception:
+        try:
+            handler(loop, exc)
+        except KeyboardInterrupt:
+            raise  # a second Ctrl-C while handling the first: stop at once
+        except Terminated as signal:  # preempted while handling: finish, then exit
+            terminated = terminated or signal
+            exc.add_note(f"hookloop: SIGTERM arrived during {_owner(handler)}.on_exception")
+        except Exception as error:  # keep going: the first exception is what matters
+            exc.add_note(f"hookloop: {_owner(handler)}.on_exception also raised {error!r}")
+    emit_fit_end(loop, table, exc)
+    return terminated
+
+
+def bind(loop: Any, callbacks: Sequence[Callback]) -> None:
+    """A callback belongs to the first loop it runs in (it holds that run's state).
+
+    Raises:
+        ConfigurationError: a callback already ran in another loop.
+    """
+    for callback in callbacks:
+        owner = getattr(callback, "_hookloop_loop", None)
+        if owner is not None and owner() is not loop:
+            raise ConfigurationError(
+                f"{callback!r} already ran in another Loop. A callback holds the state of "
+                "one run (counters, averages, schedules, best scores), so it stays with the "
+                f"loop it first ran in. Create a new {type(callback).__name__}(...) for this "
+                "loop: build the list in a function, or call the preset again.")
+    for callback in callbacks:
+        try:
+            callback._hookloop_loop = weakref.ref(loop)  # type: ignore[attr-defined]
+        except AttributeError:  # pragma: no cover - a callback with __slots__
+            pass

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop.data import is_pair
+from hookloop.data import is_pair, move_to_device
+from hookloop.dispatch import Handlers, entered
 from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["compute", "check_loss", "predict_outputs", "concatenate", "model_inputs"]
+__all__ = ["compute", "check_loss", "predict_outputs", "predict_all", "concatenate",
+           "model_inputs"]
 
 
 def compute(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
@@ -91,6 +93,18 @@ def predict_outputs(loop: Loop, batch: Any) -> Any:
     if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields") and batch:
         return loop.model(batch[0])
     return loop.model(batch)
+
+
+def predict_all(loop: Loop, data: Iterable[Any], contexts: Handlers) -> Any:
+    """`predict_outputs` of every batch of ``data``, inside the ``forward_context`` hooks
+    ``contexts``, moved to the CPU and joined with `concatenate`."""
+    outputs: list[Any] = []
+    cpu = torch.device("cpu")
+    for batch in data:
+        batch = move_to_device(batch, loop.device)
+        with entered(contexts, loop):
+            outputs.append(move_to_device(predict_outputs(loop, batch), cpu))
+    return concatenate(outputs)
 
 
 def concatenate(outputs: list[Any]) -> Any:

@@ -1,11 +1,17 @@
-"""The training loop: iterate, forward, backward, step, emit events. Nothing else."""
+"""The training loop: iterate, forward, backward, step, emit events. Nothing else.
+
+Every question the loop asks has an owner it asks: `Position` (the batches of this epoch
+not trained on yet, and where the weights are), `Cadence` (is a validation due?),
+`OptimizerStep` (take the step; did the optimizer really step?), `RunEnd` (has the run
+ended, and why?), `hookloop.sanity` (the check before training) and `hookloop.dispatch`
+(emitting, the exception path). The docstring of `hookloop.events.Event` is this file in
+pseudocode.
+"""
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -13,26 +19,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookloop import distributed, run_state
+from hookloop import checks, dispatch, distributed, run_state, sanity
+from hookloop.cadence import Cadence
 from hookloop.callback import Callback
-from hookloop.checks import check_fit_arguments, check_fit_data, check_loop_arguments
-from hookloop.data import (
-    Lookahead,
-    batch_size_of,
-    find_targets,
-    length_of,
-    move_to_device,
-)
-from hookloop.dispatch import Handlers, Table, Wrapper, annotate, entered
-from hookloop.errors import CheckpointError, ConfigurationError, Terminated
-from hookloop.forward import check_loss, compute, concatenate, predict_outputs
+from hookloop.data import LossSum, length_of, move_to_device
+from hookloop.describe import describe
+from hookloop.dispatch import Table, Wrapper, call, emit, entered
+from hookloop.errors import ConfigurationError
+from hookloop.forward import check_loss, compute, predict_all
 from hookloop.modules import unwrap
 from hookloop.ordering import check_callbacks, overrides
-from hookloop.phase import Phase
-from hookloop.position import Position, RunPosition
-from hookloop.rng import capture_rng, loader_generators
+from hookloop.phase import Phase, Phases
+from hookloop.position import EpochPass, Position, RunPosition
+from hookloop.run_state import RunEnd
 from hookloop.signals import terminate_on_sigterm
 from hookloop.state import LoopState
+from hookloop.stepper import OptimizerStep
 from hookloop.untouched import untouched
 
 __all__ = ["Loop"]
@@ -76,68 +78,40 @@ class Loop:
         2
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        train_data: Iterable[Any],
-        *,
-        val_data: Iterable[Any] | None = None,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-        forward: Callable[[Loop, Any], tuple[Any, torch.Tensor]] | None = None,
-        callbacks: Iterable[Callback] = (),
-        device: torch.device | str | None = None,
-        val_every_n_epochs: int | None = 1,
-        val_every_n_steps: int | None = None,
-        sanity_val_batches: int = 2,
-    ) -> None:
-        device = check_loop_arguments(model, optimizer, train_data, val_data, loss_fn, forward,
-                                      callbacks, device)
-        self.model = model
-        self.optimizer = optimizer
-        self.train_data = train_data
-        self.val_data = val_data
-        self.loss_fn = loss_fn
-        self.forward = forward
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 train_data: Iterable[Any], *, val_data: Iterable[Any] | None = None,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                 forward: Callable[[Loop, Any], tuple[Any, torch.Tensor]] | None = None,
+                 callbacks: Iterable[Callback] = (), device: torch.device | str | None = None,
+                 val_every_n_epochs: int | None = 1, val_every_n_steps: int | None = None,
+                 sanity_val_batches: int = 2) -> None:
+        self.device = checks.check_loop_arguments(
+            model, optimizer, train_data, val_data, loss_fn, forward, callbacks, device,
+            val_every_n_epochs=val_every_n_epochs, val_every_n_steps=val_every_n_steps,
+            sanity_val_batches=sanity_val_batches)
+        self.model, self.optimizer = model, optimizer
+        self.train_data, self.val_data = train_data, val_data
+        self.loss_fn, self.forward = loss_fn, forward
         self.callbacks: list[Callback] = list(callbacks)
-        for label, value in (("val_every_n_epochs", val_every_n_epochs),
-                             ("val_every_n_steps", val_every_n_steps)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ConfigurationError(f"{label} must be an int >= 1 or None, got {value!r}.")
-        if isinstance(sanity_val_batches, bool) or not isinstance(sanity_val_batches, int) \
-                or sanity_val_batches < 0:
-            raise ConfigurationError(
-                f"sanity_val_batches must be an int >= 0 (0 turns the check off), got "
-                f"{sanity_val_batches!r}.")
-        self.val_every_n_epochs = val_every_n_epochs
-        self.val_every_n_steps = val_every_n_steps
+        self.val_every_n_epochs, self.val_every_n_steps = val_every_n_epochs, val_every_n_steps
         self.sanity_val_batches = sanity_val_batches
-        self.device = device
         self.state = LoopState()
         #: Micro-batches per optimizer step; set by ``GradAccumulation`` in ``setup``.
         self.accumulation_steps = 1
         #: The ``torch.amp.GradScaler`` scaling the loss, set by ``AMP`` in ``setup`` (None
         #: without one): callbacks that read gradients or the scale find it here.
         self.scaler: torch.amp.GradScaler | None = None
-        self.stop_reason: str | None = None
-        self._stop_requested = False
-        self._step_cancelled = False
-        self._stepped = False
-        self._step_observed = True
-        self._epoch_completed = False
-        self._live_iterator: tuple[int, Any] | None = None  # an epoch stop() cut short
-        self._table: Table | None = None
         #: ``fn(callback, event, method) -> callable`` wrapping every dispatched method
         #: (set by a profiler or tracer in its ``setup``); None dispatches the methods as they are.
         self.handler_wrapper: Wrapper | None = None
-        self._phase = Phase.IDLE
-        self._validated_step = -1
-        self._lookahead: Lookahead | None = None
-        self._generators: list[torch.Generator] = []
+        self._phases = Phases()
+        self._table: Table | None = None
         self._position = Position()  # where the weights are, in data terms (see state_dict)
+        self._cadence = Cadence()
+        self._stepper = OptimizerStep()
+        self._end = RunEnd(self.state)
+        self._epoch_completed = False
         self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
-        self._restored_end: Mapping[str, Any] | None = None  # why the restored run ended
 
     # ------------------------------------------------------------------ control
     def stop(self, reason: str | None = None) -> None:
@@ -149,22 +123,26 @@ class Loop:
         as ended by ``reason``: relaunched from a checkpoint with the same ``epochs``, it
         trains nothing and says why.
         """
-        self._stop_requested = True
-        self.stop_reason = reason
+        self._end.stop(reason)
 
     @property
     def stop_requested(self) -> bool:
         """True once `stop` was called in this fit."""
-        return self._stop_requested
+        return self._end.requested
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The reason given to `stop` in this fit (None before a stop, or without one)."""
+        return self._end.reason
 
     def cancel_step(self) -> None:
         """From ``before_step``: skip the coming optimizer step (gradients are dropped)."""
-        self._step_cancelled = True
+        self._stepper.cancelled = True
 
     @property
     def step_cancelled(self) -> bool:
         """True when a callback cancelled the step of the current step boundary."""
-        return self._step_cancelled
+        return self._stepper.cancelled
 
     @property
     def epoch_completed(self) -> bool:
@@ -182,13 +160,13 @@ class Loop:
         ``loop.phase is Phase.VALIDATE`` is the validation that counts (inside ``fit``, not
         the sanity check, not an ``evaluate`` pass).
         """
-        return self._phase
+        return self._phases.current
 
     @property
     def fitting(self) -> bool:
         """True inside `fit` (from ``setup`` to ``on_fit_end``), outside the passes a
         callback runs itself with `validate`, `evaluate` or `predict`."""
-        return self._phase.fitting
+        return self._phases.current.fitting
 
     @property
     def sanity_checking(self) -> bool:
@@ -197,15 +175,7 @@ class Loop:
         Callbacks that decide on metrics (best checkpoint, early stopping, plateau
         schedules, loggers) ignore that pass; its metrics are discarded.
         """
-        return self._phase is Phase.SANITY_CHECK
-
-    @contextmanager
-    def _in_phase(self, phase: Phase) -> Iterator[None]:
-        previous, self._phase = self._phase, phase
-        try:
-            yield
-        finally:
-            self._phase = previous
+        return self._phases.current is Phase.SANITY_CHECK
 
     @property
     def optimizer_stepped(self) -> bool:
@@ -214,13 +184,13 @@ class Loop:
         Observed through an optimizer step hook: False after a step a GradScaler skipped
         (inf/NaN gradients) or a callback cancelled. Valid from the step to the next boundary.
         """
-        return self._stepped
+        return self._stepper.stepped
 
     @property
     def position(self) -> RunPosition:
-        """Where the weights are: ``(epoch, batch_idx, step)`` of the last step boundary.
+        """Where the weights are: ``(epoch, batches_done, step)`` of the last step boundary.
 
-        ``batch_idx`` batches of ``epoch`` were trained on; a checkpoint resumes here.
+        ``batches_done`` batches of ``epoch`` were trained on; a checkpoint resumes here.
         """
         return self._position.public
 
@@ -253,10 +223,9 @@ class Loop:
     def total_steps(self) -> int | None:
         """Optimizer steps the current fit makes in all, from its start (or None)."""
         per_epoch = self.steps_per_epoch
-        total = None if per_epoch is None else per_epoch * self.state.epochs
-        if self.state.max_steps is not None:
-            total = self.state.max_steps if total is None else min(total, self.state.max_steps)
-        return total
+        limits = [per_epoch * self.state.epochs if per_epoch is not None else None,
+                  self.state.max_steps]
+        return min((limit for limit in limits if limit is not None), default=None)
 
     # --------------------------------------------------------------- public API
     def fit(self, epochs: int, *, max_steps: int | None = None) -> LoopState:
@@ -278,84 +247,43 @@ class Loop:
             ConfigurationError: bad input, before the first batch where it can be seen then.
             CallbackOrderError: a callback stack that cannot work, before the first batch.
         """
-        check_fit_arguments(epochs, max_steps)
-        check_callbacks(self.callbacks, self)  # a stack that cannot work: nothing ran yet
-        check_fit_data(self.train_data, epochs - self._position.epoch, self.val_data)
-        self._bind_callbacks()
+        checks.check_fit(self, epochs, max_steps)  # bad input, a stack that cannot work
+        dispatch.bind(self, self.callbacks)
         with terminate_on_sigterm():  # a preempted job leaves a checkpoint like Ctrl-C does
             return self._fit(epochs, max_steps)
 
     def _fit(self, epochs: int, max_steps: int | None) -> LoopState:
-        state = self.state
+        state, position = self.state, self._position
         state.epochs, state.max_steps = epochs, max_steps
-        self._stop_requested, self.stop_reason = False, None
-        # Until setup has run (DDP may create the process group), every callback listens.
-        table = Table(self.callbacks)
-        hook = getattr(self.optimizer, "register_step_post_hook", None)
-        handle = hook(self._mark_stepped) if hook is not None else None
-        self._step_observed = handle is not None
-        previous_phase, self._phase = self._phase, Phase.TRAIN
-        try:
-            self._setup()
-            table = self._table
-            assert table is not None
-            # A step validation the run already did (before an exception, or in the run a
-            # checkpoint resumes) is not done again.
-            self._validated_step = self._position.step if self._position.validated else -1
-            self.optimizer.zero_grad(set_to_none=True)
-            idle = self._nothing_to_train(epochs, max_steps)
-            if idle is not None:
-                self.stop(idle)
-            self._emit(table.on_fit_start)
-            if idle is not None and distributed.is_main():
-                print(f"hookloop: {idle}", flush=True)
-            self._check_callback_states()
-            if idle is None:
-                self._sanity_check()
-            epoch = self._position.epoch
-            while epoch < epochs and not self._stop_requested and not self._steps_exhausted():
-                state.epoch = epoch
-                state.metrics = {}
-                self._epoch_completed = False
-                self._emit(table.on_epoch_start)
-                self._epoch_completed = completed = self._train_epoch()
-                validated = completed and self._validation_due(epoch) and \
-                    self._validated_step != state.step
-                if validated:
-                    self._validate_pass(self.val_data, "val")
-                if completed:
-                    self._position.record(epoch + 1, 0, state.step, None, 0, self._generators)
-                self._emit(table.on_epoch_end)
-                if completed and not validated:
-                    self._record_epoch_end()
-                epoch += 1
-        except BaseException as exc:
-            self._position.rewind()  # a later fit continues from the last step boundary
-            self._live_iterator = None
-            terminated: Terminated | None = None
-            for handler in table.on_exception:
-                try:
-                    handler(self, exc)
-                except KeyboardInterrupt:
-                    raise  # a second Ctrl-C while handling the first: stop at once
-                except Terminated as signal:  # preempted while handling: finish, then exit
-                    terminated = terminated or signal
-                    exc.add_note(f"hookloop: SIGTERM arrived during {_owner(handler)}"
-                                 ".on_exception")
-                except Exception as error:  # keep going: the first exception is what matters
-                    exc.add_note(f"hookloop: {_owner(handler)}.on_exception also raised {error!r}")
-            self._emit_fit_end(table, exc)
-            if terminated is not None:
-                raise terminated from exc  # exit with SIGTERM's status, the cause attached
-            raise
-        else:
-            self._emit_fit_end(table, None)
-        finally:
-            self._phase = previous_phase
-            if handle is not None:
-                handle.remove()
-            # Device memory of the last batch is not kept alive by the returned state.
-            state.batch = state.outputs = state.loss = state.targets = None
+        self._end.begin()
+        table = Table(self.callbacks)  # until setup has run (DDP may create the group), all listen
+        with self._stepper.observing(self.optimizer), self._phases.entered(Phase.TRAIN):
+            try:
+                table = self._setup()
+                self._cadence.begin(self, position.validated)
+                self.optimizer.zero_grad(set_to_none=True)
+                idle = self._end.nothing_to_train(epochs, max_steps, position.epoch, state.step)
+                emit(self, table.on_fit_start)
+                if idle is not None and distributed.is_main():
+                    print(f"hookloop: {idle}", flush=True)
+                run_state.check_callback_states(self.callbacks)
+                if idle is None:
+                    sanity.check(self, self._phases, self._validate_pass, self._position.generators)
+                for epoch in range(position.epoch, epochs):
+                    if self._end.due():
+                        break
+                    self._run_epoch(epoch, table)
+            except BaseException as exc:
+                position.rewind()  # a later fit continues from the last step boundary
+                terminated = dispatch.handle_exception(self, table, exc)
+                if terminated is not None:
+                    raise terminated from exc  # exit with SIGTERM's status, the cause attached
+                raise
+            else:
+                dispatch.emit_fit_end(self, table, None)
+            finally:
+                # Device memory of the last batch is not kept alive by the returned state.
+                state.batch = state.outputs = state.loss = state.targets = None
         return state
 
     def validate(self) -> dict[str, float]:
@@ -393,18 +321,12 @@ class Loop:
             >>> sorted(loop.evaluate(data, prefix="test"))
             ['test_loss']
         """
-        if not isinstance(prefix, str) or not prefix.isidentifier():
-            raise ConfigurationError(f"prefix must be a name such as 'test', got {prefix!r}.")
-        if data is None:
-            raise ConfigurationError("evaluate() needs data to evaluate, got None.")
+        checks.check_evaluation(data, prefix)
         return self._evaluate(data, prefix)
 
     def _evaluate(self, data: Iterable[Any] | None, prefix: str) -> dict[str, float]:
-        with self._in_phase(Phase.EVALUATE):
-            self._prepare_alone()
-            data = self.val_data if data is None else data
-            with self._untouched(data):  # a check in the middle of work changes nothing
-                self._validate_pass(data, prefix)
+        with self._alone(Phase.EVALUATE, data) as (_, data):
+            self._validate_pass(data, prefix)
         return {key: value for key, value in self.state.metrics.items()
                 if key.startswith(prefix + "_")}
 
@@ -432,27 +354,13 @@ class Loop:
         """
         if data is None:
             raise ConfigurationError("predict() needs data, got None.")
-        with self._in_phase(Phase.PREDICT):
-            return self._predict(data)
-
-    def _predict(self, data: Iterable[Any]) -> Any:
-        self._prepare_alone()
-        table = self._table
-        assert table is not None
-        outputs: list[Any] = []
-        with self._untouched(data), entered(table.validation_context, self):
+        with self._alone(Phase.PREDICT, data) as (table, data), \
+                entered(table.validation_context, self):
             self.model.eval()
-            for batch in data:
-                batch = move_to_device(batch, self.device)
-                with entered(table.forward_context, self):
-                    outputs.append(move_to_device(predict_outputs(self, batch),
-                                                  torch.device("cpu")))
-        return concatenate(outputs)
+            return predict_all(self, data, table.forward_context)
 
     def describe(self) -> str:
         """Print and return the table of which callback runs at which event."""
-        from hookloop.describe import describe
-
         return describe(self.callbacks)
 
     # ---------------------------------------------------------------- run state
@@ -468,7 +376,8 @@ class Loop:
             gather: Under DDP, gather every rank's own part (a collective: every rank must
                 call it). False keeps this rank's only (for the exception path).
         """
-        return run_state.capture(self, gather=gather)
+        ended = self._end.record(self.state.epochs, self.state.max_steps, self._position.epoch)
+        return run_state.capture(self, self._position, ended, gather=gather)
 
     def load_state_dict(self, state: Mapping[str, Any], *, source: str | None = None) -> None:
         """Continue the run of `state_dict` at the next ``fit`` (or ``validate``).
@@ -486,348 +395,122 @@ class Loop:
                 not fit this run: another model architecture, another optimizer class or
                 param-group layout.
         """
-        if not isinstance(state, Mapping):
-            raise CheckpointError(f"{source or 'state'}: expected the mapping Loop.state_dict() "
-                                  f"returns, got {type(state).__name__}.")
-        self._restore = (state, source or "the state given to Loop.load_state_dict")
+        self._restore = (run_state.check_mapping(state, source),
+                         source or "the state given to Loop.load_state_dict")
 
     # ------------------------------------------------------------------ inside
-    def _bind_callbacks(self) -> None:
-        """A callback belongs to the first loop it runs in (it holds that run's state)."""
-        for callback in self.callbacks:
-            owner = getattr(callback, "_hookloop_loop", None)
-            if owner is not None and owner() is not self:
-                raise ConfigurationError(
-                    f"{callback!r} already ran in another Loop. A callback holds the state of "
-                    "one run (counters, averages, schedules, best scores), so it stays with the "
-                    f"loop it first ran in. Create a new {type(callback).__name__}(...) for this "
-                    "loop: build the list in a function, or call the preset again.")
-        for callback in self.callbacks:
-            try:
-                callback._hookloop_loop = weakref.ref(self)  # type: ignore[attr-defined]
-            except AttributeError:  # pragma: no cover - a callback with __slots__
-                pass
+    @contextmanager
+    def _alone(self, phase: Phase, data: Any) -> Iterator[tuple[Table, Any]]:
+        """A pass outside fit (validate, evaluate, predict; ``data`` None: ``val_data`` as
+        setup leaves it): set up, then leave every random generator and every submodule's
+        train/eval mode as found, so a check in the middle of work changes nothing."""
+        with self._phases.entered(phase):
+            check_callbacks(self.callbacks, self)
+            dispatch.bind(self, self.callbacks)
+            table = self._setup()
+            data = self.val_data if data is None else data
+            with untouched(self.model, self._position.generators, data=(self.train_data, data)):
+                yield table, data
 
-    def _prepare_alone(self) -> None:
-        """Set up for a pass outside fit (validate, evaluate, predict)."""
-        check_callbacks(self.callbacks, self)
-        self._bind_callbacks()
-        self._setup()
-
-    def _ended(self) -> dict[str, Any] | None:
-        """Why the run ended (a stop, its epochs, ``max_steps``), or None while it goes on."""
-        state = self.state
-        if self._stop_requested:
-            reason = self.stop_reason or "loop.stop() was called"
-        elif state.epochs and self._position.epoch >= state.epochs:
-            reason = f"all {state.epochs} epochs are done"
-        else:
-            return None
-        return {"reason": reason, "epochs": state.epochs, "max_steps": state.max_steps}
-
-    def _nothing_to_train(self, epochs: int, max_steps: int | None) -> str | None:
-        """Why this fit trains nothing (said once, before on_fit_start), or None."""
-        ended, self._restored_end = self._restored_end, None
-        if ended is not None:
-            more_epochs = epochs > int(ended["epochs"])
-            more_steps = ended.get("max_steps") is not None and (
-                max_steps is None or max_steps > int(ended["max_steps"]))
-            if not (more_epochs or more_steps):
-                return (f"the run being resumed already ended ({ended['reason']}), so this fit "
-                        f"trains nothing. Pass a larger epochs than {ended['epochs']} to continue "
-                        "it, or start a new run.")
-        if epochs and self._position.epoch >= epochs:
-            return (f"all {epochs} epochs of this run are done, so this fit trains nothing; "
-                    f"pass a larger epochs than {epochs} to train more.")
-        if max_steps is not None and self.state.step >= max_steps:
-            return (f"max_steps={max_steps} is already reached (step {self.state.step}), so "
-                    "this fit trains nothing; pass a larger max_steps or none.")
-        return None
-
-    def _check_callback_states(self) -> None:
-        run_state.check_callback_states(self.callbacks)
-
-    def _record_history(self) -> None:
-        state = self.state
-        state.history.append({"epoch": state.epoch, "step": state.step, **state.metrics})
-
-    def _record_epoch_end(self) -> None:
-        """The row of an epoch whose end did not validate: its training metrics only (a
-        validation earlier in the epoch has its own row); joined to the row of a validation
-        at the same step."""
-        state = self.state
-        row = {key: value for key, value in state.metrics.items() if not key.startswith("val_")}
-        last = state.history[-1] if state.history else None
-        if last is not None and (last["epoch"], last["step"]) == (state.epoch, state.step):
-            last.update(row)
-        else:
-            state.history.append({"epoch": state.epoch, "step": state.step, **row})
-
-    def _mark_stepped(self, *_: Any) -> None:
-        self._stepped = True
-
-    def _steps_exhausted(self) -> bool:
-        return self.state.max_steps is not None and self.state.step >= self.state.max_steps
-
-    def _validation_due(self, epoch: int) -> bool:
-        """At the end of ``epoch`` (0-based): does the epoch cadence ask for a validation?"""
-        every = self.val_every_n_epochs
-        return self.val_data is not None and every is not None and (epoch + 1) % every == 0
-
-    def _emit_fit_end(self, table: Table, failure: BaseException | None) -> None:
-        """Every ``on_fit_end`` runs, even after one raised (they close files, groups...).
-
-        With ``failure`` (fit is already raising), their errors become notes on it;
-        otherwise the first error is raised once all have run. Ctrl-C stops at once.
-        """
-        first: BaseException | None = None
-        for handler in table.on_fit_end:
-            try:
-                handler(self)
-            except KeyboardInterrupt:
-                raise
-            except Exception as error:
-                annotate(error, handler)
-                note = f"hookloop: {_owner(handler)}.on_fit_end also raised {error!r}"
-                if failure is not None:
-                    failure.add_note(note)
-                elif first is None:
-                    first = error
-                else:
-                    first.add_note(note)
-        if first is not None:
-            raise first
-
-    def _emit(self, handlers: Handlers) -> None:
-        for handler in handlers:
-            try:
-                handler(self)
-            except BaseException as exc:
-                annotate(exc, handler)
-                raise
-
-    def _setup(self) -> None:
+    def _setup(self) -> Table:
         """Run the setup hooks, check the data, move the model, restore, build the table."""
-        self.accumulation_steps = 1  # the step geometry is read afresh at every fit
-        self.scaler = None
-        self.handler_wrapper = None
-        for callback in self.callbacks:
+        self.accumulation_steps, self.scaler, self.handler_wrapper = 1, None, None
+        for callback in self.callbacks:  # the step geometry is read afresh at every fit
             if overrides(callback, "setup"):
-                try:
-                    callback.setup(self)
-                except BaseException as exc:
-                    annotate(exc, callback.setup)
-                    raise
-        if isinstance(self.accumulation_steps, bool) or not isinstance(
-                self.accumulation_steps, int) or self.accumulation_steps < 1:
-            raise ConfigurationError(
-                f"accumulation_steps must be a positive int, got {self.accumulation_steps!r}.")
-        if self.batches_per_epoch == 0:
-            raise ConfigurationError(
-                "train_data is empty (len(train_data) == 0): check the dataset, the batch size "
-                "and drop_last.")
-        # Under DDP one rank's validation shard may be empty; the pass checks the total.
-        if self.val_data is not None and length_of(self.val_data) == 0 and \
-                distributed.world_size() == 1:
-            raise ConfigurationError("val_data is empty (len(val_data) == 0): pass val_data=None "
-                                     "to train without validation, or check the dataset.")
+                call(callback.setup, self)
+        checks.check_setup(self)
         self.model.to(self.device)
         if self._restore is not None:
             state, source = self._restore
-            run_state.restore(self, state, source)
+            run_state.restore(self, self._position, self._end, state, source)
             # validate()/evaluate()/predict() alone apply it too (the weights, the EMA), and
             # leave it for the next fit, whose setup builds what only a fit builds.
             if self.fitting:
                 self._restore = None
-        main = distributed.is_main()
-        active = [c for c in self.callbacks if main or not c.rank_zero_only]
-        self._table = Table(active, self.handler_wrapper)
-        self._generators = loader_generators(self.train_data)
+        self._table = Table(self.callbacks, self.handler_wrapper, main=distributed.is_main())
+        self._position.attach(self.train_data)
+        return self._table
 
-    def _load_batch(self, batch: Any, batch_idx: int) -> Any:
+    def _run_epoch(self, epoch: int, table: Table) -> None:
         state = self.state
-        state.batch_idx = batch_idx
-        batch = move_to_device(batch, self.device)
-        state.batch = batch
-        state.targets = find_targets(batch)
-        state.batch_size = batch_size_of(batch, state.targets)
-        return batch
+        state.epoch, state.metrics = epoch, {}
+        self._epoch_completed = False
+        emit(self, table.on_epoch_start)
+        self._epoch_completed = completed = self._train_epoch(table)
+        validated = completed and self._cadence.at_epoch_end(epoch, state.step)
+        if validated:
+            self._validate_pass(self.val_data, "val")
+        if completed:
+            self._position.record(epoch + 1, 0, state.step, None, 0)
+        emit(self, table.on_epoch_end)
+        if completed and not validated:
+            state.record_epoch_end()
 
-    def _accumulator(self) -> torch.Tensor:
-        dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        return torch.zeros((), dtype=dtype, device=self.device)
-
-    def _train_epoch(self) -> bool:
+    def _train_epoch(self, table: Table) -> bool:
         """One training pass. Returns False when `stop` ended it before the data ran out."""
-        state, table = self.state, self._table
-        assert table is not None
+        state = self.state
         self.model.train()
         state.training = True
-        live, self._live_iterator = self._live_iterator, None
-        window = self.accumulation_steps
-        total = self.batches_per_epoch
-        wrap = None
-        if total is None and window > 1:  # the last window ends where the data does: look ahead
-            full = self._position.full_snapshots
-            wrap = functools.partial(Lookahead, snapshot=lambda: capture_rng(self._generators,
-                                                                            full=full))
-        iterator, start, loss_sum, samples = self._position.start_epoch(
-            state.epoch, self.train_data, self._generators, self._accumulator,
-            live=live[1] if live is not None and live[0] == state.epoch else None, wrap=wrap)
-        self._lookahead = iterator if isinstance(iterator, Lookahead) else None
-        last = (total or 0) - 1
-        every_n_steps = self.val_every_n_steps if self.val_data is not None else None
-        if (start and every_n_steps is not None and state.step and not self._position.validated
-                and state.step % every_n_steps == 0):
-            # The run stopped (an exception, a kill) during the validation due at this step.
-            self._step_validation(start, loss_sum, samples)
-        completed, boundary, batch_idx = True, True, start - 1
-        while True:
-            # A stop takes effect at a step boundary, never inside an accumulation window.
-            stopping = boundary and (self._stop_requested or self._steps_exhausted())
-            # More data is known to follow: keep the iterator for a later fit. Without a
-            # length (and no look-ahead), one more batch is fetched below to find out.
-            more = (batch_idx + 1 < total if total is not None
-                    else isinstance(iterator, Lookahead) and not iterator.exhausted)
-            if stopping and more:
-                self._live_iterator = (state.epoch, iterator)  # a later fit continues it
-                completed = False
-                break
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                break
-            if stopping:  # the data outlived its len(): keep it for a later fit
-                self._live_iterator = (state.epoch, itertools.chain([batch], iterator))
-                completed = False
-                break
-            batch_idx += 1
-            batch = self._load_batch(batch, batch_idx)
-            if total is None:
-                ends_data = window > 1 and iterator.exhausted  # type: ignore[union-attr]
-            else:
-                ends_data = batch_idx == last
-            state.step_boundary = window == 1 or (batch_idx + 1) % window == 0 or ends_data
+        batches = self._position.start_epoch(self, stop_due=self._end.due)
+        if self._cadence.owed_on_resume(batches.start, state.step, self._position.validated):
+            self._step_validation(batches)  # the run stopped during the one due at this step
+        for batch_idx, batch, state.step_boundary in batches:
+            batch = state.set_batch(move_to_device(batch, self.device), batch_idx)
             if table.on_batch_start:
-                self._emit(table.on_batch_start)
+                emit(self, table.on_batch_start)
             with entered(table.train_step_context, self):
-                with entered(table.forward_context, self):
-                    outputs, loss = compute(self, batch)
-                check_loss(loss, training=True)
-                state.outputs, state.loss = outputs, loss
-                if table.after_forward:
-                    self._emit(table.after_forward)
-                    if state.loss is not loss:  # replaced by a callback (a penalty term)
-                        check_loss(state.loss, training=True, replaced=True)
-                        loss = state.loss
-                loss_sum = torch.add(loss_sum, loss.detach(), alpha=state.batch_size)
-                samples += state.batch_size
-                for scale in table.scale_loss:
-                    try:
-                        loss = scale(self, loss)
-                    except BaseException as exc:
-                        annotate(exc, scale)
-                        raise
+                loss = self._forward(batch, batches, table)
                 loss.backward()
             if table.after_backward:
-                self._emit(table.after_backward)
+                emit(self, table.after_backward)
             if state.step_boundary:
-                self._optimizer_step(table, batch_idx + 1, loss_sum, samples)
-                if (every_n_steps is not None and self._stepped
-                        and state.step % every_n_steps == 0):
-                    self._step_validation(batch_idx + 1, loss_sum, samples)
+                self._step(batches, table)
             if table.on_batch_end:
-                self._emit(table.on_batch_end)
-            boundary = state.step_boundary
-        if completed and samples == 0 and start == 0:
-            raise ConfigurationError("train_data yielded no batches in this epoch: it is empty.")
-        if samples:
-            totals = distributed.all_reduce_sum(torch.stack([loss_sum, loss_sum.new_tensor(samples)]))
-            sums = totals.tolist()  # the one host sync of the training pass
-            state.metrics["train_loss"] = sums[0] / sums[1]
-        return completed
+                emit(self, table.on_batch_end)
+        train_loss = batches.train_loss()
+        if train_loss is not None:
+            state.metrics["train_loss"] = train_loss
+        return batches.completed
 
-    def _step_validation(self, batches_done: int, loss_sum: torch.Tensor, samples: int) -> None:
-        """The validation every ``val_every_n_steps`` steps, at the current step boundary."""
+    def _forward(self, batch: Any, batches: EpochPass, table: Table) -> torch.Tensor:
+        """Outputs and loss of a training batch; returns the loss to backpropagate."""
         state = self.state
-        # on_batch_end comes after this pass: it must see the training batch, not the last
-        # validation batch.
-        batch = (state.batch_idx, state.batch, state.outputs, state.loss, state.targets,
-                 state.batch_size)
-        self._validate_pass(self.val_data, "val")
-        self.model.train()
-        state.training = True
-        (state.batch_idx, state.batch, state.outputs, state.loss, state.targets,
-         state.batch_size) = batch
+        with entered(table.forward_context, self):
+            outputs, loss = compute(self, batch)
+        check_loss(loss, training=True)
+        state.outputs, state.loss = outputs, loss
+        if table.after_forward:
+            emit(self, table.after_forward)
+            if state.loss is not loss:  # replaced by a callback (a penalty term)
+                check_loss(state.loss, training=True, replaced=True)
+                loss = state.loss
+        batches.losses.add(loss, state.batch_size)
+        for scale in table.scale_loss:
+            loss = call(scale, self, loss)
+        return loss
+
+    def _step(self, batches: EpochPass, table: Table) -> None:
+        state, stepper = self.state, self._stepper
+        if stepper.take(self, table):
+            state.step += 1
+        batches.record(state.step)  # the weights now match this position
+        if stepper.stepped and table.after_step:
+            emit(self, table.after_step)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._end.check_steps()
+        if stepper.stepped and self._cadence.after_step(state.step):
+            self._step_validation(batches)
+
+    def _step_validation(self, batches: EpochPass) -> None:
+        """The validation every ``val_every_n_steps`` steps, at the current step boundary."""
+        # on_batch_end comes after this pass: it must see the training batch.
+        with self.state.kept("batch_idx", "batch", "outputs", "loss", "targets", "batch_size"):
+            self._validate_pass(self.val_data, "val")
+            self.model.train()
+            self.state.training = True
         # Validation draws from the generators (a DataLoader's base seed): the position's
         # snapshot is taken again, so that a resume draws what follows it.
-        lookahead = self._lookahead
-        self._position.record(state.epoch, batches_done, state.step, loss_sum, samples,
-                              self._generators, lookahead.pending_snapshot if lookahead else None)
-        self._position.validated = True
-
-    def _optimizer_step(self, table: Table, batches_done: int, loss_sum: torch.Tensor,
-                        samples: int) -> None:
-        state = self.state
-        self._step_cancelled = False
-        if table.before_step:
-            self._emit(table.before_step)
-        self._stepped = False
-        if not self._step_cancelled:
-            if table.step is None:
-                self.optimizer.step()
-            else:
-                try:
-                    table.step(self)
-                except BaseException as exc:
-                    annotate(exc, table.step)
-                    raise
-            if not self._step_observed:  # an optimizer without step hooks: trust the call
-                self._stepped = True
-            if self._stepped:
-                state.step += 1
-        # The weights now match this position, whatever an after_step callback does next.
-        lookahead = self._lookahead
-        self._position.record(state.epoch, batches_done, state.step, loss_sum, samples,
-                              self._generators, lookahead.pending_snapshot if lookahead else None)
-        if self._stepped and table.after_step:
-            self._emit(table.after_step)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self._steps_exhausted():
-            self.stop(f"max_steps={state.max_steps} reached")
-
-    def _sanity_check(self) -> None:
-        """A short validation before training: errors in it surface in seconds.
-
-        Runs the first ``sanity_val_batches`` validation batches with the validation
-        contexts, and sends the validation events only to the callbacks that produce metrics
-        (``Metrics``...: the ones whose mistakes it is meant to find). The metrics, the
-        model's mode and every random generator are put back afterwards.
-        """
-        if self.val_data is None or not self.sanity_val_batches or \
-                hasattr(self.val_data, "__next__"):  # a one-shot iterator: nothing to spare
-            return
-        main = distributed.is_main()
-        producers = [c for c in self.callbacks if (main or not c.rank_zero_only)
-                     and list(c.produces(self))]
-        state = self.state
-        saved_state = (dict(state.metrics), state.history, state.batch_idx, state.batch,
-                       state.outputs, state.loss, state.targets, state.batch_size, state.training)
-        try:
-            with self._in_phase(Phase.SANITY_CHECK), self._untouched(self.val_data):
-                self._validate_pass(self.val_data, "val", limit=self.sanity_val_batches,
-                                    events=Table(producers, self.handler_wrapper))
-        finally:
-            (state.metrics, state.history, state.batch_idx, state.batch, state.outputs,
-             state.loss, state.targets, state.batch_size, state.training) = saved_state
-
-    def _untouched(self, data: Any) -> Any:
-        """A pass outside training (the sanity check, validate, evaluate, predict) leaves
-        every random generator and every submodule's train/eval mode as it found them:
-        iterating a DataLoader draws its base seed from torch's, and a later fit must draw
-        what it would have drawn without the pass."""
-        return untouched(self.model, [*self._generators, *loader_generators(self.train_data),
-                                      *loader_generators(data)])
+        batches.record(self.state.step, validated=True)
 
     def _validate_pass(self, data: Iterable[Any], prefix: str, limit: int | None = None,
                        events: Table | None = None) -> None:
@@ -836,42 +519,28 @@ class Loop:
         state, contexts = self.state, self._table
         assert contexts is not None
         table = events if events is not None else contexts
-        self.model.eval()
-        state.training = False
-        state.prefix = prefix
-        loss_sum, samples = self._accumulator(), 0
-        phase = Phase.VALIDATE if self._phase is Phase.TRAIN else self._phase
-        try:
-            with self._in_phase(phase), entered(contexts.validation_context, self):
-                self._emit(table.on_validation_start)
+        phase = self._phases.current
+        phase = Phase.VALIDATE if phase is Phase.TRAIN else phase
+        with self._phases.entered(phase), state.kept("prefix"):
+            self.model.eval()
+            state.training, state.prefix = False, prefix
+            losses = LossSum(self.device)
+            with entered(contexts.validation_context, self):
+                emit(self, table.on_validation_start)
                 with torch.no_grad():
-                    for batch_idx, batch in enumerate(data):
-                        if limit is not None and batch_idx >= limit:
-                            break
-                        batch = self._load_batch(batch, batch_idx)
+                    for batch_idx, batch in enumerate(itertools.islice(data, limit)):
+                        batch = state.set_batch(move_to_device(batch, self.device), batch_idx)
                         if table.on_validation_batch_start:
-                            self._emit(table.on_validation_batch_start)
+                            emit(self, table.on_validation_batch_start)
                         with entered(contexts.forward_context, self):
                             state.outputs, state.loss = compute(self, batch)
                         check_loss(state.loss, training=False)
-                        loss_sum = torch.add(loss_sum, state.loss.detach(), alpha=state.batch_size)
-                        samples += state.batch_size
+                        losses.add(state.loss, state.batch_size)
                         if table.on_validation_batch_end:
-                            self._emit(table.on_validation_batch_end)
-                totals = distributed.all_reduce_sum(
-                    torch.stack([loss_sum, loss_sum.new_tensor(samples)]))
-                total_loss, total_samples = totals.tolist()
-                if total_samples == 0:
-                    which = "val_data" if prefix == "val" else "the data given to evaluate()"
-                    raise ConfigurationError(f"{which} yielded no batches: it is empty.")
-                state.metrics[f"{prefix}_loss"] = total_loss / total_samples
-                self._emit(table.on_validation_end)
-        finally:
-            state.prefix = "val"
+                            emit(self, table.on_validation_batch_end)
+                empty = "val_data" if prefix == "val" else "the data given to evaluate()"
+                state.metrics[f"{prefix}_loss"] = losses.mean(empty=empty)
+                emit(self, table.on_validation_end)
         if phase is Phase.VALIDATE:
-            self._validated_step = state.step
-            self._record_history()
-
-
-def _owner(handler: Callable[..., Any]) -> str:
-    return type(getattr(handler, "__self__", None)).__name__
+            self._cadence.validated(state.step)
+            state.record_validation()

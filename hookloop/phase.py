@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 
-__all__ = ["Phase"]
+__all__ = ["Phase", "Phases"]
 
 
 class Phase(str, Enum):
@@ -47,3 +49,22 @@ class Phase(str, Enum):
     def fitting(self) -> bool:
         """True for the phases inside ``fit``: TRAIN, SANITY_CHECK and VALIDATE."""
         return self in (Phase.TRAIN, Phase.SANITY_CHECK, Phase.VALIDATE)
+
+
+class Phases:
+    """The loop's current `Phase`, entered and left as blocks nest (an ``evaluate`` called
+    from a callback inside ``fit`` returns to ``TRAIN`` when it ends)."""
+
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current = Phase.IDLE
+
+    @contextmanager
+    def entered(self, phase: Phase) -> Iterator[None]:
+        """``phase`` inside the block, the previous one after it (also on an exception)."""
+        previous, self.current = self.current, phase
+        try:
+            yield
+        finally:
+            self.current = previous

@@ -1,43 +1,57 @@
-"""The loop's resume position: where the weights are, in terms of data and random numbers."""
+"""Where the run is in its data: the batches of this epoch not trained on yet, and where
+the weights are."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from hookloop.data import length_of
-from hookloop.rng import capture_rng, restore_rng
+from hookloop.data import Lookahead, LossSum, length_of
+from hookloop.errors import ConfigurationError
+from hookloop.rng import capture_rng, loader_generators, restore_rng
 
-__all__ = ["Position", "RunPosition"]
+if TYPE_CHECKING:
+    from hookloop.loop import Loop
+
+__all__ = ["Position", "EpochPass", "RunPosition"]
 
 
 class RunPosition(NamedTuple):
-    """Where the weights are: ``batch_idx`` batches of ``epoch`` done, ``step`` steps taken.
+    """Where the weights are: ``batches_done`` batches of ``epoch`` trained on, ``step``
+    optimizer steps taken.
 
-    ``batch_idx == 0`` means the epoch has not started (a finished epoch ``e`` reads as
+    ``batches_done == 0`` means the epoch has not started (a finished epoch ``e`` reads as
     ``(e + 1, 0, step)``).
     """
 
     epoch: int
-    batch_idx: int
+    batches_done: int
     step: int
 
 
 class Position:
-    """The last step boundary (or epoch end) the loop reached: where a resume starts.
+    """The last step boundary (or epoch end) the loop reached, and the data that follows it.
 
-    A checkpoint taken mid-window or mid-batch resumes from here, and the batches after it
-    are trained again with the same data order and the same random draws: the generators
-    are recorded at every step boundary and at every epoch start. Torch's generators (CPU,
-    CUDA, the DataLoader's) are always recorded, so ``fit()`` after an exception replays
-    exactly; with ``full_snapshots`` (turned on by ``Checkpoint``) Python's and NumPy's
-    global generators are recorded too.
+    It hands the loop each epoch's batches (`start_epoch`), past the ones already trained
+    on, and is told at every step boundary where the weights now are (`EpochPass.record`).
+    A checkpoint taken mid-window or mid-batch resumes from the last boundary, and the
+    batches after it are trained again with the same data order and the same random draws:
+    the generators are recorded at every step boundary and at every epoch start. Torch's
+    generators (CPU, CUDA, the DataLoader's) are always recorded, so ``fit()`` after an
+    exception replays exactly; with ``full_snapshots`` (turned on by ``Checkpoint``)
+    Python's and NumPy's global generators are recorded too.
+
+    An epoch that ``stop()`` cut short keeps its live iterator (`EpochPass` suspends it),
+    so a later ``fit`` in this process continues it; after an exception (`rewind`) or a
+    restore (`load`) the epoch is replayed from the recorded generators instead.
     """
 
     __slots__ = ("epoch", "batches_done", "step", "loss_sum", "samples", "full_snapshots",
-                 "rng", "epoch_rng", "prefetch_rng", "validated", "_replay")
+                 "rng", "epoch_rng", "prefetch_rng", "validated", "generators", "_replay",
+                 "_live")
 
     def __init__(self) -> None:
         self.epoch = self.batches_done = self.step = self.samples = 0
@@ -50,25 +64,32 @@ class Position:
         self.prefetch_rng: dict[str, Any] | None = None
         #: The validation due at ``step`` (``Loop(val_every_n_steps=...)``) has run.
         self.validated = False
+        #: The generators the training data draws its order from (set at every setup).
+        self.generators: list[torch.Generator] = []
         self._replay = False  # the next epoch start replays from the recorded generators
+        self._live: tuple[int, Iterator[Any]] | None = None  # an epoch stop() cut short
 
     @property
     def public(self) -> RunPosition:
         return RunPosition(self.epoch, self.batches_done, self.step)
 
+    def attach(self, data: Any) -> None:
+        """At every setup: the training data (DDP may have rebuilt it) and its generators."""
+        self.generators = loader_generators(data)
+
     def record(self, epoch: int, batches_done: int, step: int, loss_sum: torch.Tensor | None,
-               samples: int, generators: Sequence[torch.Generator],
-               prefetch_rng: dict[str, Any] | None = None) -> None:
+               samples: int, prefetch_rng: dict[str, Any] | None = None) -> None:
         """The weights now are those after ``batches_done`` batches of ``epoch``."""
         self.prefetch_rng = prefetch_rng
         self.validated = self.validated and step == self.step  # still that step's
         self.epoch, self.batches_done, self.step = epoch, batches_done, step
         self.loss_sum, self.samples = loss_sum, samples
-        self.rng = capture_rng(generators, full=self.full_snapshots)
+        self.rng = capture_rng(self.generators, full=self.full_snapshots)
 
     def rewind(self) -> None:
         """After an exception: the next epoch start continues from the recorded position."""
         self._replay = True
+        self._live = None
 
     def parts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(shared, own)``: what every rank agrees on, and what is this rank's own
@@ -97,49 +118,133 @@ class Position:
         self.rng, self.epoch_rng = own.get("rng"), own.get("epoch_rng")
         self.prefetch_rng = own.get("prefetch_rng")
         self._replay = True
+        self._live = None
 
-    def start_epoch(self, epoch: int, data: Iterable[Any], generators: Sequence[torch.Generator],
-                    new_sum: Callable[[], torch.Tensor], live: Any = None,
-                    wrap: Callable[[Any], Any] | None = None
-                    ) -> tuple[Any, int, torch.Tensor, int]:
-        """The epoch's iterator past the batches already trained on, the first batch index,
-        and the training-loss sum and sample count so far.
+    def start_epoch(self, loop: Loop, stop_due: Callable[[], bool]) -> EpochPass:
+        """The training pass of the loop's current epoch: its batches past those already
+        trained on; ``stop_due()`` says at a step boundary whether to end it there.
 
         After `load` or `rewind`, the generators are put back as they were when the
         interrupted run created this epoch's iterator (same data order), the trained batches
         are skipped, then the generators are put back as they were at the position (same
-        dropout and augmentation draws). ``live``, the iterator of an epoch that ``stop``
-        cut short in this process, is continued as it is. ``wrap`` (the loop's look-ahead
-        for data without a length) wraps the iterator after the skipped batches, under the
-        random state its first fetch had in the interrupted run.
+        dropout and augmentation draws). The live iterator of an epoch that ``stop`` cut
+        short in this process is continued as it is. Data without a length and an
+        accumulation window is read one batch ahead, to know where the last window ends.
         """
+        epoch, data, window, device = (loop.state.epoch, loop.train_data,
+                                       loop.accumulation_steps, loop.device)
+        generators = self.generators
+        live, self._live = self._live, None
         skip = self.batches_done if self.epoch == epoch else 0
-        if skip and self.loss_sum is not None:
-            loss_sum, samples = self.loss_sum, self.samples
-        else:
-            loss_sum, samples = new_sum(), 0
+        losses = LossSum(device, *((self.loss_sum, self.samples)
+                                   if skip and self.loss_sum is not None else ()))
         replay, self._replay = self._replay, False
-        if live is not None and skip and not replay:
-            return live, skip, loss_sum, samples
+        total = length_of(data)
+        if live is not None and live[0] == epoch and skip and not replay:
+            return EpochPass(self, epoch, live[1], skip, total, window, stop_due, losses)
         if replay and skip and self.epoch_rng is not None:
             restore_rng(self.epoch_rng, generators)
         elif replay and not skip and self.rng is not None:
             restore_rng(self.rng, generators)
         if not skip:
             self.epoch_rng = capture_rng(generators, full=self.full_snapshots)
-        total = length_of(data)
         # skip == total still iterates: a sampler may draw from the loader's generator when
         # its iterator is exhausted (RandomSampler does, after an even last batch).
         if total is not None and skip > total:
-            iterator: Any = iter(())
+            iterator: Iterator[Any] = iter(())
         else:
             iterator = iter(data)
             for _ in range(skip):
                 next(iterator)
-        if wrap is not None:
+        if total is None and window > 1:
             if replay and skip and self.prefetch_rng is not None:
                 restore_rng(self.prefetch_rng, generators)
-            iterator = wrap(iterator)
+            full = self.full_snapshots
+            iterator = Lookahead(iterator, snapshot=lambda: capture_rng(generators, full=full))
         if replay and skip and self.rng is not None:
             restore_rng(self.rng, generators)
-        return iterator, skip, loss_sum, samples
+        return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses)
+
+
+class EpochPass:
+    """One epoch's training batches, as ``(batch_idx, batch, step_boundary)``.
+
+    ``step_boundary`` is True every ``window`` batches and on the batch that ends the data.
+    At a step boundary where ``stop_due()`` is True, the pass ends: when more data follows,
+    its iterator is kept by the `Position` for a later ``fit`` and `completed` is False.
+    The pass sums the training loss on the device (`losses`) and reads it once
+    (`train_loss`).
+    """
+
+    __slots__ = ("_position", "epoch", "_iterator", "start", "_total", "_window", "_stop_due",
+                 "losses", "batches_done", "completed")
+
+    def __init__(self, position: Position, epoch: int, iterator: Iterator[Any], start: int,
+                 total: int | None, window: int, stop_due: Callable[[], bool],
+                 losses: LossSum) -> None:
+        self._position, self.epoch, self._iterator = position, epoch, iterator
+        self.start, self._total, self._window, self._stop_due = start, total, window, stop_due
+        #: The sample-weighted sum of this epoch's training losses, on the device.
+        self.losses = losses
+        #: Batches of the epoch trained on so far (the resumed ones included).
+        self.batches_done = start
+        #: False when a stop ended the pass before the data ran out.
+        self.completed = True
+
+    def __iter__(self) -> Iterator[tuple[int, Any, bool]]:
+        iterator, total, window = self._iterator, self._total, self._window
+        lookahead = iterator if isinstance(iterator, Lookahead) else None
+        boundary, batch_idx = True, self.start - 1
+        while True:
+            # A stop takes effect at a step boundary, never inside an accumulation window.
+            stopping = boundary and self._stop_due()
+            # More data is known to follow: keep the iterator for a later fit. Without a
+            # length (and no look-ahead), one more batch is fetched below to find out.
+            more = (batch_idx + 1 < total if total is not None
+                    else lookahead is not None and not lookahead.exhausted)
+            if stopping and more:
+                return self._suspend(iterator)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            if stopping:  # the data outlived its len(): keep it for a later fit
+                return self._suspend(itertools.chain([batch], iterator))
+            batch_idx += 1
+            if lookahead is not None:
+                ends_data = lookahead.exhausted
+            else:
+                ends_data = total is not None and batch_idx == total - 1
+            boundary = window == 1 or (batch_idx + 1) % window == 0 or ends_data
+            self.batches_done = batch_idx + 1
+            yield batch_idx, batch, boundary
+
+    def _suspend(self, iterator: Iterator[Any]) -> None:
+        self._position._live = (self.epoch, iterator)
+        self.completed = False
+
+    def record(self, step: int, *, validated: bool = False) -> None:
+        """At a step boundary: the weights are those after `batches_done` batches."""
+        iterator = self._iterator
+        prefetch = iterator.pending_snapshot if isinstance(iterator, Lookahead) else None
+        position = self._position
+        losses = self.losses
+        position.record(self.epoch, self.batches_done, step, losses.total, losses.samples,
+                        prefetch)
+        if validated:
+            position.validated = True
+
+    def train_loss(self) -> float | None:
+        """The epoch's sample-weighted mean training loss over all ranks: one host sync.
+
+        None when this rank trained on nothing in the pass (a resume at the epoch's end).
+
+        Raises:
+            ConfigurationError: a whole pass that yielded no batch (empty training data).
+        """
+        if not self.losses.samples:
+            if self.completed and not self.start:
+                raise ConfigurationError("train_data yielded no batches in this epoch: it is "
+                                         "empty.")
+            return None
+        return self.losses.mean()

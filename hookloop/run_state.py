@@ -1,8 +1,10 @@
-"""The run's state: what `Loop.state_dict` gathers and how `Loop.load_state_dict` applies it.
+"""The run's state: what `Loop.state_dict` gathers, how `Loop.load_state_dict` applies it,
+and whether and why the run ended (`RunEnd`).
 
 The loop owns the run; these functions are the part of it that crosses launches. A state
 is applied after every callback's ``setup`` and before ``on_fit_start``, so no callback
-ever needs a "state arrived late" branch.
+ever needs a "state arrived late" branch. They talk to the loop's `Position` through its
+public methods.
 """
 
 from __future__ import annotations
@@ -22,13 +24,104 @@ from hookloop.storage import find_unplain, load_model_weights, load_optimizer_st
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
+    from hookloop.position import Position
+    from hookloop.state import LoopState
 
-__all__ = ["capture", "restore", "check_callback_states", "check_optimizer_fits"]
+__all__ = ["RunEnd", "capture", "restore", "check_mapping", "check_callback_states",
+           "check_optimizer_fits"]
 
 
-def capture(loop: Loop, *, gather: bool = True) -> dict[str, Any]:
+class RunEnd:
+    """Whether and why the run ended: a stop, its epochs or ``max_steps``; and the end the
+    run being resumed recorded, which decides whether a relaunch trains at all.
+
+    A run that ended stays ended when relaunched with the same command: a fit with the same
+    ``epochs`` (and no larger ``max_steps``) trains nothing and says why; a larger
+    ``epochs``, or a larger or absent ``max_steps``, continues it.
+    """
+
+    __slots__ = ("requested", "reason", "restored", "_state")
+
+    def __init__(self, state: LoopState) -> None:
+        self._state = state  # the loop's: its step and max_steps
+        #: `Loop.stop` was called in this fit.
+        self.requested = False
+        #: The reason given to it.
+        self.reason: str | None = None
+        #: The end recorded by the state being restored (None: it had not ended).
+        self.restored: Mapping[str, Any] | None = None
+
+    def begin(self) -> None:
+        """At every fit start: no stop requested yet."""
+        self.requested, self.reason = False, None
+
+    def stop(self, reason: str | None) -> None:
+        self.requested, self.reason = True, reason
+
+    def due(self) -> bool:
+        """True when training must end at the next step boundary: a stop, or ``max_steps``."""
+        state = self._state
+        return self.requested or (state.max_steps is not None and state.step >= state.max_steps)
+
+    def check_steps(self) -> None:
+        """After a step: stop once ``max_steps`` is reached."""
+        state = self._state
+        if state.max_steps is not None and state.step >= state.max_steps:
+            self.stop(f"max_steps={state.max_steps} reached")
+
+    def record(self, epochs: int, max_steps: int | None, epochs_done: int) -> dict[str, Any] | None:
+        """Why the run ended (for `Loop.state_dict`), or None while it goes on."""
+        if self.requested:
+            reason = self.reason or "loop.stop() was called"
+        elif epochs and epochs_done >= epochs:
+            reason = f"all {epochs} epochs are done"
+        else:
+            return None
+        return {"reason": reason, "epochs": epochs, "max_steps": max_steps}
+
+    def nothing_to_train(self, epochs: int, max_steps: int | None, epochs_done: int,
+                         step: int) -> str | None:
+        """Why this fit trains nothing (said once, before on_fit_start), or None.
+
+        When there is a reason, the fit is stopped with it (``stop_requested`` is True).
+        """
+        reason = self._idle_reason(epochs, max_steps, epochs_done, step)
+        if reason is not None:
+            self.stop(reason)
+        return reason
+
+    def _idle_reason(self, epochs: int, max_steps: int | None, epochs_done: int,
+                     step: int) -> str | None:
+        ended, self.restored = self.restored, None
+        if ended is not None:
+            more_epochs = epochs > int(ended["epochs"])
+            more_steps = ended.get("max_steps") is not None and (
+                max_steps is None or max_steps > int(ended["max_steps"]))
+            if not (more_epochs or more_steps):
+                return (f"the run being resumed already ended ({ended['reason']}), so this fit "
+                        f"trains nothing. Pass a larger epochs than {ended['epochs']} to continue "
+                        "it, or start a new run.")
+        if epochs and epochs_done >= epochs:
+            return (f"all {epochs} epochs of this run are done, so this fit trains nothing; "
+                    f"pass a larger epochs than {epochs} to train more.")
+        if max_steps is not None and step >= max_steps:
+            return (f"max_steps={max_steps} is already reached (step {step}), so "
+                    "this fit trains nothing; pass a larger max_steps or none.")
+        return None
+
+
+def check_mapping(state: Any, source: str | None) -> Mapping[str, Any]:
+    """``state`` if it is a mapping (what `Loop.state_dict` returns), else a CheckpointError."""
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"{source or 'state'}: expected the mapping Loop.state_dict() "
+                              f"returns, got {type(state).__name__}.")
+    return state
+
+
+def capture(loop: Loop, position: Position, ended: Mapping[str, Any] | None, *,
+            gather: bool = True) -> dict[str, Any]:
     """`Loop.state_dict`: the whole run, as tensors and plain values."""
-    shared, own = loop._position.parts()
+    shared, own = position.parts()
     world = distributed.world_size()
     if gather:
         ranks = distributed.all_gather_object(own)
@@ -47,7 +140,7 @@ def capture(loop: Loop, *, gather: bool = True) -> dict[str, Any]:
             "param_groups": [len(group["params"]) for group in optimizer.param_groups],
             "epochs": loop.state.epochs,
             "max_steps": loop.state.max_steps,
-            "ended": loop._ended(),
+            "ended": ended,
             "history": [dict(row) for row in loop.state.history],
         },
         "ranks": ranks,
@@ -83,7 +176,8 @@ def check_callback_states(callbacks: Sequence[Callback]) -> None:
                     "them (e.g. list(a_deque), a_tensor.tolist()).")
 
 
-def restore(loop: Loop, payload: Mapping[str, Any], source: str) -> None:
+def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, Any],
+            source: str) -> None:
     """`Loop.load_state_dict`, applied after setup: raise before touching anything wrong."""
     loop_part = payload.get("loop")
     if not isinstance(loop_part, Mapping) or not isinstance(payload.get("model"), Mapping) \
@@ -112,9 +206,8 @@ def restore(loop: Loop, payload: Mapping[str, Any], source: str) -> None:
             f"{source} was written by {saved_world} process(es), this run has {world}: "
             "the position in the epoch does not carry over exactly.", RuntimeWarning,
             stacklevel=4)
-    loop._position.load(loop_part, own, loop.device)
-    loop._live_iterator = None
-    epoch, done, step = loop._position.public
+    position.load(loop_part, own, loop.device)
+    epoch, done, step = position.public
     # The epoch the weights are in, as an uninterrupted run shows it: after a whole epoch e
     # (position e + 1, no batch done) that is e, not the epoch that has not started.
     loop.state.epoch = epoch if done or epoch == 0 else epoch - 1
@@ -123,7 +216,7 @@ def restore(loop: Loop, payload: Mapping[str, Any], source: str) -> None:
     if loop.state.history:  # what fit() returns when the resumed run has nothing left to do
         loop.state.metrics = {key: value for key, value in loop.state.history[-1].items()
                               if key not in ("epoch", "step")}
-    loop._restored_end = loop_part.get("ended")
+    end.restored = loop_part.get("ended")
     saved = dict(payload.get("callbacks") or {})
     for callback in loop.callbacks:
         if not overrides(callback, "state_dict"):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from hookloop.data import batch_size_of, find_targets
 
 __all__ = ["LoopState"]
 
@@ -57,6 +61,48 @@ class LoopState:
     max_steps: int | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     prefix: str = "val"
+
+    def set_batch(self, batch: Any, batch_idx: int) -> Any:
+        """Make ``batch`` (already on the device) the current one, with its targets and size."""
+        self.batch_idx, self.batch = batch_idx, batch
+        self.targets = find_targets(batch)
+        self.batch_size = batch_size_of(batch, self.targets)
+        return batch
+
+    def record_validation(self) -> None:
+        """Append the history row of a validation that counts: ``epoch``, ``step``, metrics."""
+        self.history.append({"epoch": self.epoch, "step": self.step, **self.metrics})
+
+    def record_epoch_end(self) -> None:
+        """The row of an epoch whose end did not validate: its training metrics only (a
+        validation earlier in the epoch has its own row); joined to the row of a validation
+        at the same step."""
+        row = {key: value for key, value in self.metrics.items() if not key.startswith("val_")}
+        last = self.history[-1] if self.history else None
+        if last is not None and (last["epoch"], last["step"]) == (self.epoch, self.step):
+            last.update(row)
+        else:
+            self.history.append({"epoch": self.epoch, "step": self.step, **row})
+
+    @contextmanager
+    def kept(self, *names: str) -> Iterator[None]:
+        """Put these attributes back as they were after the block (a dict is copied first).
+
+        Example:
+            >>> state = LoopState(batch_idx=3)
+            >>> with state.kept("batch_idx", "metrics"):
+            ...     state.batch_idx = 0
+            ...     state.metrics["val_loss"] = 1.0
+            >>> state.batch_idx, state.metrics
+            (3, {})
+        """
+        saved = [(name, getattr(self, name)) for name in names]
+        saved = [(name, dict(value) if isinstance(value, dict) else value) for name, value in saved]
+        try:
+            yield
+        finally:
+            for name, value in saved:
+                setattr(self, name, value)
 
     def __repr__(self) -> str:
         # Counters and metrics only: the batch and outputs would flood a terminal.

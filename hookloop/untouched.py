@@ -13,29 +13,31 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from hookloop.rng import capture_rng, restore_rng
+from hookloop.rng import capture_rng, loader_generators, restore_rng
 
 __all__ = ["untouched"]
 
 
 @contextmanager
 def untouched(model: nn.Module | None = None, generators: Iterable[torch.Generator] = (), *,
-              tensors: Literal[False, "buffers", "all"] = False) -> Iterator[None]:
+              data: Iterable[Any] = (), tensors: Literal[False, "buffers", "all"] = False
+              ) -> Iterator[None]:
     """On exit, everything the block may change is put back as it was on entry.
 
-    Always: torch's CPU and CUDA generators, Python's and NumPy's global generators, and
-    ``generators`` (a DataLoader's own). With ``model``: each submodule's train/eval mode.
+    Always: torch's CPU and CUDA generators, Python's and NumPy's global generators,
+    ``generators``, and the generators each loader in ``data`` draws its order from. With ``model``: each submodule's train/eval mode.
     With ``tensors="buffers"``: the model's buffers (BatchNorm statistics), non-persistent
     ones too; with ``tensors="all"``: its parameters as well. Also after an exception.
 
     Args:
         model: The module whose modes (and tensors) to keep, or None.
-        generators: Extra ``torch.Generator`` objects to put back (a loader's).
+        generators: Extra ``torch.Generator`` objects to put back.
+        data: Loaders (or any data) whose own generators to put back too.
         tensors: ``False``, ``"buffers"`` or ``"all"``: which of the model's tensors to keep.
 
     Example:
@@ -49,7 +51,7 @@ def untouched(model: nn.Module | None = None, generators: Iterable[torch.Generat
         >>> float(model[1].running_mean.abs().sum())
         0.0
     """
-    generators = list(generators)
+    generators = [*generators, *(found for item in data for found in loader_generators(item))]
     saved_rng = capture_rng(generators, full=True)
     modes = [(module, module.training) for module in model.modules()] if model is not None else []
     kept: list[torch.Tensor] = []

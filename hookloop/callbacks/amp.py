@@ -192,6 +192,7 @@ class AMP(Callback):
             self._scaler_device = device_type
             if previous:
                 self._scaler.load_state_dict(previous)
+        loop.scaler = self._scaler
 
     def on_fit_start(self, loop: Loop) -> None:
         self._unscaled = False
