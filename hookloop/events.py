@@ -10,33 +10,44 @@ __all__ = ["Event", "HOOKS"]
 class Event(str, Enum):
     """Every event the loop emits; the value is the name of the `Callback` method.
 
-    The loop, in pseudocode (``*`` marks events that fire only when a callback listens)::
+    The loop, in pseudocode (a test replays recorded event traces against it)::
 
-        on_fit_start
-        for epoch in range(start_epoch, epochs):
-            on_epoch_start
-            model.train()
-            for batch in train_data:
-                on_batch_start                 state.batch is on the device
-                outputs, loss = forward(batch)
-                after_forward                  state.outputs, state.loss (the true loss)
-                loss_for_backward.backward()
-                after_backward                 gradients are populated
-                if state.step_boundary:        (False inside an accumulation window)
-                    before_step                a callback may cancel the step
-                    optimizer step             routed through a callback (AMP) if one does
-                    after_step                 only if the optimizer really stepped
-                    optimizer.zero_grad()
-                on_batch_end
-            if val_data is not None:
-                on_validation_start
-                for batch in val_data:         model.eval(), torch.no_grad()
-                    on_validation_batch_start
-                    on_validation_batch_end    state.outputs, state.loss of this batch
-                on_validation_end              state.metrics has this epoch's metrics
-            on_epoch_end
-        on_fit_end                             always, also after a stop or an exception
-        on_exception(exc)                      before on_fit_end when anything raised
+        fit(epochs):
+            setup                          every callback's setup(); the model is moved to
+                                           the device; a pending load_state_dict is applied
+            on_fit_start
+            if sanity_val_batches:         the sanity check (to metric producers only):
+                validate(sanity_val_batches)   its metrics and every random stream are put back
+            for epoch in range(start_epoch, epochs):
+                on_epoch_start
+                for batch in train_data:   past the batches a resumed run trained on already
+                    on_batch_start         state.batch is on the device; model.train()
+                    outputs, loss = forward(batch)       inside forward_context (autocast)
+                    after_forward          state.outputs, state.loss (the true loss)
+                    scale_loss(loss).backward()          inside train_step_context (no_sync)
+                    after_backward         gradients are populated
+                    if state.step_boundary:              False inside an accumulation window
+                        before_step        a callback may cancel the step
+                        optimizer step     routed through a callback (AMP) if one does
+                        if the optimizer really stepped:
+                            after_step     state.step counts it already
+                        optimizer.zero_grad()
+                        if it stepped and state.step % val_every_n_steps == 0:
+                            validate()
+                    on_batch_end
+                if the epoch ran through its data and (epoch + 1) % val_every_n_epochs == 0:
+                    validate(limit=None):  model.eval(), torch.no_grad(), validation_context
+                        on_validation_start
+                        for batch in val_data[:limit]:
+                            on_validation_batch_start
+                            on_validation_batch_end    state.outputs, state.loss of the batch
+                        on_validation_end  state.metrics holds val_loss and the metrics
+                on_epoch_end
+            on_fit_end                     always, also after a stop or an exception
+            on_exception(exc)              instead, before on_fit_end, when anything raised
+
+    ``stop()`` ends training at the next step boundary (``on_epoch_end`` and
+    ``on_fit_end`` still fire). Events that no callback overrides cost nothing.
     """
 
     ON_FIT_START = "on_fit_start"
