@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.checks import check_flag, check_path
+from hookloop.checks import check_flag, check_int, check_optional_int, check_path
 from hookloop.errors import ConfigurationError
 from hookloop.forward import model_inputs
 from hookloop.untouched import untouched
@@ -24,14 +24,6 @@ if TYPE_CHECKING:
 __all__ = ["TensorBoard", "gather_hparams"]
 
 _Scalar = (int, float, str, bool)
-
-
-def _positive_int(name: str, value: Any, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        allowed = "a positive int or None" if optional else "a positive int"
-        raise ConfigurationError(f"TensorBoard {name} must be {allowed}, got {value!r}.")
 
 
 def gather_hparams(loop: Loop) -> dict[str, Any]:
@@ -151,19 +143,18 @@ class TensorBoard(Callback):
     def __init__(self, log_dir: str | os.PathLike[str] = "runs", *, every_n_steps: int = 50,
                  histograms_every_n_epochs: int | None = None, graph: bool = False,
                  hparams: Mapping[str, Any] | None = None, flush_secs: int = 30) -> None:
-        _positive_int("every_n_steps", every_n_steps)
-        _positive_int("histograms_every_n_epochs", histograms_every_n_epochs, optional=True)
-        _positive_int("flush_secs", flush_secs)
         if hparams is not None and not isinstance(hparams, Mapping):
             raise ConfigurationError(
-                f"TensorBoard hparams must be a dict of name -> number/str/bool, got "
-                f"{type(hparams).__name__}.")
+                f"TensorBoard hparams must be a dict of name -> number/str/bool or None, got "
+                f"{hparams!r} ({type(hparams).__name__}).")
         self.log_dir = check_path("TensorBoard log_dir", log_dir)
-        self.every_n_steps = every_n_steps
-        self.histograms_every_n_epochs = histograms_every_n_epochs
+        self.every_n_steps = check_int("TensorBoard every_n_steps", every_n_steps)
+        self.histograms_every_n_epochs = check_optional_int(
+            "TensorBoard histograms_every_n_epochs", histograms_every_n_epochs,
+            hint="None logs no histograms.")
         self.graph = check_flag("TensorBoard graph", graph)
         self.hparams = None if hparams is None else dict(hparams)
-        self.flush_secs = flush_secs
+        self.flush_secs = check_int("TensorBoard flush_secs", flush_secs)
         self._writer: SummaryWriter | None = None
         self._writer_class: Any = None
         self._loop: Loop | None = None

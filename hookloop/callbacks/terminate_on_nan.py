@@ -8,6 +8,7 @@ import torch
 
 from hookloop import distributed
 from hookloop.callback import Callback
+from hookloop.checks import check_flag
 from hookloop.errors import ConfigurationError, NonFiniteError
 from hookloop.grads import total_norm
 
@@ -88,14 +89,9 @@ class TerminateOnNaN(Callback):
                 f"TerminateOnNaN takes no positional arguments, got {unexpected!r}. Its "
                 "options are keywords: TerminateOnNaN(check_gradients=True, "
                 "restore_buffers=True, raise_error=False).")
-        for label, value in (("check_gradients", check_gradients),
-                             ("restore_buffers", restore_buffers), ("raise_error", raise_error)):
-            if not isinstance(value, bool):
-                raise ConfigurationError(
-                    f"TerminateOnNaN {label} must be True or False, got {value!r}.")
-        self.check_gradients = check_gradients
-        self.restore_buffers = restore_buffers
-        self.raise_error = raise_error
+        self.check_gradients = check_flag("TerminateOnNaN check_gradients", check_gradients)
+        self.restore_buffers = check_flag("TerminateOnNaN restore_buffers", restore_buffers)
+        self.raise_error = check_flag("TerminateOnNaN raise_error", raise_error)
         self._bad_loss: torch.Tensor | None = None
         self._gradients_checked = check_gradients
         self._buffers: list[torch.Tensor] = []
