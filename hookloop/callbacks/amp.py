@@ -164,7 +164,13 @@ class AMP(Callback):
 
     # -------------------------------------------------------------------- setup
     def setup(self, loop: Loop) -> None:
-        """Create the scaler for ``loop.device``; reject half-precision trainable weights."""
+        """Create the scaler for ``loop.device`` and publish it as ``loop.scaler``.
+
+        ``loop.scaler`` is None without a scaler (bfloat16) or with a disabled one: other
+        callbacks (`TerminateOnNaN`, `TensorBoard`) read it there. Half-precision trainable
+        weights together with a scaler are refused.
+        """
+        loop.scaler = None
         if self._scaler_kwargs is None:
             return
         bad = [(group_index, param.dtype) for group_index, group in enumerate(loop.optimizer.param_groups)
@@ -185,6 +191,8 @@ class AMP(Callback):
             self._scaler_device = device_type
             if previous:
                 self._scaler.load_state_dict(previous)
+        # A disabled GradScaler neither scales nor skips a step: nothing for others to read.
+        loop.scaler = self._scaler if self._scaler.is_enabled() else None
 
     def on_fit_start(self, loop: Loop) -> None:
         self._unscaled = False

@@ -158,7 +158,6 @@ class TensorBoard(Callback):
         self._writer: SummaryWriter | None = None
         self._writer_class: Any = None
         self._loop: Loop | None = None
-        self._scaler: torch.amp.GradScaler | None = None
         # What was logged at the latest step: written again after a resume purges that step.
         self._latest_step = -1
         self._latest: dict[str, float] = {}
@@ -243,17 +242,11 @@ class TensorBoard(Callback):
         self._loop = loop
 
     def on_fit_start(self, loop: Loop) -> None:
-        """Find the AMP scaler, if any; the writer opens at the first epoch."""
+        """Reset the per-fit bookkeeping; the writer opens at the first epoch."""
         self._epoch_ran = self._failed = self._graph_done = False
         self._metrics_step = {}
         self._validated_step = -1
         self._histogram_epoch = -1
-        self._scaler = None
-        for callback in loop.callbacks:
-            scaler = getattr(callback, "scaler", None)
-            if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
-                self._scaler = scaler
-                break
 
     def on_epoch_start(self, loop: Loop) -> None:
         """Open the writer (after a checkpoint restored the step, for purge_step)."""
@@ -276,8 +269,8 @@ class TensorBoard(Callback):
             if state.grad_norm is not None:
                 tags.append("step/grad_norm")
                 values.append(state.grad_norm.detach())
-            if self._scaler is not None:
-                scale = getattr(self._scaler, "_get_scale_async", lambda: None)()
+            if loop.scaler is not None:
+                scale = getattr(loop.scaler, "_get_scale_async", lambda: None)()
                 if scale is not None:
                     tags.append("step/loss_scale")
                     values.append(scale)

@@ -49,10 +49,10 @@ class TerminateOnNaN(Callback):
     buffers per step, no sync; BatchNorm statistics are small next to the weights) and put
     back when the step is cancelled, so the whole model is that of the last good step.
 
-    Under `AMP` with a GradScaler (float16), non-finite gradients are the scaler's
-    business: an overflow skips the step and lowers the scale, so only the loss is checked
-    then. With float32 or bfloat16 there is no scaler and a non-finite gradient is a real
-    fault.
+    Under `AMP` with a GradScaler (float16: ``loop.scaler`` is set), non-finite gradients
+    are the scaler's business: an overflow skips the step and lowers the scale, so only the
+    loss is checked then. With float32 or bfloat16 there is no scaler and a non-finite
+    gradient is a real fault.
 
     Args:
         check_gradients: Also stop on non-finite gradients with a finite loss (costs one
@@ -107,8 +107,7 @@ class TerminateOnNaN(Callback):
     def on_fit_start(self, loop: Loop) -> None:
         self._bad_loss = None
         # A GradScaler owns non-finite gradients: they are its overflow signal.
-        scaled = any(getattr(callback, "scaler", None) is not None for callback in loop.callbacks)
-        self._gradients_checked = self.check_gradients and not scaled
+        self._gradients_checked = self.check_gradients and loop.scaler is None
         self._buffers = list(loop.unwrapped_model.buffers()) if self.restore_buffers else []
         self._saved = None  # taken at the first batch: after every on_fit_start (a resume)
 
