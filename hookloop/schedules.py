@@ -54,8 +54,8 @@ def resolve_warmup(total_steps: int, warmup_steps: int | float, *,
 class _Warmup(_TorchScheduler):
     """A linear warmup from 0 followed by a decay that subclasses define in `lr_at`.
 
-    The learning rates are computed in closed form from ``last_epoch`` (no chaining), and
-    the state (``state_dict``) holds only numbers, so it loads with
+    The learning rates are computed in closed form from ``last_epoch`` (no chaining), so
+    ``get_lr`` also serves torch's deprecated ``step(epoch)``, and the state (``state_dict``) holds only numbers, so it loads with
     ``torch.load(weights_only=True)``.
     """
 
@@ -80,9 +80,6 @@ class _Warmup(_TorchScheduler):
     def get_lr(self) -> list[float]:  # type: ignore[override]
         """Learning rates for the current ``last_epoch``."""
         return [self.lr_at(self.last_epoch, float(base_lr)) for base_lr in self.base_lrs]
-
-    def _get_closed_form_lr(self) -> list[float]:
-        return self.get_lr()
 
 
 class WarmupCosine(_Warmup):

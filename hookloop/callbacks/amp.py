@@ -11,6 +11,7 @@ import torch
 
 from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_int, check_name, check_number
+from hookloop.compat import generic_grad_scaler_step
 from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -222,21 +223,10 @@ class AMP(Callback):
         if scaler is None:
             optimizer.step()
             return
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            # Fused/capturable optimizers would be stepped even for an inf step (their
-            # kernel skips it on the device), and the loop would count that step. The
-            # gradients are unscaled already, so take GradScaler's generic path instead.
-            own = "_step_supports_amp_scaling" in vars(optimizer)
-            saved = vars(optimizer).get("_step_supports_amp_scaling")
-            optimizer._step_supports_amp_scaling = False  # type: ignore[attr-defined]
-            try:
-                scaler.step(optimizer)
-            finally:
-                if own:
-                    optimizer._step_supports_amp_scaling = saved  # type: ignore[attr-defined]
-                else:
-                    del optimizer._step_supports_amp_scaling  # type: ignore[attr-defined]
-        else:
+        # Fused/capturable optimizers would be stepped even for an inf step (their kernel
+        # skips it on the device), and the loop would count that step. The gradients are
+        # unscaled already, so GradScaler's generic path is taken instead.
+        with generic_grad_scaler_step(optimizer):
             scaler.step(optimizer)
         scaler.update()
         # Only now is the unscale_ paired: if step raised (Ctrl-C), on_fit_end updates.

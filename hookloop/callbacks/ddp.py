@@ -132,8 +132,9 @@ def _loader_parts(loader: DataLoader) -> tuple[Sampler[Any], int | None, bool]:
 def _shuffles(sampler: Sampler[Any], which: str) -> bool:
     if type(sampler) is SequentialSampler:
         return False
+    # num_samples is len(data_source) unless the user asked for another count.
     if type(sampler) is RandomSampler and not sampler.replacement and \
-            sampler._num_samples is None:
+            sampler.num_samples == len(sampler.data_source):
         return True
     raise ConfigurationError(
         f"DDP cannot shard the {which} DataLoader: its sampler {type(sampler).__name__} is "

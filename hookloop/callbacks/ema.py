@@ -18,6 +18,7 @@ from hookloop.checks import (
     check_name,
     check_number,
 )
+from hookloop.compat import foreach_copy_, foreach_lerp_
 from hookloop.errors import ConfigurationError
 from hookloop.modules import unwrap
 
@@ -45,7 +46,7 @@ class EMA(Callback):
     At the first fit start the shadow is the model's weights (``ema = theta_0``); after
     every ``every_n_steps``-th real optimizer step (counted on ``loop.state.step``, so
     steps skipped by the GradScaler or cancelled never count) it becomes
-    ``ema = decay_t * ema + (1 - decay_t) * theta``, computed as one ``torch._foreach_lerp_``
+    ``ema = decay_t * ema + (1 - decay_t) * theta``, computed as one fused lerp (`hookloop.compat.foreach_lerp_`)
     on the device: no host sync (``torch.optim.swa_utils.AveragedModel`` syncs once per
     update). The decay of the ``t``-th averaging update (``t = 0, 1, ...``, counted in
     ``updates`` and checkpointed) is::
@@ -245,12 +246,12 @@ class EMA(Callback):
         """Before ``start_step``: the shadow is a copy of the current weights."""
         shadows, sources = self._lerp
         if shadows:
-            torch._foreach_copy_(shadows, sources)
+            foreach_copy_(shadows, sources)
         for shadow, source in self._casts:
             shadow.copy_(source)
         copy_shadows, copy_sources = self._copy
         if copy_shadows:
-            torch._foreach_copy_(copy_shadows, copy_sources)
+            foreach_copy_(copy_shadows, copy_sources)
 
     @torch.no_grad()
     def update(self) -> None:
@@ -258,12 +259,12 @@ class EMA(Callback):
         weight = 1.0 - self.current_decay()  # host arithmetic on a Python int: no sync
         shadows, sources = self._lerp
         if shadows:
-            torch._foreach_lerp_(shadows, sources, weight)
+            foreach_lerp_(shadows, sources, weight)
         for shadow, source in self._casts:
             shadow.lerp_(source.float(), weight)
         copy_shadows, copy_sources = self._copy
         if copy_shadows:
-            torch._foreach_copy_(copy_shadows, copy_sources)
+            foreach_copy_(copy_shadows, copy_sources)
         self.updates += 1
 
     def validation_context(self, loop: Loop) -> AbstractContextManager[Any] | None:

@@ -8,6 +8,7 @@ import torch
 
 from hookloop.callback import Callback
 from hookloop.checks import check_int
+from hookloop.compat import foreach_mul_
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -101,4 +102,4 @@ class GradAccumulation(Callback):
         grads = [param.grad for group in loop.optimizer.param_groups for param in group["params"]
                  if param.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, self.steps / size)
+            foreach_mul_(grads, self.steps / size)

@@ -245,7 +245,11 @@ class LRScheduler(Callback):
         state holds the saved run's), since some schedulers compute each step from the last.
         """
         scheduler = self._scheduler
-        last = getattr(scheduler, "_last_lr", None)
+        get_last_lr = getattr(scheduler, "get_last_lr", None)
+        try:
+            last = get_last_lr() if callable(get_last_lr) else None
+        except AttributeError:  # a scheduler-like object that has not stepped yet
+            last = None
         if isinstance(last, list):
             for group, rate in zip(scheduler.optimizer.param_groups, last):
                 group["lr"] = rate

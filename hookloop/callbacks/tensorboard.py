@@ -12,6 +12,7 @@ import torch
 
 from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_int, check_optional_int, check_path
+from hookloop.compat import loss_scale, summary_file_writer
 from hookloop.errors import ConfigurationError
 from hookloop.forward import model_inputs
 from hookloop.untouched import untouched
@@ -269,11 +270,10 @@ class TensorBoard(Callback):
             if state.grad_norm is not None:
                 tags.append("step/grad_norm")
                 values.append(state.grad_norm.detach())
-            if loop.scaler is not None:
-                scale = getattr(loop.scaler, "_get_scale_async", lambda: None)()
-                if scale is not None:
-                    tags.append("step/loss_scale")
-                    values.append(scale)
+            scale = None if loop.scaler is None else loss_scale(loop.scaler)
+            if scale is not None:
+                tags.append("step/loss_scale")
+                values.append(scale)
             device = values[0].device
             numbers = torch.stack([v.float().reshape(()).to(device) for v in values]).tolist()
             for tag, number in zip(tags, numbers):
@@ -362,7 +362,7 @@ class TensorBoard(Callback):
         from torch.utils.tensorboard.summary import histogram
 
         writer, step = self.writer, loop.state.step
-        file_writer, bins = writer._get_file_writer(), writer.default_bins
+        file_writer, bins = summary_file_writer(writer), writer.default_bins
         kept: dict[str, bytes] = {}
         for name, param in loop.unwrapped_model.named_parameters():
             file_writer.add_summary(histogram(f"weights/{name}", param.detach(), bins), step)
@@ -410,6 +410,6 @@ class TensorBoard(Callback):
             # (a val_* value logged at its validation's step is not logged again here)
             if tag[len("metrics/"):] not in self._metrics_step:
                 self._scalar(tag, value, loop.state.step)
-        file_writer = writer._get_file_writer()
+        file_writer = summary_file_writer(writer)
         for summary in hparams_summary(params, metrics):
             file_writer.add_summary(summary)

@@ -9,6 +9,7 @@ import torch
 from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.checks import check_flag
+from hookloop.compat import foreach_copy_
 from hookloop.errors import ConfigurationError, NonFiniteError
 from hookloop.grads import total_norm
 
@@ -16,16 +17,6 @@ if TYPE_CHECKING:
     from hookloop.loop import Loop
 
 __all__ = ["TerminateOnNaN"]
-
-
-def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """``target.copy_(source)`` for each pair, fused where torch offers it (no sync)."""
-    with torch.no_grad():
-        if hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(targets, sources)
-        else:  # pragma: no cover - older torch
-            for target, source in zip(targets, sources):
-                target.copy_(source)
 
 
 class TerminateOnNaN(Callback):
@@ -139,7 +130,8 @@ class TerminateOnNaN(Callback):
             return
         loop.cancel_step()
         if self._buffers and self._saved is not None:
-            _copy(self._buffers, self._saved)
+            with torch.no_grad():
+                foreach_copy_(self._buffers, self._saved)
         state = loop.state
         window = loop.accumulation_steps
         where = (f"batch {state.batch_idx}" if window == 1
@@ -179,4 +171,5 @@ class TerminateOnNaN(Callback):
         if self._saved is None:
             self._saved = [buffer.detach().clone() for buffer in self._buffers]
         else:
-            _copy(self._saved, self._buffers)
+            with torch.no_grad():
+                foreach_copy_(self._saved, self._buffers)
