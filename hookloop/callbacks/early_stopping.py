@@ -169,11 +169,11 @@ class EarlyStopping(Callback):
         self._monitor.resolve()  # mode="auto" with an unclear name fails before training
 
     def on_validation_end(self, loop: Loop) -> None:
-        if loop.fitting and not loop.sanity_checking and loop.state.prefix == "val":
+        if self._monitor.due(loop):
             self._check(loop)
 
     def on_epoch_end(self, loop: Loop) -> None:
-        if loop.val_data is None and loop.epoch_completed:
+        if self._monitor.due(loop, epoch_end=True):
             self._check(loop)
 
     def on_fit_start(self, loop: Loop) -> None:

@@ -274,22 +274,24 @@ class LRScheduler(Callback):
             self._scheduler.step()
 
     def on_validation_end(self, loop: Loop) -> None:
-        if (self.is_plateau and loop.fitting and not loop.sanity_checking
-                and loop.state.prefix == "val"):
-            self._scheduler.step(self._metric(loop))
+        if self.is_plateau:
+            monitor = self._plateau_monitor()
+            if monitor.due(loop):
+                self._scheduler.step(monitor.read(loop))
 
     def on_epoch_end(self, loop: Loop) -> None:
         if not loop.epoch_completed:  # cut short by stop(): the epoch is done again later
             return
         if self.is_plateau:
-            if loop.val_data is None and self.monitor in loop.state.metrics:
-                self._scheduler.step(self._metric(loop))
+            monitor = self._plateau_monitor()
+            if monitor.due(loop, epoch_end=True) and self.monitor in loop.state.metrics:
+                self._scheduler.step(monitor.read(loop))
         elif self.interval == "epoch":
             self._scheduler.step()
 
-    def _metric(self, loop: Loop) -> float:
+    def _plateau_monitor(self) -> Monitor:
         assert self._monitor is not None  # a plateau scheduler has a monitor (checked)
-        return self._monitor.read(loop)
+        return self._monitor
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

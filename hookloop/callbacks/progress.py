@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from hookloop.callback import Callback
 from hookloop.checks import check_console, check_flag, check_number
 from hookloop.data import length_of
+from hookloop.phase import Phase
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -203,7 +204,7 @@ class ProgressBar(Callback):
 
     def on_validation_end(self, loop: Loop) -> None:
         """Hide the validation bar; note the step of a validation inside fit."""
-        if loop.fitting and not loop.sanity_checking and loop.state.prefix == "val":
+        if loop.phase is Phase.VALIDATE:
             self._validated_step, self._after_validation = loop.state.step, True
         if self._progress is not None and "val" in self._tasks:
             self._progress.update(self._tasks["val"], completed=self._val_batches, visible=False)

@@ -15,6 +15,7 @@ from hookloop.checks import check_flag, check_int, check_optional_int, check_pat
 from hookloop.compat import loss_scale, summary_file_writer
 from hookloop.errors import ConfigurationError
 from hookloop.forward import model_inputs
+from hookloop.phase import Phase
 from hookloop.untouched import untouched
 
 if TYPE_CHECKING:
@@ -292,9 +293,8 @@ class TensorBoard(Callback):
 
     def on_validation_end(self, loop: Loop) -> None:
         """Every metric of this validation, once, at the current step."""
-        if loop.fitting and not loop.sanity_checking:
-            if loop.state.prefix == "val":
-                self._validated_step = loop.state.step
+        if loop.phase is Phase.VALIDATE:
+            self._validated_step = loop.state.step
             self._metrics(loop, only_new=False)
 
     def on_epoch_end(self, loop: Loop) -> None:
