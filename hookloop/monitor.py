@@ -70,7 +70,7 @@ class Monitor:
         (True, False)
     """
 
-    __slots__ = ("metric", "requested_mode", "owner", "min_delta", "mode")
+    __slots__ = ("metric", "owner", "min_delta", "mode")
 
     def __init__(self, metric: str, mode: str = "auto", *, owner: str,
                  min_delta: float = 0.0) -> None:
@@ -84,7 +84,6 @@ class Monitor:
                                  hint="It is the improvement that counts; the direction comes "
                                       "from mode.")
         self.metric = metric
-        self.requested_mode = mode
         self.owner = owner
         self.min_delta = float(min_delta)
         self.mode = mode if mode != "auto" else infer_mode(metric)
@@ -145,7 +144,3 @@ class Monitor:
         if epoch_end:
             return loop.val_data is None and loop.epoch_completed
         return loop.phase is Phase.VALIDATE
-
-    def describe(self) -> str:
-        """``"val_acc (max)"``: the metric and its direction, for messages and reprs."""
-        return f"{self.metric} ({self.mode or 'auto'})"

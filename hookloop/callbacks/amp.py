@@ -123,7 +123,6 @@ class AMP(Callback):
     """
 
     unique = True
-    roles = ("precision",)
 
     def __init__(self, dtype: torch.dtype | str = torch.bfloat16,
                  scaler: bool | Mapping[str, Any] | None = None, *, name: str | None = None) -> None:

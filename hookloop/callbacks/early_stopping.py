@@ -123,10 +123,6 @@ class EarlyStopping(Callback):
         """The monitored metric: it must be produced before this callback runs."""
         return (self.monitor,)
 
-    def improved(self, value: float) -> bool:
-        """True when ``value`` beats ``best`` by more than ``min_delta`` (NaN never does)."""
-        return self._monitor.better(value, self.best)
-
     def update(self, value: float, epoch: int | None = None, step: int | None = None) -> bool:
         """Count one validation's ``value``; return True when training should stop."""
         monitor = self._monitor
@@ -136,7 +132,7 @@ class EarlyStopping(Callback):
             return True
         # The best is updated first: a value that reaches stopping_threshold is the best
         # so far, and restore_best_weights must restore it (not the one before).
-        if self.improved(value):
+        if monitor.better(value, self.best):  # by more than min_delta; NaN never is
             self.best = value
             self.best_epoch = -1 if epoch is None else epoch
             self.best_step = -1 if step is None else step
