@@ -115,7 +115,7 @@ class LRScheduler(Callback):
         else:
             raise ConfigurationError(
                 f"LRScheduler scheduler must be a torch scheduler or a factory fn(optimizer, "
-                f"total_steps), got {scheduler!r} ({type(scheduler).__name__}).")
+                f"total_steps), got {scheduler!r}.")
 
     def __repr__(self) -> str:
         inner = type(self._scheduler).__name__ if self._scheduler is not None else "factory"

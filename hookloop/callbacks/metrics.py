@@ -186,7 +186,7 @@ class Metrics(Callback):
             if function is not None and not callable(function):
                 raise ConfigurationError(
                     f"Metrics {label} must be a function {examples[label]}, or None, got "
-                    f"{function!r} ({type(function).__name__}).")
+                    f"{function!r}.")
         functions: dict[str, Callable[[Any, Any], Any]] = {}
         objects: dict[str, Any] = {}
         for metric_name, metric in metrics.items():
@@ -198,7 +198,7 @@ class Metrics(Callback):
                 raise ConfigurationError(
                     f"Metrics {metric_name} must be a function fn(outputs, targets) -> batch "
                     "mean, or an object with update(outputs, targets), compute() and reset(), "
-                    f"got {metric!r} ({type(metric).__name__}).")
+                    f"got {metric!r}.")
         self.on_train = on_train
         self.name = name
         self.metrics = dict(metrics)

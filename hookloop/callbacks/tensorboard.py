@@ -148,7 +148,7 @@ class TensorBoard(Callback):
         if hparams is not None and not isinstance(hparams, Mapping):
             raise ConfigurationError(
                 f"TensorBoard hparams must be a dict of name -> number/str/bool or None, got "
-                f"{hparams!r} ({type(hparams).__name__}).")
+                f"{hparams!r}.")
         self.log_dir = check_path("TensorBoard log_dir", log_dir)
         self.every_n_steps = check_int("TensorBoard every_n_steps", every_n_steps)
         self.histograms_every_n_epochs = check_optional_int(
