@@ -23,8 +23,8 @@ class Callback:
     Ordering is declared on the class, never computed from numbers:
 
     * ``runs_after``: ``{name: reason}``; when a callback whose class (or a base class) or
-      role is ``name`` is in the stack, it must come before this one.
-    * ``runs_before``: the same, for callbacks that must come after this one.
+      role is ``name`` is in the stack, it must come before this one. (There is no
+      ``runs_before``: the callback that must come later declares the constraint.)
     * ``conflicts_with``: ``{name: reason}`` of callbacks that cannot be in the same stack.
     * ``roles``: extra names other callbacks can refer to. A callback that overrides
       ``state_dict`` also has the role ``"stateful"``.
@@ -54,7 +54,6 @@ class Callback:
     """
 
     runs_after: ClassVar[Mapping[str, str]] = {}
-    runs_before: ClassVar[Mapping[str, str]] = {}
     conflicts_with: ClassVar[Mapping[str, str]] = {}
     roles: ClassVar[tuple[str, ...]] = ()
     unique: ClassVar[bool] = False

@@ -25,7 +25,6 @@ __all__ = [
     "broadcast_object",
     "all_gather_object",
     "all_reduce_sums",
-    "barrier",
 ]
 
 T = TypeVar("T")
@@ -152,12 +151,3 @@ def all_reduce_sums(sums: Mapping[str, float | torch.Tensor]) -> dict[str, float
     values = torch.stack([torch.as_tensor(sums[key], dtype=torch.float64, device=device)
                           .reshape(()) for key in keys])
     return dict(zip(keys, all_reduce_sum(values).tolist()))
-
-
-def barrier() -> None:
-    """Wait until every rank reaches this point (no-op in a single process)."""
-    if world_size() > 1:
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[torch.cuda.current_device()])
-        else:
-            dist.barrier()

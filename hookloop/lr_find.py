@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hookloop.checks import check_int, check_number
 from hookloop.data import move_to_device
 from hookloop.errors import ConfigurationError
 from hookloop.forward import check_loss, compute
@@ -144,20 +145,17 @@ def lr_find(loop: Loop, start_lr: float = 1e-7, end_lr: float = 10.0, steps: int
         >>> loop.optimizer.param_groups[0]["lr"]
         0.1
     """
-    for label, value in (("start_lr", start_lr), ("end_lr", end_lr)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value) or value <= 0:
-            raise ConfigurationError(f"lr_find {label} must be a positive number, got {value!r}.")
+    check_number("lr_find start_lr", start_lr, above=0)
+    check_number("lr_find end_lr", end_lr, above=0)
     if end_lr <= start_lr:
         raise ConfigurationError(
-            f"lr_find end_lr ({end_lr!r}) must be larger than start_lr ({start_lr!r}): the "
+            f"lr_find end_lr must be larger than start_lr ({start_lr!r}), got {end_lr!r}. The "
             "range test ramps the learning rate up.")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ConfigurationError(f"lr_find steps must be an int >= 2, got {steps!r}.")
-    if not 0 <= smoothing < 1:
-        raise ConfigurationError(f"lr_find smoothing must be in [0, 1), got {smoothing!r}.")
-    if not divergence > 1:
-        raise ConfigurationError(f"lr_find divergence must be > 1, got {divergence!r}.")
+    check_int("lr_find steps", steps, minimum=2)
+    check_number("lr_find smoothing", smoothing, minimum=0, below=1,
+                 hint="0 turns the smoothing of the loss off.")
+    check_number("lr_find divergence", divergence, above=1,
+                 hint="It is the multiple of the best loss at which the test stops.")
     model, optimizer = loop.model, loop.optimizer
     model.to(loop.device)
     saved_optimizer = copy.deepcopy(optimizer.state_dict())

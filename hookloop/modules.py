@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from hookloop.compat import compiled_original
+
 __all__ = ["unwrap"]
 
 
@@ -19,7 +21,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+        elif (original := compiled_original(model)) is not None:
+            model = original
         else:
             return model

@@ -12,6 +12,7 @@ import re
 from typing import TYPE_CHECKING
 
 from hookloop import distributed
+from hookloop.checks import check_choice, check_number
 from hookloop.errors import ConfigurationError
 from hookloop.phase import Phase
 
@@ -69,24 +70,20 @@ class Monitor:
         (True, False)
     """
 
-    __slots__ = ("metric", "requested_mode", "owner", "min_delta", "mode")
+    __slots__ = ("metric", "owner", "min_delta", "mode")
 
     def __init__(self, metric: str, mode: str = "auto", *, owner: str,
                  min_delta: float = 0.0) -> None:
         if not isinstance(metric, str) or not metric:
             raise ConfigurationError(
-                f"{owner}: monitor must be a metric name such as 'val_loss', got {metric!r}.")
-        if mode not in MODES:
-            raise ConfigurationError(
-                f"{owner}: mode must be 'auto', 'min' (lower is better, e.g. a loss) or 'max' "
-                f"(higher is better, e.g. accuracy), got {mode!r}.")
-        if (isinstance(min_delta, bool) or not isinstance(min_delta, (int, float))
-                or not math.isfinite(min_delta) or min_delta < 0):
-            raise ConfigurationError(
-                f"{owner}: min_delta must be a finite number >= 0 (the improvement that "
-                f"counts), got {min_delta!r}. The direction comes from mode.")
+                f"{owner} monitor must be a metric name such as 'val_loss', got {metric!r}.")
+        check_choice(f"{owner} mode", mode, MODES,
+                     hint="'min': lower is better (a loss); 'max': higher is better (accuracy); "
+                          "'auto': read from the metric's name.")
+        min_delta = check_number(f"{owner} min_delta", min_delta, minimum=0,
+                                 hint="It is the improvement that counts; the direction comes "
+                                      "from mode.")
         self.metric = metric
-        self.requested_mode = mode
         self.owner = owner
         self.min_delta = float(min_delta)
         self.mode = mode if mode != "auto" else infer_mode(metric)
@@ -147,7 +144,3 @@ class Monitor:
         if epoch_end:
             return loop.val_data is None and loop.epoch_completed
         return loop.phase is Phase.VALIDATE
-
-    def describe(self) -> str:
-        """``"val_acc (max)"``: the metric and its direction, for messages and reprs."""
-        return f"{self.metric} ({self.mode or 'auto'})"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from hookloop.callback import Callback
@@ -70,9 +70,6 @@ def _order_edges(callbacks: Sequence[Callback], loop: Loop) -> dict[tuple[int, i
             for name, reason in callback.runs_after.items():
                 if _matches(other, name):
                     edges.setdefault((other_index, index), reason)
-            for name, reason in callback.runs_before.items():
-                if _matches(other, name):
-                    edges.setdefault((index, other_index), reason)
     produced_by: dict[str, int] = {}
     for index, callback in enumerate(callbacks):
         for metric in callback.produces(loop):
@@ -195,16 +192,32 @@ def _check_event_names(callback: Callback, index: int) -> None:
                 raise ConfigurationError(problem)
 
 
+def _check_removed_declarations(callback: Callback) -> None:
+    """A ``runs_before`` that would be ignored silently (hookloop no longer has it) is refused."""
+    declared = getattr(callback, "runs_before", None)
+    if declared is None:
+        return
+    owner = type(callback).__name__
+    names = ", ".join(map(str, declared)) if isinstance(declared, Mapping) else repr(declared)
+    raise ConfigurationError(
+        f"{owner} declares runs_before ({names}), which hookloop no longer has: it was "
+        "removed, so that every ordering constraint is declared in one direction, by the "
+        f"callback that must come later. Order the list so that {owner} comes before "
+        f"{names}, and declare runs_after = {{'{owner}': 'why'}} on each callback that must "
+        f"come after it (delete runs_before from {owner}).")
+
+
 def check_callbacks(callbacks: Sequence[object], loop: Loop) -> None:
     """Raise before training when the stack cannot work.
 
     Checks: every item is a `Callback` instance; no method named like an event that does
-    not exist; ``unique`` classes appear once; no declared conflict; at most one callback
+    not exist; no ``runs_before`` (removed: declare ``runs_after`` on the later callback); ``unique`` classes appear once; no declared conflict; at most one callback
     routes the optimizer step; every ordering constraint holds; every monitored metric is
     produced, and before its reader; no two stateful callbacks share a state key.
 
     Raises:
-        ConfigurationError: for a non-callback or a misnamed event method.
+        ConfigurationError: for a non-callback, a misnamed event method or a
+            ``runs_before``.
         CallbackOrderError: for everything about how the callbacks sit together.
     """
     for index, callback in enumerate(callbacks):
@@ -219,6 +232,7 @@ def check_callbacks(callbacks: Sequence[object], loop: Loop) -> None:
                 "hookloop.Callback. Subclass hookloop.Callback and pass an instance."
             )
         _check_event_names(callback, index)
+        _check_removed_declarations(callback)
     stack: list[Callback] = list(callbacks)  # type: ignore[arg-type]
 
     seen: dict[type, int] = {}

@@ -7,15 +7,23 @@ import math
 import torch
 from torch.optim.lr_scheduler import LRScheduler as _TorchScheduler
 
+from hookloop.checks import check_int, check_number
 from hookloop.errors import ConfigurationError
 
 __all__ = ["WarmupCosine", "WarmupLinear", "warmup_cosine", "warmup_linear", "resolve_warmup"]
 
 
-def resolve_warmup(total_steps: int, warmup_steps: int | float) -> int:
+def resolve_warmup(total_steps: int, warmup_steps: int | float, *,
+                   label: str = "warmup_steps") -> int:
     """The number of warmup steps: an int as is, a fraction ``0 < x < 1`` of ``total_steps``.
 
     A fraction becomes ``round(x * total_steps)``.
+
+    Args:
+        total_steps: The optimizer steps of the run.
+        warmup_steps: An int number of steps, or a fraction ``0 < x < 1`` of ``total_steps``.
+        label: Who passed ``warmup_steps``, for the error message
+            (``"warmup_cosine warmup_steps"``).
 
     Raises:
         ConfigurationError: a negative count, a count above ``total_steps``, or a float
@@ -27,26 +35,27 @@ def resolve_warmup(total_steps: int, warmup_steps: int | float) -> int:
     """
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, float)):
         raise ConfigurationError(
-            f"warmup_steps must be an int number of steps or a fraction 0 < x < 1 of "
-            f"total_steps, got {warmup_steps!r}.")
+            f"{label} must be an int number of steps or a fraction 0 < x < 1 of total_steps, "
+            f"got {warmup_steps!r}.")
     if isinstance(warmup_steps, float):
         if not 0.0 < warmup_steps < 1.0:
             raise ConfigurationError(
-                f"warmup_steps={warmup_steps!r} is a float, so it is read as a fraction of "
-                "total_steps and must be strictly between 0 and 1. Pass an int for a number "
-                "of steps (e.g. warmup_steps=500) or a fraction (e.g. warmup_steps=0.05).")
+                f"{label} must be strictly between 0 and 1 when it is a float (a fraction of "
+                f"total_steps), got {warmup_steps!r}. Pass an int for a number of steps (e.g. "
+                "warmup_steps=500) or a fraction (e.g. warmup_steps=0.05).")
         return round(warmup_steps * total_steps)
-    if not 0 <= warmup_steps <= total_steps:
+    check_int(label, warmup_steps, minimum=0)
+    if warmup_steps > total_steps:
         raise ConfigurationError(
-            f"warmup_steps={warmup_steps} must be between 0 and total_steps={total_steps}.")
+            f"{label} must be an int <= total_steps ({total_steps}), got {warmup_steps!r}.")
     return warmup_steps
 
 
 class _Warmup(_TorchScheduler):
     """A linear warmup from 0 followed by a decay that subclasses define in `lr_at`.
 
-    The learning rates are computed in closed form from ``last_epoch`` (no chaining), and
-    the state (``state_dict``) holds only numbers, so it loads with
+    The learning rates are computed in closed form from ``last_epoch`` (no chaining), so
+    ``get_lr`` also serves torch's deprecated ``step(epoch)``, and the state (``state_dict``) holds only numbers, so it loads with
     ``torch.load(weights_only=True)``.
     """
 
@@ -72,9 +81,6 @@ class _Warmup(_TorchScheduler):
         """Learning rates for the current ``last_epoch``."""
         return [self.lr_at(self.last_epoch, float(base_lr)) for base_lr in self.base_lrs]
 
-    def _get_closed_form_lr(self) -> list[float]:
-        return self.get_lr()
-
 
 class WarmupCosine(_Warmup):
     """Linear warmup from 0, then a cosine decay to ``min_lr``; see `warmup_cosine`."""
@@ -92,11 +98,9 @@ class WarmupLinear(_Warmup):
         return 1.0 - progress
 
 
-def _check(total_steps: int, min_lr: float) -> None:
-    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-        raise ConfigurationError(f"total_steps must be a positive int, got {total_steps!r}.")
-    if isinstance(min_lr, bool) or not isinstance(min_lr, (int, float)) or min_lr < 0:
-        raise ConfigurationError(f"min_lr must be a non-negative number, got {min_lr!r}.")
+def _check(owner: str, total_steps: int, min_lr: float) -> None:
+    check_int(f"{owner} total_steps", total_steps)
+    check_number(f"{owner} min_lr", min_lr, minimum=0)
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int,
@@ -138,9 +142,9 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int,
         10
         >>> callback = LRScheduler(functools.partial(warmup_cosine, warmup_steps=0.05))
     """
-    _check(total_steps, min_lr)
-    return WarmupCosine(optimizer, total_steps, resolve_warmup(total_steps, warmup_steps),
-                        float(min_lr))
+    _check("warmup_cosine", total_steps, min_lr)
+    warmup = resolve_warmup(total_steps, warmup_steps, label="warmup_cosine warmup_steps")
+    return WarmupCosine(optimizer, total_steps, warmup, float(min_lr))
 
 
 def warmup_linear(optimizer: torch.optim.Optimizer, total_steps: int,
@@ -176,6 +180,6 @@ def warmup_linear(optimizer: torch.optim.Optimizer, total_steps: int,
         >>> [round(schedule.lr_at(step, 0.1), 4) for step in (0, 1, 2, 6, 10)]
         [0.0, 0.05, 0.1, 0.05, 0.0]
     """
-    _check(total_steps, min_lr)
-    return WarmupLinear(optimizer, total_steps, resolve_warmup(total_steps, warmup_steps),
-                        float(min_lr))
+    _check("warmup_linear", total_steps, min_lr)
+    warmup = resolve_warmup(total_steps, warmup_steps, label="warmup_linear warmup_steps")
+    return WarmupLinear(optimizer, total_steps, warmup, float(min_lr))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
@@ -11,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.callback import Callback
+from hookloop.checks import check_flag, check_int, check_name, check_number
+from hookloop.compat import generic_grad_scaler_step
 from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -32,28 +33,30 @@ SKIPPED_IN_A_ROW_WARNING = 25
 MIN_SCALE = 2.0 ** -16
 
 
-def _check_scaler_arguments(arguments: Mapping[str, Any]) -> None:
-    """The checks ``GradScaler`` makes with ``assert`` (or not at all), as named errors."""
-    def number(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and \
-            math.isfinite(value)
+# The GradScaler arguments AMP accepts in ``scaler={...}``.
+_SCALER_ARGUMENTS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
 
-    for key, value in arguments.items():
-        if key == "init_scale" and not (number(value) and value > 0):
-            problem = "a finite number > 0 (e.g. 65536.0)"
-        elif key == "growth_factor" and not (number(value) and value > 1.0):
-            problem = "a finite number > 1.0 (e.g. 2.0)"
-        elif key == "backoff_factor" and not (number(value) and 0.0 < value < 1.0):
-            problem = "a number in (0, 1) (e.g. 0.5)"
-        elif key == "growth_interval" and not (isinstance(value, int) and not isinstance(
-                value, bool) and value >= 1):
-            problem = "an int >= 1 (e.g. 2000)"
-        elif key == "enabled" and not isinstance(value, bool):
-            problem = "True or False"
-        else:
-            continue
+
+def _checked_scaler_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """``arguments`` checked as GradScaler would (it uses ``assert``, or nothing)."""
+    unknown = sorted(set(arguments) - set(_SCALER_ARGUMENTS), key=repr)
+    if unknown:
         raise ConfigurationError(
-            f"AMP scaler argument {key}={value!r} is invalid: {key} must be {problem}.")
+            f"AMP scaler must be a dict of torch.amp.GradScaler arguments "
+            f"({', '.join(_SCALER_ARGUMENTS)}), got the unknown key(s) {unknown}.")
+    for key, value in arguments.items():
+        label = f"AMP scaler {key}"
+        if key == "init_scale":
+            check_number(label, value, above=0, hint="A usual start is 65536.0.")
+        elif key == "growth_factor":
+            check_number(label, value, above=1, hint="The usual factor is 2.0.")
+        elif key == "backoff_factor":
+            check_number(label, value, above=0, below=1, hint="The usual factor is 0.5.")
+        elif key == "growth_interval":
+            check_int(label, value, hint="The usual interval is 2000 steps.")
+        else:
+            check_flag(label, value)
+    return dict(arguments)
 
 
 class AMP(Callback):
@@ -120,7 +123,6 @@ class AMP(Callback):
     """
 
     unique = True
-    roles = ("precision",)
 
     def __init__(self, dtype: torch.dtype | str = torch.bfloat16,
                  scaler: bool | Mapping[str, Any] | None = None, *, name: str | None = None) -> None:
@@ -133,23 +135,14 @@ class AMP(Callback):
         if scaler is None:
             scaler = self.dtype == torch.float16
         if isinstance(scaler, Mapping):
-            unknown = set(scaler) - {"init_scale", "growth_factor", "backoff_factor",
-                                     "growth_interval", "enabled"}
-            if unknown:
-                raise ConfigurationError(
-                    f"AMP scaler arguments {sorted(unknown)} are not torch.amp.GradScaler "
-                    "arguments; use init_scale, growth_factor, backoff_factor, growth_interval.")
-            _check_scaler_arguments(scaler)
-            self._scaler_kwargs: dict[str, Any] | None = dict(scaler)
+            self._scaler_kwargs: dict[str, Any] | None = _checked_scaler_arguments(scaler)
         elif isinstance(scaler, bool):
             self._scaler_kwargs = {} if scaler else None
         else:
             raise ConfigurationError(
                 f"AMP scaler must be None, True, False or a dict of GradScaler arguments, got "
                 f"{scaler!r}.")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ConfigurationError(f"AMP name must be a non-empty string or None, got {name!r}.")
-        self.name = name
+        self.name = check_name("AMP name", name)
         self._scaler: torch.amp.GradScaler | None = None
         self._skipped_in_row = 0
         self._warned_skips = False
@@ -171,7 +164,13 @@ class AMP(Callback):
 
     # -------------------------------------------------------------------- setup
     def setup(self, loop: Loop) -> None:
-        """Create the scaler for ``loop.device``; reject half-precision trainable weights."""
+        """Create the scaler for ``loop.device`` and publish it as ``loop.scaler``.
+
+        ``loop.scaler`` is None without a scaler (bfloat16) or with a disabled one: other
+        callbacks (`TerminateOnNaN`, `TensorBoard`) read it there. Half-precision trainable
+        weights together with a scaler are refused.
+        """
+        loop.scaler = None
         if self._scaler_kwargs is None:
             return
         bad = [(group_index, param.dtype) for group_index, group in enumerate(loop.optimizer.param_groups)
@@ -192,7 +191,8 @@ class AMP(Callback):
             self._scaler_device = device_type
             if previous:
                 self._scaler.load_state_dict(previous)
-        loop.scaler = self._scaler
+        # A disabled GradScaler neither scales nor skips a step: nothing for others to read.
+        loop.scaler = self._scaler if self._scaler.is_enabled() else None
 
     def on_fit_start(self, loop: Loop) -> None:
         self._unscaled = False
@@ -222,21 +222,10 @@ class AMP(Callback):
         if scaler is None:
             optimizer.step()
             return
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            # Fused/capturable optimizers would be stepped even for an inf step (their
-            # kernel skips it on the device), and the loop would count that step. The
-            # gradients are unscaled already, so take GradScaler's generic path instead.
-            own = "_step_supports_amp_scaling" in vars(optimizer)
-            saved = vars(optimizer).get("_step_supports_amp_scaling")
-            optimizer._step_supports_amp_scaling = False  # type: ignore[attr-defined]
-            try:
-                scaler.step(optimizer)
-            finally:
-                if own:
-                    optimizer._step_supports_amp_scaling = saved  # type: ignore[attr-defined]
-                else:
-                    del optimizer._step_supports_amp_scaling  # type: ignore[attr-defined]
-        else:
+        # Fused/capturable optimizers would be stepped even for an inf step (their kernel
+        # skips it on the device), and the loop would count that step. The gradients are
+        # unscaled already, so GradScaler's generic path is taken instead.
+        with generic_grad_scaler_step(optimizer):
             scaler.step(optimizer)
         scaler.update()
         # Only now is the unscale_ paired: if step raised (Ctrl-C), on_fit_end updates.

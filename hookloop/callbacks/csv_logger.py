@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.checks import check_path
-from hookloop.errors import ConfigurationError
+from hookloop.checks import check_optional_int, check_path
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -80,12 +79,9 @@ class CSVLogger(Callback):
     rank_zero_only = True
 
     def __init__(self, path: str | os.PathLike[str], *, every_n_steps: int | None = None) -> None:
-        if every_n_steps is not None and (isinstance(every_n_steps, bool)
-                                          or not isinstance(every_n_steps, int) or every_n_steps < 1):
-            raise ConfigurationError(
-                f"CSVLogger every_n_steps must be a positive int or None, got {every_n_steps!r}.")
         self.path = check_path("CSVLogger path", path)
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = check_optional_int("CSVLogger every_n_steps", every_n_steps,
+                                                hint="None writes history rows only.")
         self._columns: list[str] = list(FIXED)
         self._rows = 0                 # data rows in the file, or owed to it (pending)
         self._pending: list[dict[str, Any]] = []

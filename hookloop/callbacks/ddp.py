@@ -24,6 +24,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from hookloop import distributed
 from hookloop.callback import Callback
+from hookloop.checks import check_flag, check_int, check_name
 from hookloop.data import length_of
 from hookloop.errors import ConfigurationError
 
@@ -84,11 +85,15 @@ class UnpaddedDistributedSampler(Sampler[int]):
     def __init__(self, dataset: Any, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = False, seed: int = 0) -> None:
         self.dataset = dataset
-        self.num_replicas = distributed.world_size() if num_replicas is None else num_replicas
-        self.rank = distributed.rank() if rank is None else rank
-        if not 0 <= self.rank < self.num_replicas:
+        self.num_replicas = check_int("UnpaddedDistributedSampler num_replicas",
+                                      distributed.world_size() if num_replicas is None
+                                      else num_replicas)
+        self.rank = check_int("UnpaddedDistributedSampler rank",
+                              distributed.rank() if rank is None else rank, minimum=0)
+        if self.rank >= self.num_replicas:
             raise ConfigurationError(
-                f"rank must be in [0, {self.num_replicas}), got {self.rank}.")
+                f"UnpaddedDistributedSampler rank must be an int < num_replicas "
+                f"({self.num_replicas}), got {self.rank}.")
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
@@ -127,8 +132,9 @@ def _loader_parts(loader: DataLoader) -> tuple[Sampler[Any], int | None, bool]:
 def _shuffles(sampler: Sampler[Any], which: str) -> bool:
     if type(sampler) is SequentialSampler:
         return False
+    # num_samples is len(data_source) unless the user asked for another count.
     if type(sampler) is RandomSampler and not sampler.replacement and \
-            sampler._num_samples is None:
+            sampler.num_samples == len(sampler.data_source):
         return True
     raise ConfigurationError(
         f"DDP cannot shard the {which} DataLoader: its sampler {type(sampler).__name__} is "
@@ -321,16 +327,11 @@ class DDP(Callback):
 
     def __init__(self, *, backend: str | None = None, find_unused_parameters: bool = False
                  ) -> None:
-        if backend is not None and (not isinstance(backend, str) or not backend):
-            raise ConfigurationError(
-                f"DDP backend must be None (nccl on CUDA, gloo on CPU) or a backend name such "
-                f"as 'nccl' or 'gloo', got {backend!r}.")
-        if not isinstance(find_unused_parameters, bool):
-            raise ConfigurationError(
-                f"DDP find_unused_parameters must be True or False, got "
-                f"{find_unused_parameters!r}.")
-        self.backend = backend
-        self.find_unused_parameters = find_unused_parameters
+        self.backend = check_name("DDP backend", backend,
+                                  hint="A backend name is e.g. 'nccl' or 'gloo'; None picks "
+                                       "nccl on CUDA, gloo on CPU.")
+        self.find_unused_parameters = check_flag("DDP find_unused_parameters",
+                                                 find_unused_parameters)
         self._active = False
         self._noted = False
         self._created_group = False

@@ -9,22 +9,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.errors import ConfigurationError
+from hookloop.checks import check_flag, check_int, check_name, check_number
 from hookloop.monitor import Monitor
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
 __all__ = ["EarlyStopping"]
-
-
-def _optional_number(label: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigurationError(f"EarlyStopping {label} must be a finite number or None, got "
-                                 f"{value!r}.")
-    return float(value)
 
 
 class EarlyStopping(Callback):
@@ -96,32 +87,23 @@ class EarlyStopping(Callback):
                  divergence_threshold: float | None = None, check_finite: bool = True,
                  restore_best_weights: bool = False, name: str | None = None) -> None:
         self._monitor = Monitor(monitor, mode, owner="EarlyStopping", min_delta=min_delta)
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ConfigurationError(
-                f"patience must be an int >= 1 (validations without improvement before "
-                f"stopping), got {patience!r}.")
-        if isinstance(start_from_epoch, bool) or not isinstance(start_from_epoch, int) \
-                or start_from_epoch < 0:
-            raise ConfigurationError(
-                f"start_from_epoch must be an int >= 0, got {start_from_epoch!r}.")
-        for label, flag in (("check_finite", check_finite),
-                            ("restore_best_weights", restore_best_weights)):
-            if not isinstance(flag, bool):
-                raise ConfigurationError(f"EarlyStopping {label} must be True or False, got "
-                                         f"{flag!r}.")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ConfigurationError(f"name must be a non-empty string or None, got {name!r}.")
         self.monitor = monitor
         self.mode = mode
-        self.patience = patience
-        self.min_delta = float(min_delta)
-        self.baseline = _optional_number("baseline", baseline)
-        self.start_from_epoch = start_from_epoch
-        self.stopping_threshold = _optional_number("stopping_threshold", stopping_threshold)
-        self.divergence_threshold = _optional_number("divergence_threshold", divergence_threshold)
-        self.check_finite = check_finite
-        self.restore_best_weights = restore_best_weights
-        self.name = name
+        self.patience = check_int("EarlyStopping patience", patience,
+                                  hint="It counts validations without improvement before "
+                                       "stopping.")
+        self.min_delta = self._monitor.min_delta
+        self.baseline = check_number("EarlyStopping baseline", baseline, optional=True)
+        self.start_from_epoch = check_int("EarlyStopping start_from_epoch", start_from_epoch,
+                                          minimum=0)
+        self.stopping_threshold = check_number("EarlyStopping stopping_threshold",
+                                               stopping_threshold, optional=True)
+        self.divergence_threshold = check_number("EarlyStopping divergence_threshold",
+                                                 divergence_threshold, optional=True)
+        self.check_finite = check_flag("EarlyStopping check_finite", check_finite)
+        self.restore_best_weights = check_flag("EarlyStopping restore_best_weights",
+                                               restore_best_weights)
+        self.name = check_name("EarlyStopping name", name)
         #: The best value so far (+inf/-inf before the first; None while ``mode="auto"``
         #: has not been resolved from an unclear name).
         self.best: float | None = self._monitor.worst if self._monitor.mode else None
@@ -141,10 +123,6 @@ class EarlyStopping(Callback):
         """The monitored metric: it must be produced before this callback runs."""
         return (self.monitor,)
 
-    def improved(self, value: float) -> bool:
-        """True when ``value`` beats ``best`` by more than ``min_delta`` (NaN never does)."""
-        return self._monitor.better(value, self.best)
-
     def update(self, value: float, epoch: int | None = None, step: int | None = None) -> bool:
         """Count one validation's ``value``; return True when training should stop."""
         monitor = self._monitor
@@ -154,7 +132,7 @@ class EarlyStopping(Callback):
             return True
         # The best is updated first: a value that reaches stopping_threshold is the best
         # so far, and restore_best_weights must restore it (not the one before).
-        if self.improved(value):
+        if monitor.better(value, self.best):  # by more than min_delta; NaN never is
             self.best = value
             self.best_epoch = -1 if epoch is None else epoch
             self.best_step = -1 if step is None else step
@@ -187,11 +165,11 @@ class EarlyStopping(Callback):
         self._monitor.resolve()  # mode="auto" with an unclear name fails before training
 
     def on_validation_end(self, loop: Loop) -> None:
-        if loop.fitting and not loop.sanity_checking and loop.state.prefix == "val":
+        if self._monitor.due(loop):
             self._check(loop)
 
     def on_epoch_end(self, loop: Loop) -> None:
-        if loop.val_data is None and loop.epoch_completed:
+        if self._monitor.due(loop, epoch_end=True):
             self._check(loop)
 
     def on_fit_start(self, loop: Loop) -> None:

@@ -11,6 +11,14 @@ import torch
 from torch import nn
 
 from hookloop.callback import Callback
+from hookloop.checks import (
+    check_choice,
+    check_flag,
+    check_int,
+    check_name,
+    check_number,
+)
+from hookloop.compat import foreach_copy_, foreach_lerp_
 from hookloop.errors import ConfigurationError
 from hookloop.modules import unwrap
 
@@ -28,13 +36,17 @@ def _entries(module: nn.Module) -> dict[str, torch.Tensor]:
             if isinstance(tensor, torch.Tensor)}
 
 
+def _is_one(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1
+
+
 class EMA(Callback):
     """Keep an exponential moving average of the model's weights; validate with it.
 
     At the first fit start the shadow is the model's weights (``ema = theta_0``); after
     every ``every_n_steps``-th real optimizer step (counted on ``loop.state.step``, so
     steps skipped by the GradScaler or cancelled never count) it becomes
-    ``ema = decay_t * ema + (1 - decay_t) * theta``, computed as one ``torch._foreach_lerp_``
+    ``ema = decay_t * ema + (1 - decay_t) * theta``, computed as one fused lerp (`hookloop.compat.foreach_lerp_`)
     on the device: no host sync (``torch.optim.swa_utils.AveragedModel`` syncs once per
     update). The decay of the ``t``-th averaging update (``t = 0, 1, ...``, counted in
     ``updates`` and checkpointed) is::
@@ -111,34 +123,17 @@ class EMA(Callback):
     def __init__(self, decay: float = 0.999, *, every_n_steps: int = 1,
                  validate_with_ema: bool = True, buffers: str = "average",
                  warmup: bool = True, start_step: int = 0, name: str | None = None) -> None:
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
-            extra = (" decay=1.0 would never move the average: it would stay the weights at fit "
-                     "start, and validation would score those forever." if decay == 1 else "")
-            raise ConfigurationError(
-                f"EMA decay must be a number in [0, 1) (e.g. 0.999), got {decay!r}.{extra}")
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ConfigurationError(f"EMA every_n_steps must be a positive int, got {every_n_steps!r}.")
-        if not isinstance(validate_with_ema, bool):
-            raise ConfigurationError(
-                f"EMA validate_with_ema must be True or False, got {validate_with_ema!r}.")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ConfigurationError(f"EMA name must be a non-empty string or None, got {name!r}.")
-        if not isinstance(warmup, bool):
-            raise ConfigurationError(f"EMA warmup must be True or False, got {warmup!r}.")
-        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-            raise ConfigurationError(
-                f"EMA start_step must be an int >= 0 (the optimizer step the average starts "
-                f"from), got {start_step!r}.")
-        if not isinstance(buffers, str) or buffers not in _BUFFER_MODES:
-            raise ConfigurationError(
-                f"EMA buffers must be 'average' or 'copy', got {buffers!r}.")
-        self.decay = float(decay)
-        self.every_n_steps = every_n_steps
-        self.validate_with_ema = validate_with_ema
-        self.buffers = buffers
-        self.warmup = warmup
-        self.start_step = start_step
-        self.name = name
+        never_moves = ("decay=1.0 would never move the average: it would stay the weights at fit "
+                       "start, and validation would score those forever.")
+        self.decay = check_number("EMA decay", decay, minimum=0, below=1,
+                                  hint=never_moves if _is_one(decay) else "A usual decay is 0.999.")
+        self.every_n_steps = check_int("EMA every_n_steps", every_n_steps)
+        self.validate_with_ema = check_flag("EMA validate_with_ema", validate_with_ema)
+        self.buffers = check_choice("EMA buffers", buffers, _BUFFER_MODES)
+        self.warmup = check_flag("EMA warmup", warmup)
+        self.start_step = check_int("EMA start_step", start_step, minimum=0,
+                                    hint="It is the optimizer step the average starts from.")
+        self.name = check_name("EMA name", name)
         #: Number of averaging updates made so far (``t`` of the warmup; checkpointed).
         self.updates = 0
         self._shadow: dict[str, torch.Tensor] | None = None
@@ -251,12 +246,12 @@ class EMA(Callback):
         """Before ``start_step``: the shadow is a copy of the current weights."""
         shadows, sources = self._lerp
         if shadows:
-            torch._foreach_copy_(shadows, sources)
+            foreach_copy_(shadows, sources)
         for shadow, source in self._casts:
             shadow.copy_(source)
         copy_shadows, copy_sources = self._copy
         if copy_shadows:
-            torch._foreach_copy_(copy_shadows, copy_sources)
+            foreach_copy_(copy_shadows, copy_sources)
 
     @torch.no_grad()
     def update(self) -> None:
@@ -264,12 +259,12 @@ class EMA(Callback):
         weight = 1.0 - self.current_decay()  # host arithmetic on a Python int: no sync
         shadows, sources = self._lerp
         if shadows:
-            torch._foreach_lerp_(shadows, sources, weight)
+            foreach_lerp_(shadows, sources, weight)
         for shadow, source in self._casts:
             shadow.lerp_(source.float(), weight)
         copy_shadows, copy_sources = self._copy
         if copy_shadows:
-            torch._foreach_copy_(copy_shadows, copy_sources)
+            foreach_copy_(copy_shadows, copy_sources)
         self.updates += 1
 
     def validation_context(self, loop: Loop) -> AbstractContextManager[Any] | None:

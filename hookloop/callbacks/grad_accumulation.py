@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from hookloop.callback import Callback
-from hookloop.errors import ConfigurationError
+from hookloop.checks import check_int
+from hookloop.compat import foreach_mul_
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -43,7 +44,7 @@ class GradAccumulation(Callback):
         steps: Micro-batches per optimizer step (1 means no accumulation).
 
     Raises:
-        ConfigurationError: ``steps`` is not a positive int.
+        ConfigurationError: ``steps`` is not an int >= 1.
 
     Example:
         >>> import torch
@@ -60,11 +61,9 @@ class GradAccumulation(Callback):
     unique = True
 
     def __init__(self, steps: int) -> None:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ConfigurationError(
-                f"GradAccumulation steps must be a positive int (micro-batches per optimizer "
-                f"step), got {steps!r}.")
-        self.steps = steps
+        self.steps = check_int("GradAccumulation steps", steps,
+                               hint="It counts the micro-batches per optimizer step; 1 means "
+                                    "no accumulation.")
         self._batches: int | None = 0
 
     def __repr__(self) -> str:
@@ -103,4 +102,4 @@ class GradAccumulation(Callback):
         grads = [param.grad for group in loop.optimizer.param_groups for param in group["params"]
                  if param.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, self.steps / size)
+            foreach_mul_(grads, self.steps / size)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hookloop.callback import Callback
+from hookloop.checks import check_number
 from hookloop.errors import ConfigurationError
 from hookloop.grads import total_norm
 
@@ -64,23 +65,19 @@ class GradClip(Callback):
                  norm_type: float = 2.0) -> None:
         if (max_norm is None) == (max_value is None):
             raise ConfigurationError(
-                "GradClip needs exactly one of max_norm (clip the total norm, e.g. "
-                "GradClip(1.0)) and max_value (clamp each element, e.g. GradClip(max_value="
-                f"0.5)); got max_norm={max_norm!r}, max_value={max_value!r}.")
-        limit = max_norm if max_norm is not None else max_value
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
-            which = "max_norm" if max_norm is not None else "max_value"
-            raise ConfigurationError(f"GradClip {which} must be a positive number, got {limit!r}.")
+                "GradClip max_norm and max_value must be exactly one given (max_norm clips the "
+                "total norm, e.g. GradClip(1.0); max_value clamps each element, e.g. "
+                f"GradClip(max_value=0.5)), got max_norm={max_norm!r}, max_value={max_value!r}.")
+        self.max_norm = check_number("GradClip max_norm", max_norm, above=0, optional=True)
+        self.max_value = check_number("GradClip max_value", max_value, above=0, optional=True)
+        # Not check_number: float('inf') (the max norm) is a norm_type too.
         if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or \
                 math.isnan(norm_type) or not (norm_type > 0 or math.isinf(norm_type)):
             raise ConfigurationError(
-                f"GradClip norm_type must be a positive number or float('inf') (the p of the "
-                f"p-norm: 2.0 is the usual Euclidean norm, which is what 'fro' means for a "
-                f"vector), got {norm_type!r}.")
-        norm_type = float(norm_type)
-        self.max_norm = None if max_norm is None else float(max_norm)
-        self.max_value = None if max_value is None else float(max_value)
-        self.norm_type = norm_type
+                f"GradClip norm_type must be a positive number or float('inf'), got "
+                f"{norm_type!r}. It is the p of the p-norm: 2.0 is the usual Euclidean norm, "
+                "which is what 'fro' means for a vector.")
+        self.norm_type = float(norm_type)
         self._warned_no_grad = False
 
     def __repr__(self) -> str:

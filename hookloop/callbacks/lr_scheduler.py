@@ -11,6 +11,7 @@ from torch.optim.lr_scheduler import LRScheduler as TorchScheduler
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from hookloop.callback import Callback
+from hookloop.checks import check_choice, check_name
 from hookloop.errors import ConfigurationError
 from hookloop.monitor import Monitor, infer_mode
 
@@ -97,15 +98,12 @@ class LRScheduler(Callback):
     def __init__(self, scheduler: Union[TorchScheduler, ReduceLROnPlateau, SchedulerFactory],
                  *, interval: str = "step", monitor: str | None = None,
                  name: str | None = None) -> None:
-        if interval not in _INTERVALS:
-            raise ConfigurationError(
-                f"LRScheduler interval must be 'step' (after every optimizer step) or 'epoch' "
-                f"(at every epoch end), got {interval!r}.")
-        if monitor is not None and not isinstance(monitor, str):
-            raise ConfigurationError(f"LRScheduler monitor must be a metric name, got {monitor!r}.")
-        self.interval = interval
+        self.interval = check_choice("LRScheduler interval", interval, _INTERVALS,
+                                     hint="'step' steps after every optimizer step, 'epoch' "
+                                          "at every epoch end.")
+        self._monitor = None if monitor is None else Monitor(monitor, owner="LRScheduler")
         self.monitor = monitor
-        self.name = name
+        self.name = check_name("LRScheduler name", name)
         self._factory: SchedulerFactory | None = None
         self._scheduler: Any = None
         self._built_total: int | None = None
@@ -116,8 +114,8 @@ class LRScheduler(Callback):
             self._factory = scheduler
         else:
             raise ConfigurationError(
-                f"LRScheduler needs a torch scheduler or a factory fn(optimizer, total_steps), "
-                f"got {type(scheduler).__name__}.")
+                f"LRScheduler scheduler must be a torch scheduler or a factory fn(optimizer, "
+                f"total_steps), got {scheduler!r}.")
 
     def __repr__(self) -> str:
         inner = type(self._scheduler).__name__ if self._scheduler is not None else "factory"
@@ -140,12 +138,14 @@ class LRScheduler(Callback):
         if isinstance(scheduler, ReduceLROnPlateau):
             if self.monitor is None:
                 raise ConfigurationError(
-                    "ReduceLROnPlateau steps on a metric, so LRScheduler needs monitor=..., "
-                    "e.g. LRScheduler(ReduceLROnPlateau(optimizer), monitor='val_loss').")
+                    "LRScheduler monitor must be a metric name for a ReduceLROnPlateau (it "
+                    "steps on a metric), got None. Write for example "
+                    "LRScheduler(ReduceLROnPlateau(optimizer), monitor='val_loss').")
         elif self.monitor is not None:
             raise ConfigurationError(
-                f"LRScheduler monitor={self.monitor!r} is only used by ReduceLROnPlateau; "
-                f"{type(scheduler).__name__} does not read metrics. Remove monitor=.")
+                f"LRScheduler monitor must be None for a {type(scheduler).__name__}, which "
+                f"does not read metrics, got {self.monitor!r}. monitor is only used by "
+                "ReduceLROnPlateau: remove monitor=.")
 
     # ------------------------------------------------------------------ events
     def setup(self, loop: Loop) -> None:
@@ -245,7 +245,11 @@ class LRScheduler(Callback):
         state holds the saved run's), since some schedulers compute each step from the last.
         """
         scheduler = self._scheduler
-        last = getattr(scheduler, "_last_lr", None)
+        get_last_lr = getattr(scheduler, "get_last_lr", None)
+        try:
+            last = get_last_lr() if callable(get_last_lr) else None
+        except AttributeError:  # a scheduler-like object that has not stepped yet
+            last = None
         if isinstance(last, list):
             for group, rate in zip(scheduler.optimizer.param_groups, last):
                 group["lr"] = rate
@@ -270,21 +274,24 @@ class LRScheduler(Callback):
             self._scheduler.step()
 
     def on_validation_end(self, loop: Loop) -> None:
-        if (self.is_plateau and loop.fitting and not loop.sanity_checking
-                and loop.state.prefix == "val"):
-            self._scheduler.step(self._metric(loop))
+        if self.is_plateau:
+            monitor = self._plateau_monitor()
+            if monitor.due(loop):
+                self._scheduler.step(monitor.read(loop))
 
     def on_epoch_end(self, loop: Loop) -> None:
         if not loop.epoch_completed:  # cut short by stop(): the epoch is done again later
             return
         if self.is_plateau:
-            if loop.val_data is None and self.monitor in loop.state.metrics:
-                self._scheduler.step(self._metric(loop))
+            monitor = self._plateau_monitor()
+            if monitor.due(loop, epoch_end=True) and self.monitor in loop.state.metrics:
+                self._scheduler.step(monitor.read(loop))
         elif self.interval == "epoch":
             self._scheduler.step()
 
-    def _metric(self, loop: Loop) -> float:
-        return Monitor(self.monitor or "", "min", owner="LRScheduler").read(loop)
+    def _plateau_monitor(self) -> Monitor:
+        assert self._monitor is not None  # a plateau scheduler has a monitor (checked)
+        return self._monitor
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import torch
 
 from hookloop import distributed
 from hookloop.callback import Callback
+from hookloop.checks import check_flag, check_name
 from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -174,18 +175,18 @@ class Metrics(Callback):
                  targets: Callable[[Any], Any] | None = None,
                  outputs: Callable[[Any], Any] | None = None, **metrics: Any) -> None:
         if not metrics:
-            raise ConfigurationError("Metrics() needs at least one metric: Metrics(acc=accuracy).")
-        if not isinstance(on_train, bool):
-            raise ConfigurationError(f"on_train must be True or False, got {on_train!r}.")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ConfigurationError(f"Metrics name must be a non-empty string or None, got {name!r}.")
+            raise ConfigurationError(
+                "Metrics metrics must be at least one name=metric pair, e.g. "
+                "Metrics(acc=accuracy), got none.")
+        check_flag("Metrics on_train", on_train)
+        check_name("Metrics name", name)
         examples = {"targets": "fn(batch) -> targets, e.g. lambda batch: batch['label']",
                     "outputs": "fn(outputs) -> what metrics receive, e.g. lambda out: out.logits"}
         for label, function in (("targets", targets), ("outputs", outputs)):
             if function is not None and not callable(function):
                 raise ConfigurationError(
-                    f"Metrics {label}= must be a function ({examples[label]}), got "
-                    f"{type(function).__name__}.")
+                    f"Metrics {label} must be a function {examples[label]}, or None, got "
+                    f"{function!r}.")
         functions: dict[str, Callable[[Any, Any], Any]] = {}
         objects: dict[str, Any] = {}
         for metric_name, metric in metrics.items():
@@ -195,9 +196,9 @@ class Metrics(Callback):
                 functions[metric_name] = metric
             else:
                 raise ConfigurationError(
-                    f"Metric {metric_name!r} is a {type(metric).__name__}: pass a function "
-                    "fn(outputs, targets) -> batch mean, or an object with update(outputs, "
-                    "targets), compute() and reset().")
+                    f"Metrics {metric_name} must be a function fn(outputs, targets) -> batch "
+                    "mean, or an object with update(outputs, targets), compute() and reset(), "
+                    f"got {metric!r}.")
         self.on_train = on_train
         self.name = name
         self.metrics = dict(metrics)

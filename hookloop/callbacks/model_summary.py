@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.checks import check_flag
+from hookloop.checks import check_flag, check_int
 from hookloop.errors import ConfigurationError
 from hookloop.forward import model_inputs
 from hookloop.untouched import untouched
@@ -63,7 +63,7 @@ class ModelSummary(Callback):
         print_summary: Print the table (with ``print``); False only keeps ``summary``.
 
     Raises:
-        ConfigurationError: a depth that is not a non-negative int.
+        ConfigurationError: a depth that is not an int >= 0, an input size that is not a shape.
 
     Example:
         >>> import torch
@@ -82,10 +82,9 @@ class ModelSummary(Callback):
 
     def __init__(self, input_size: Sequence[int] | Sequence[Sequence[int]] | None = None, *,
                  depth: int = 3, print_summary: bool = True) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-            raise ConfigurationError(f"ModelSummary depth must be a non-negative int, got {depth!r}.")
         self.input_size = None if input_size is None else _check_input_size(input_size)
-        self.depth = depth
+        self.depth = check_int("ModelSummary depth", depth, minimum=0,
+                               hint="It is how many levels of nested modules are shown.")
         self.print_summary = check_flag("ModelSummary print_summary", print_summary)
         #: The torchinfo result of the latest fit, or None before it (or when it failed).
         self.summary: ModelStatistics | None = None

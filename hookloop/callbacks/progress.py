@@ -7,9 +7,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hookloop.callback import Callback
-from hookloop.checks import check_console, check_flag
+from hookloop.checks import check_console, check_flag, check_number
 from hookloop.data import length_of
-from hookloop.errors import ConfigurationError
+from hookloop.phase import Phase
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -84,16 +84,13 @@ class ProgressBar(Callback):
 
     def __init__(self, *, console: Console | None = None, terminal: bool | None = None,
                  refresh_per_second: float = 4.0, plain_every_s: float = 60.0) -> None:
-        for name, value in (("refresh_per_second", refresh_per_second),
-                            ("plain_every_s", plain_every_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigurationError(f"ProgressBar {name} must be a positive number, got {value!r}.")
+        self.refresh_per_second = check_number("ProgressBar refresh_per_second",
+                                               refresh_per_second, above=0)
+        self.plain_every_s = check_number("ProgressBar plain_every_s", plain_every_s, above=0)
         self.console = check_console("ProgressBar", console)
         if terminal is not None:
             check_flag("ProgressBar terminal", terminal)
         self.terminal = terminal
-        self.refresh_per_second = float(refresh_per_second)
-        self.plain_every_s = float(plain_every_s)
         self._progress: Progress | None = None
         self._tasks: dict[str, TaskID] = {}
         self._columns: list[str] | None = None
@@ -207,7 +204,7 @@ class ProgressBar(Callback):
 
     def on_validation_end(self, loop: Loop) -> None:
         """Hide the validation bar; note the step of a validation inside fit."""
-        if loop.fitting and not loop.sanity_checking and loop.state.prefix == "val":
+        if loop.phase is Phase.VALIDATE:
             self._validated_step, self._after_validation = loop.state.step, True
         if self._progress is not None and "val" in self._tasks:
             self._progress.update(self._tasks["val"], completed=self._val_batches, visible=False)

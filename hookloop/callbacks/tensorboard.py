@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.checks import check_flag, check_path
+from hookloop.checks import check_flag, check_int, check_optional_int, check_path
+from hookloop.compat import loss_scale, summary_file_writer
 from hookloop.errors import ConfigurationError
 from hookloop.forward import model_inputs
+from hookloop.phase import Phase
 from hookloop.untouched import untouched
 
 if TYPE_CHECKING:
@@ -24,14 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["TensorBoard", "gather_hparams"]
 
 _Scalar = (int, float, str, bool)
-
-
-def _positive_int(name: str, value: Any, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        allowed = "a positive int or None" if optional else "a positive int"
-        raise ConfigurationError(f"TensorBoard {name} must be {allowed}, got {value!r}.")
 
 
 def gather_hparams(loop: Loop) -> dict[str, Any]:
@@ -151,23 +145,21 @@ class TensorBoard(Callback):
     def __init__(self, log_dir: str | os.PathLike[str] = "runs", *, every_n_steps: int = 50,
                  histograms_every_n_epochs: int | None = None, graph: bool = False,
                  hparams: Mapping[str, Any] | None = None, flush_secs: int = 30) -> None:
-        _positive_int("every_n_steps", every_n_steps)
-        _positive_int("histograms_every_n_epochs", histograms_every_n_epochs, optional=True)
-        _positive_int("flush_secs", flush_secs)
         if hparams is not None and not isinstance(hparams, Mapping):
             raise ConfigurationError(
-                f"TensorBoard hparams must be a dict of name -> number/str/bool, got "
-                f"{type(hparams).__name__}.")
+                f"TensorBoard hparams must be a dict of name -> number/str/bool or None, got "
+                f"{hparams!r}.")
         self.log_dir = check_path("TensorBoard log_dir", log_dir)
-        self.every_n_steps = every_n_steps
-        self.histograms_every_n_epochs = histograms_every_n_epochs
+        self.every_n_steps = check_int("TensorBoard every_n_steps", every_n_steps)
+        self.histograms_every_n_epochs = check_optional_int(
+            "TensorBoard histograms_every_n_epochs", histograms_every_n_epochs,
+            hint="None logs no histograms.")
         self.graph = check_flag("TensorBoard graph", graph)
         self.hparams = None if hparams is None else dict(hparams)
-        self.flush_secs = flush_secs
+        self.flush_secs = check_int("TensorBoard flush_secs", flush_secs)
         self._writer: SummaryWriter | None = None
         self._writer_class: Any = None
         self._loop: Loop | None = None
-        self._scaler: torch.amp.GradScaler | None = None
         # What was logged at the latest step: written again after a resume purges that step.
         self._latest_step = -1
         self._latest: dict[str, float] = {}
@@ -252,17 +244,11 @@ class TensorBoard(Callback):
         self._loop = loop
 
     def on_fit_start(self, loop: Loop) -> None:
-        """Find the AMP scaler, if any; the writer opens at the first epoch."""
+        """Reset the per-fit bookkeeping; the writer opens at the first epoch."""
         self._epoch_ran = self._failed = self._graph_done = False
         self._metrics_step = {}
         self._validated_step = -1
         self._histogram_epoch = -1
-        self._scaler = None
-        for callback in loop.callbacks:
-            scaler = getattr(callback, "scaler", None)
-            if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled():
-                self._scaler = scaler
-                break
 
     def on_epoch_start(self, loop: Loop) -> None:
         """Open the writer (after a checkpoint restored the step, for purge_step)."""
@@ -285,11 +271,10 @@ class TensorBoard(Callback):
             if state.grad_norm is not None:
                 tags.append("step/grad_norm")
                 values.append(state.grad_norm.detach())
-            if self._scaler is not None:
-                scale = getattr(self._scaler, "_get_scale_async", lambda: None)()
-                if scale is not None:
-                    tags.append("step/loss_scale")
-                    values.append(scale)
+            scale = None if loop.scaler is None else loss_scale(loop.scaler)
+            if scale is not None:
+                tags.append("step/loss_scale")
+                values.append(scale)
             device = values[0].device
             numbers = torch.stack([v.float().reshape(()).to(device) for v in values]).tolist()
             for tag, number in zip(tags, numbers):
@@ -308,9 +293,8 @@ class TensorBoard(Callback):
 
     def on_validation_end(self, loop: Loop) -> None:
         """Every metric of this validation, once, at the current step."""
-        if loop.fitting and not loop.sanity_checking:
-            if loop.state.prefix == "val":
-                self._validated_step = loop.state.step
+        if loop.phase is Phase.VALIDATE:
+            self._validated_step = loop.state.step
             self._metrics(loop, only_new=False)
 
     def on_epoch_end(self, loop: Loop) -> None:
@@ -378,7 +362,7 @@ class TensorBoard(Callback):
         from torch.utils.tensorboard.summary import histogram
 
         writer, step = self.writer, loop.state.step
-        file_writer, bins = writer._get_file_writer(), writer.default_bins
+        file_writer, bins = summary_file_writer(writer), writer.default_bins
         kept: dict[str, bytes] = {}
         for name, param in loop.unwrapped_model.named_parameters():
             file_writer.add_summary(histogram(f"weights/{name}", param.detach(), bins), step)
@@ -426,6 +410,6 @@ class TensorBoard(Callback):
             # (a val_* value logged at its validation's step is not logged again here)
             if tag[len("metrics/"):] not in self._metrics_step:
                 self._scalar(tag, value, loop.state.step)
-        file_writer = writer._get_file_writer()
+        file_writer = summary_file_writer(writer)
         for summary in hparams_summary(params, metrics):
             file_writer.add_summary(summary)

@@ -8,6 +8,8 @@ import torch
 
 from hookloop import distributed
 from hookloop.callback import Callback
+from hookloop.checks import check_flag
+from hookloop.compat import foreach_copy_
 from hookloop.errors import ConfigurationError, NonFiniteError
 from hookloop.grads import total_norm
 
@@ -15,16 +17,6 @@ if TYPE_CHECKING:
     from hookloop.loop import Loop
 
 __all__ = ["TerminateOnNaN"]
-
-
-def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """``target.copy_(source)`` for each pair, fused where torch offers it (no sync)."""
-    with torch.no_grad():
-        if hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(targets, sources)
-        else:  # pragma: no cover - older torch
-            for target, source in zip(targets, sources):
-                target.copy_(source)
 
 
 class TerminateOnNaN(Callback):
@@ -48,10 +40,10 @@ class TerminateOnNaN(Callback):
     buffers per step, no sync; BatchNorm statistics are small next to the weights) and put
     back when the step is cancelled, so the whole model is that of the last good step.
 
-    Under `AMP` with a GradScaler (float16), non-finite gradients are the scaler's
-    business: an overflow skips the step and lowers the scale, so only the loss is checked
-    then. With float32 or bfloat16 there is no scaler and a non-finite gradient is a real
-    fault.
+    Under `AMP` with a GradScaler (float16: ``loop.scaler`` is set), non-finite gradients
+    are the scaler's business: an overflow skips the step and lowers the scale, so only the
+    loss is checked then. With float32 or bfloat16 there is no scaler and a non-finite
+    gradient is a real fault.
 
     Args:
         check_gradients: Also stop on non-finite gradients with a finite loss (costs one
@@ -88,14 +80,9 @@ class TerminateOnNaN(Callback):
                 f"TerminateOnNaN takes no positional arguments, got {unexpected!r}. Its "
                 "options are keywords: TerminateOnNaN(check_gradients=True, "
                 "restore_buffers=True, raise_error=False).")
-        for label, value in (("check_gradients", check_gradients),
-                             ("restore_buffers", restore_buffers), ("raise_error", raise_error)):
-            if not isinstance(value, bool):
-                raise ConfigurationError(
-                    f"TerminateOnNaN {label} must be True or False, got {value!r}.")
-        self.check_gradients = check_gradients
-        self.restore_buffers = restore_buffers
-        self.raise_error = raise_error
+        self.check_gradients = check_flag("TerminateOnNaN check_gradients", check_gradients)
+        self.restore_buffers = check_flag("TerminateOnNaN restore_buffers", restore_buffers)
+        self.raise_error = check_flag("TerminateOnNaN raise_error", raise_error)
         self._bad_loss: torch.Tensor | None = None
         self._gradients_checked = check_gradients
         self._buffers: list[torch.Tensor] = []
@@ -111,8 +98,7 @@ class TerminateOnNaN(Callback):
     def on_fit_start(self, loop: Loop) -> None:
         self._bad_loss = None
         # A GradScaler owns non-finite gradients: they are its overflow signal.
-        scaled = any(getattr(callback, "scaler", None) is not None for callback in loop.callbacks)
-        self._gradients_checked = self.check_gradients and not scaled
+        self._gradients_checked = self.check_gradients and loop.scaler is None
         self._buffers = list(loop.unwrapped_model.buffers()) if self.restore_buffers else []
         self._saved = None  # taken at the first batch: after every on_fit_start (a resume)
 
@@ -144,7 +130,8 @@ class TerminateOnNaN(Callback):
             return
         loop.cancel_step()
         if self._buffers and self._saved is not None:
-            _copy(self._buffers, self._saved)
+            with torch.no_grad():
+                foreach_copy_(self._buffers, self._saved)
         state = loop.state
         window = loop.accumulation_steps
         where = (f"batch {state.batch_idx}" if window == 1
@@ -184,4 +171,5 @@ class TerminateOnNaN(Callback):
         if self._saved is None:
             self._saved = [buffer.detach().clone() for buffer in self._buffers]
         else:
-            _copy(self._saved, self._buffers)
+            with torch.no_grad():
+                foreach_copy_(self._saved, self._buffers)

@@ -156,7 +156,7 @@ def test_two_instances_are_rejected() -> None:
 
 @pytest.mark.parametrize("steps", [0, -1, 2.0, True])
 def test_bad_steps(steps: object) -> None:
-    with pytest.raises(ConfigurationError, match="positive int"):
+    with pytest.raises(ConfigurationError, match=r"GradAccumulation steps must be an int >= 1, got "):
         GradAccumulation(steps)  # type: ignore[arg-type]
 
 

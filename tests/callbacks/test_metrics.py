@@ -162,7 +162,7 @@ def test_no_host_sync_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_metrics() -> None:
     with pytest.raises(ConfigurationError, match="at least one"):
         Metrics()
-    with pytest.raises(ConfigurationError, match="'acc' is a int"):
+    with pytest.raises(ConfigurationError, match=r"Metrics acc must be a function.*got 3\."):
         Metrics(acc=3)
     train, val = data()
     model = nn.Linear(5, 3)

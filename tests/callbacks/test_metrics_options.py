@@ -101,9 +101,9 @@ def test_missing_targets_fail_at_the_first_batch_with_the_fix() -> None:
 
 
 def test_bad_selectors_are_refused() -> None:
-    with pytest.raises(ConfigurationError, match="targets= must be a function"):
+    with pytest.raises(ConfigurationError, match=r"Metrics targets must be a function.*got 'label'"):
         Metrics(acc=accuracy, targets="label")  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError, match="outputs= must be a function"):
+    with pytest.raises(ConfigurationError, match=r"Metrics outputs must be a function.*got 1\."):
         Metrics(acc=accuracy, outputs=1)  # type: ignore[arg-type]
 
 

@@ -1,0 +1,165 @@
+"""The private torch APIs hookloop uses, in one place, each with a fallback on public API.
+
+A private name (``torch._foreach_lerp_``, ``GradScaler._get_scale_async``...) can change
+or vanish in any torch release. hookloop reaches them only through this module, so a
+torch upgrade that breaks one breaks it here, where the fallback is: the fallbacks give
+the same results through public API, at some cost (a per-tensor loop instead of one
+fused kernel, a host sync where the private call had none). A test checks that no other
+module of hookloop touches a private torch attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["foreach_copy_", "foreach_lerp_", "foreach_mul_", "generic_grad_scaler_step",
+           "loss_scale", "summary_file_writer", "compiled_original"]
+
+_AMP_SCALING = "_step_supports_amp_scaling"
+
+
+def foreach_copy_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """``target.copy_(source)`` for each pair, as one fused call where torch has it.
+
+    No host sync either way. Call it under ``torch.no_grad()`` for tensors that require
+    gradients.
+
+    Example:
+        >>> targets, sources = [torch.zeros(2), torch.zeros(1)], [torch.ones(2), torch.ones(1)]
+        >>> foreach_copy_(targets, sources)
+        >>> [t.tolist() for t in targets]
+        [[1.0, 1.0], [1.0]]
+    """
+    fused = getattr(torch, "_foreach_copy_", None)
+    if fused is not None:
+        fused(targets, sources)
+        return
+    for target, source in zip(targets, sources):
+        target.copy_(source)
+
+
+def foreach_lerp_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
+                  weight: float) -> None:
+    """``target += weight * (source - target)`` for each pair, fused where torch has it.
+
+    Example:
+        >>> targets = [torch.zeros(2)]
+        >>> foreach_lerp_(targets, [torch.full((2,), 4.0)], 0.25)
+        >>> targets[0].tolist()
+        [1.0, 1.0]
+    """
+    fused = getattr(torch, "_foreach_lerp_", None)
+    if fused is not None:
+        fused(targets, sources, weight)
+        return
+    for target, source in zip(targets, sources):
+        target.lerp_(source, weight)
+
+
+def foreach_mul_(tensors: Sequence[torch.Tensor], factor: float) -> None:
+    """``tensor *= factor`` for each tensor, fused where torch has it.
+
+    Example:
+        >>> tensors = [torch.ones(2), torch.full((1,), 2.0)]
+        >>> foreach_mul_(tensors, 3.0)
+        >>> [t.tolist() for t in tensors]
+        [[3.0, 3.0], [6.0]]
+    """
+    fused = getattr(torch, "_foreach_mul_", None)
+    if fused is not None:
+        fused(tensors, factor)
+        return
+    for tensor in tensors:
+        tensor.mul_(factor)
+
+
+@contextmanager
+def generic_grad_scaler_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside the block, ``GradScaler.step(optimizer)`` treats ``optimizer`` like any other.
+
+    Fused and capturable optimizers (``Adam(fused=True)``) declare
+    ``_step_supports_amp_scaling``: GradScaler then calls their ``step`` even for a step
+    with inf/NaN gradients and lets the kernel skip it on the device, so whoever watches
+    ``optimizer.step`` would count a step that did not happen. Turned off for the block,
+    GradScaler takes its generic path: it calls ``step`` only when the gradients are finite.
+    The gradients must be unscaled already (``scaler.unscale_``), as the generic path
+    expects. Put back afterwards, also on an exception. Without the attribute (a torch
+    without fused AMP steps) there is nothing to turn off.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with generic_grad_scaler_step(optimizer):
+        ...     pass
+    """
+    if not getattr(optimizer, _AMP_SCALING, False):
+        yield
+        return
+    own = _AMP_SCALING in vars(optimizer)  # set on the instance, or by its class
+    saved = vars(optimizer).get(_AMP_SCALING)
+    setattr(optimizer, _AMP_SCALING, False)
+    try:
+        yield
+    finally:
+        if own:
+            setattr(optimizer, _AMP_SCALING, saved)
+        else:
+            delattr(optimizer, _AMP_SCALING)
+
+
+def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The scaler's current scale as a tensor on its device, without a host sync.
+
+    None before the scaler scaled anything (it makes its scale tensor at first use) and for
+    a disabled scaler. The public fallback, ``scaler.get_scale()``, returns a float and
+    syncs: use it only where a sync happens anyway.
+
+    Example:
+        >>> scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        >>> _ = scaler.scale(torch.ones(()))
+        >>> float(loss_scale(scaler))
+        8.0
+    """
+    if not scaler.is_enabled():
+        return None
+    scale_async = getattr(scaler, "_get_scale_async", None)
+    if callable(scale_async):
+        return scale_async()
+    return torch.tensor(scaler.get_scale())
+
+
+def summary_file_writer(writer: Any) -> Any:
+    """The event-file writer inside a ``torch.utils.tensorboard.SummaryWriter``.
+
+    For writing ready-made summaries (``add_summary``) into the writer's own event file, as
+    its public methods do. The fallback is the writer's ``file_writer`` attribute, which
+    the SummaryWriter sets when it opens its file.
+
+    Example:
+        >>> import tempfile
+        >>> from torch.utils.tensorboard import SummaryWriter
+        >>> writer = SummaryWriter(tempfile.mkdtemp())
+        >>> summary_file_writer(writer) is not None
+        True
+        >>> writer.close()
+    """
+    get_file_writer = getattr(writer, "_get_file_writer", None)
+    if callable(get_file_writer):
+        return get_file_writer()
+    return writer.file_writer
+
+
+def compiled_original(model: nn.Module) -> nn.Module | None:
+    """The module ``torch.compile`` wrapped, for a compiled module; else None.
+
+    Example:
+        >>> compiled_original(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    original = getattr(model, "_orig_mod", None)
+    return original if isinstance(original, nn.Module) else None
