@@ -25,16 +25,15 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from hookloop.callback import Callback
+from hookloop.callbacks.detect_anomaly import DetectAnomaly
+from hookloop.callbacks.short_run import ShortRun
 from hookloop.errors import ConfigurationError
 from hookloop.monitor import Monitor
-
-if TYPE_CHECKING:
-    from hookloop.loop import Loop
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -54,92 +53,6 @@ ENTRY_POINT_GROUP = "hookloop.presets"
 _SCHEDULES = ("warmup_cosine", "warmup_linear")
 _AMP_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
               torch.bfloat16: "bf16", torch.float16: "fp16"}
-# Words that make a metric name "higher is better" or "lower is better" (split on "_").
-# ------------------------------------------------------------------ small callbacks
-class DetectAnomaly(Callback):
-    """Turn on autograd's anomaly detection for the first ``steps`` optimizer steps.
-
-    While it is on, a backward pass that produces NaN raises at once, with the traceback
-    of the forward operation that caused it (``torch.autograd.set_detect_anomaly``). It
-    slows every step down a lot, which is why it is switched off after ``steps`` steps. The
-    previous setting is restored at fit end, also after an exception.
-
-    Args:
-        steps: Optimizer steps (``loop.state.step``) to run with anomaly detection.
-
-    Example:
-        >>> import torch
-        >>> from hookloop import Loop
-        >>> model = torch.nn.Linear(2, 1)
-        >>> data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(3)]
-        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-        ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
-        ...             callbacks=[DetectAnomaly(steps=2)])
-        >>> loop.fit(1).step, torch.is_anomaly_enabled()
-        (3, False)
-    """
-
-    def __init__(self, steps: int = 5) -> None:
-        _check_count("DetectAnomaly steps", steps, minimum=1)
-        self.steps = steps
-        self._previous: tuple[bool, bool] | None = None
-
-    def __repr__(self) -> str:
-        return f"DetectAnomaly(steps={self.steps})"
-
-    def on_fit_start(self, loop: Loop) -> None:
-        if loop.state.step < self.steps:
-            self._previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-            torch.autograd.set_detect_anomaly(True, check_nan=True)
-
-    def on_batch_end(self, loop: Loop) -> None:
-        if self._previous is not None and loop.state.step >= self.steps:
-            self._restore()
-
-    def on_fit_end(self, loop: Loop) -> None:
-        self._restore()
-
-    def _restore(self) -> None:
-        if self._previous is not None:
-            enabled, check_nan = self._previous
-            torch.autograd.set_detect_anomaly(enabled, check_nan=check_nan)
-            self._previous = None
-
-
-class ShortRun(Callback):
-    """End the fit after ``steps`` optimizer steps in all: a quick check that a stack runs.
-
-    Calls ``loop.stop()`` once ``loop.state.step`` reaches ``steps``; the fit ends at that
-    step boundary and ``on_epoch_end``/``on_fit_end`` still fire. The epoch it cuts short
-    runs no validation: call ``loop.validate()`` afterwards to try the validation path.
-    ``loop.fit(epochs, max_steps=N)`` does the same from the call site; this callback does
-    it from inside a preset.
-
-    Args:
-        steps: Optimizer steps after which training ends.
-
-    Example:
-        >>> import torch
-        >>> from hookloop import Loop
-        >>> model = torch.nn.Linear(2, 1)
-        >>> data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(10)]
-        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-        ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
-        ...             callbacks=[ShortRun(steps=4)])
-        >>> loop.fit(3).step
-        4
-    """
-
-    def __init__(self, steps: int = 20) -> None:
-        _check_count("ShortRun steps", steps, minimum=1)
-        self.steps = steps
-
-    def __repr__(self) -> str:
-        return f"ShortRun(steps={self.steps})"
-
-    def on_batch_end(self, loop: Loop) -> None:
-        if loop.state.step >= self.steps and not loop.stop_requested:
-            loop.stop(f"ShortRun: {self.steps} optimizer steps done")
 
 
 # ------------------------------------------------------------------ built-in presets
