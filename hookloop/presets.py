@@ -11,20 +11,18 @@ the list, edit it like any list, and pass it to `Loop`::
 
 Built-in presets: `standard`, `finetune` and `debug`. Other packages publish theirs through
 the entry-point group ``hookloop.presets`` (see ``docs/presets.md``); `available` lists
-every preset installed, and `get` builds one by name. Presets are only ever used when asked
-for by name: installing a package never changes a stack you did not ask it to build.
+every preset installed, and `get` builds one by name (both live in `hookloop.registry`,
+which says when another package is imported). Presets are only ever used when asked for by
+name: installing a package never changes a stack you did not ask it to build.
+`DetectAnomaly` and `ShortRun`, the debug preset's own callbacks, live in
+`hookloop.callbacks`; ``presets.DetectAnomaly`` and ``presets.ShortRun`` are the same classes.
 """
 
 from __future__ import annotations
 
-import difflib
 import functools
-import importlib.metadata
-import inspect
 import os
-import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +32,7 @@ from hookloop.callbacks.detect_anomaly import DetectAnomaly
 from hookloop.callbacks.short_run import ShortRun
 from hookloop.errors import ConfigurationError
 from hookloop.monitor import Monitor
+from hookloop.registry import ENTRY_POINT_GROUP, available, get
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -46,9 +45,6 @@ __all__ = [
     "replace",
     "standard",
 ]
-
-#: The entry-point group other packages publish their presets in.
-ENTRY_POINT_GROUP = "hookloop.presets"
 
 _SCHEDULES = ("warmup_cosine", "warmup_linear")
 _AMP_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
@@ -272,13 +268,6 @@ def debug(
     return callbacks
 
 
-_BUILT_IN: dict[str, Callable[..., list[Callback]]] = {
-    "standard": standard,
-    "finetune": finetune,
-    "debug": debug,
-}
-
-
 # ------------------------------------------------------------------ editing a stack
 def replace(callbacks: list[Callback], kind: type[Callback] | str,
             new: Callback | None) -> list[Callback]:
@@ -326,171 +315,7 @@ def replace(callbacks: list[Callback], kind: type[Callback] | str,
     return callbacks
 
 
-# ------------------------------------------------------------------ lookup
-@dataclass(frozen=True)
-class _Entry:
-    """One preset found: built in, or published by a package through the entry point."""
-
-    name: str
-    package: str
-    function: Callable[..., list[Callback]] | None = None
-    problem: str | None = None
-
-    @property
-    def description(self) -> str:
-        if self.function is None:
-            return f"not usable: {self.problem}"
-        doc = inspect.getdoc(self.function) or ""
-        return doc.strip().splitlines()[0] if doc.strip() else "(no description)"
-
-
-def _package_of(entry_point: importlib.metadata.EntryPoint) -> str:
-    dist = getattr(entry_point, "dist", None)
-    if dist is None:
-        return f"unknown package ({entry_point.value})"
-    return f"{dist.name} {dist.version}"
-
-
-def _discover() -> tuple[dict[str, _Entry], list[_Entry]]:
-    """Built-in and installed presets by name, and the installed ones that cannot be used.
-
-    Entry points are loaded one by one: one that fails to import, is not callable, takes a
-    built-in name or is published by two packages is set aside with the reason, and the
-    others stay usable.
-    """
-    usable = {name: _Entry(name, "hookloop", function) for name, function in _BUILT_IN.items()}
-    problems: list[_Entry] = []
-    by_name: dict[str, list[importlib.metadata.EntryPoint]] = {}
-    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        by_name.setdefault(entry_point.name, []).append(entry_point)
-    for name in sorted(by_name):
-        entry_points = by_name[name]
-        packages = ", ".join(_package_of(entry_point) for entry_point in entry_points)
-        if name in usable:
-            problems.append(_Entry(name, packages, problem=(
-                f"{name!r} is the name of a built-in preset, which keeps it; the package "
-                "must publish its preset under another name")))
-            continue
-        if len(entry_points) > 1:
-            problems.append(_Entry(name, packages, problem=(
-                f"{len(entry_points)} installed packages publish a preset named {name!r}, so "
-                "none of them is used; uninstall all but one")))
-            continue
-        entry_point = entry_points[0]
-        try:
-            function = entry_point.load()
-        except Exception as error:  # any import-time failure of someone else's package
-            problems.append(_Entry(name, packages, problem=(
-                f"loading {entry_point.value} failed with {type(error).__name__}: {error}")))
-            continue
-        if not callable(function):
-            problems.append(_Entry(name, packages, problem=(
-                f"{entry_point.value} is a {type(function).__name__}, not a function "
-                "returning a list of callbacks")))
-            continue
-        usable[name] = _Entry(name, packages, function)
-    return usable, problems
-
-
-def _warn(problems: list[_Entry]) -> None:
-    for entry in problems:
-        warnings.warn(f"hookloop preset {entry.name!r} from {entry.package} is not available: "
-                      f"{entry.problem}.", RuntimeWarning, stacklevel=3)
-
-
-def available() -> dict[str, str]:
-    """Every preset that `get` can build: ``{name: one-line description}``, sorted by name.
-
-    Built-in presets come first in meaning, not in order: a package cannot replace them.
-    An installed preset that cannot be used (its package fails to import, it takes a
-    built-in name, two packages publish the same name) is left out with a warning naming
-    it and its package; the others are listed. ``hookloop presets`` prints the same list
-    with the package each preset comes from.
-
-    Returns:
-        Preset names mapped to the first line of their docstring.
-
-    Example:
-        >>> from hookloop import presets
-        >>> sorted(set(presets.available()) & {"standard", "finetune", "debug"})
-        ['debug', 'finetune', 'standard']
-    """
-    usable, problems = _discover()
-    _warn(problems)
-    return {name: usable[name].description for name in sorted(usable)}
-
-
-def get(name: str, **kwargs: Any) -> list[Callback]:
-    """Build the preset called ``name`` with ``kwargs``: ``get("standard", ema=None)``.
-
-    Args:
-        name: A built-in preset (``"standard"``, ``"finetune"``, ``"debug"``) or one an
-            installed package publishes (see `available`).
-        **kwargs: The preset's arguments.
-
-    Returns:
-        A new list of callbacks.
-
-    Raises:
-        ConfigurationError: an unknown name (the message lists the available ones), a
-            preset whose package cannot be loaded (with the reason), an argument the preset
-            does not take (with the ones it does), or a preset that does not return a list
-            of callbacks.
-
-    Example:
-        >>> from hookloop import presets
-        >>> callbacks = presets.get("finetune", tensorboard=None, progress=False)
-        >>> type(callbacks[0]).__name__
-        'AMP'
-    """
-    if not isinstance(name, str):
-        raise ConfigurationError(f"A preset name is a string such as 'standard', got {name!r}.")
-    usable, problems = _discover()
-    entry = usable.get(name)
-    if entry is None:
-        broken = next((problem for problem in problems if problem.name == name), None)
-        if broken is not None:
-            raise ConfigurationError(
-                f"The preset {name!r} from {broken.package} cannot be used: {broken.problem}.")
-        _warn(problems)
-        close = difflib.get_close_matches(name, list(usable), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigurationError(
-            f"No preset named {name!r}.{hint} Available: {', '.join(sorted(usable))}. "
-            f"Presets of other packages appear here once installed (entry-point group "
-            f"{ENTRY_POINT_GROUP!r}); `hookloop presets` lists them.")
-    function = entry.function
-    assert function is not None
-    try:
-        inspect.signature(function).bind(**kwargs)
-    except TypeError as error:
-        raise ConfigurationError(
-            f"Preset {name!r} ({entry.package}): {error}. Its parameters: "
-            f"{_parameters(function)}.") from None
-    except ValueError:  # no signature to check (a builtin or C function): just call it
-        pass
-    callbacks = function(**kwargs)
-    if isinstance(callbacks, tuple):
-        callbacks = list(callbacks)
-    if not isinstance(callbacks, list) or not all(isinstance(c, Callback) for c in callbacks):
-        raise ConfigurationError(
-            f"Preset {name!r} ({entry.package}) returned {type(callbacks).__name__} "
-            f"{callbacks!r:.200}, not a list of hookloop.Callback instances; that is a bug in "
-            "the preset's package.")
-    return callbacks
-
-
 # ------------------------------------------------------------------ helpers
-def _parameters(function: Callable[..., Any]) -> str:
-    try:
-        parameters = inspect.signature(function).parameters.values()
-    except ValueError:
-        return "unknown"
-    return ", ".join(
-        parameter.name if parameter.default is inspect.Parameter.empty
-        else f"{parameter.name}={parameter.default!r}" for parameter in parameters) or "none"
-
-
 def _check_count(label: str, value: Any, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigurationError(f"{label} must be an int >= {minimum}, got {value!r}.")
