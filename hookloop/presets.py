@@ -21,6 +21,7 @@ name: installing a package never changes a stack you did not ask it to build.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,6 +31,7 @@ import torch
 from hookloop.callback import Callback
 from hookloop.callbacks.detect_anomaly import DetectAnomaly
 from hookloop.callbacks.short_run import ShortRun
+from hookloop.checks import check_int, check_number
 from hookloop.errors import ConfigurationError
 from hookloop.monitor import Monitor
 from hookloop.registry import ENTRY_POINT_GROUP, available, get
@@ -138,11 +140,11 @@ def standard(
                 "train in full precision.")
         callbacks.append(AMP(_AMP_NAMES[amp]))
     if accumulate is True or accumulate not in (None, False, 0, 1):  # True == 1: refused
-        _check_count("standard(accumulate=...)", accumulate, minimum=1)
-        callbacks.append(GradAccumulation(accumulate))
+        callbacks.append(GradAccumulation(check_int(
+            "presets.standard accumulate", accumulate, hint="Use 1 for one batch per step.")))
     if clip:
-        _check_positive("standard(clip=...)", clip)
-        callbacks.append(GradClip(float(clip)))
+        callbacks.append(GradClip(check_number("presets.standard clip", clip, above=0,
+                                               hint="Use None for no clipping.")))
     if ema:
         callbacks.append(EMA(ema))
     if schedule:
@@ -158,8 +160,9 @@ def standard(
                 "metrics={'acc': accuracy}, or a Metrics(...) callback.")
     resolved = Monitor(monitor, mode, owner="standard()").resolve() if monitor else None
     if early_stopping and monitor:  # monitor=None switches early stopping off
-        _check_count("standard(early_stopping=...)", early_stopping, minimum=1)
-        callbacks.append(EarlyStopping(monitor=monitor, mode=resolved, patience=early_stopping))
+        patience = check_int("presets.standard early_stopping", early_stopping,
+                             hint="Use None for no early stopping.")
+        callbacks.append(EarlyStopping(monitor=monitor, mode=resolved, patience=patience))
     if tensorboard:
         from hookloop.callbacks import TensorBoard
 
@@ -174,23 +177,16 @@ def standard(
     return callbacks
 
 
-def finetune(
-    *,
-    amp: str | torch.dtype | None = "bf16",
-    clip: float | None = 1.0,
-    accumulate: int | None = 1,
-    ema: float | None = None,
-    schedule: str | Callable[[torch.optim.Optimizer, int], Any] | None = "warmup_linear",
-    warmup: int | float = 0.1,
-    checkpoint_dir: str | os.PathLike[str] | None = "ckpt",
-    tensorboard: str | os.PathLike[str] | None = "runs",
-    early_stopping: int | None = None,
-    metrics: Mapping[str, Any] | Callback | None = None,
-    monitor: str | None = "val_loss",
-    mode: str = "auto",
-    resume: bool | str | os.PathLike[str] = False,
-    progress: bool = True,
-) -> list[Callback]:
+# finetune is standard with other defaults: the defaults live here, the parameters in standard.
+_FINETUNE_DEFAULTS: dict[str, Any] = {
+    "ema": None,
+    "schedule": "warmup_linear",
+    "warmup": 0.1,
+    "early_stopping": None,
+}
+
+
+def finetune(**arguments: Any) -> list[Callback]:
     """Fine-tune a pretrained model: bf16, clipping at 1.0, warmup then linear decay, no EMA.
 
     The usual recipe for a pretrained transformer-style model (a short run at a small
@@ -208,10 +204,26 @@ def finetune(
         >>> [type(callback).__name__ for callback in callbacks]
         ['AMP', 'GradClip', 'LRScheduler']
     """
-    return standard(amp=amp, clip=clip, accumulate=accumulate, ema=ema, schedule=schedule,
-                    warmup=warmup, checkpoint_dir=checkpoint_dir, tensorboard=tensorboard,
-                    early_stopping=early_stopping, metrics=metrics, monitor=monitor, mode=mode,
-                    resume=resume, progress=progress)
+    try:
+        bound = _FINETUNE_SIGNATURE.bind(**arguments)
+    except TypeError as error:  # name this function, not standard, in the message
+        raise TypeError(f"finetune() {error}") from None
+    bound.apply_defaults()
+    return standard(**bound.arguments)
+
+
+def _with_defaults(function: Callable[..., Any], defaults: Mapping[str, Any]) -> inspect.Signature:
+    """``function``'s signature with some of its defaults replaced."""
+    signature = inspect.signature(function)
+    return signature.replace(parameters=[
+        parameter.replace(default=defaults.get(parameter.name, parameter.default))
+        for parameter in signature.parameters.values()])
+
+
+# What help(), inspect.signature, `hookloop describe` and `presets.get` see: standard's
+# keyword-only parameters with finetune's defaults.
+_FINETUNE_SIGNATURE = _with_defaults(standard, _FINETUNE_DEFAULTS)
+finetune.__signature__ = _FINETUNE_SIGNATURE  # type: ignore[attr-defined]
 
 
 def debug(
@@ -316,16 +328,6 @@ def replace(callbacks: list[Callback], kind: type[Callback] | str,
 
 
 # ------------------------------------------------------------------ helpers
-def _check_count(label: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigurationError(f"{label} must be an int >= {minimum}, got {value!r}.")
-
-
-def _check_positive(label: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigurationError(f"{label} must be a positive number or None, got {value!r}.")
-
-
 def _schedule_factory(schedule: Any, warmup: int | float) -> Callable[..., Any]:
     """A factory ``fn(optimizer, total_steps)`` for ``LRScheduler`` from a name or a factory."""
     from hookloop import schedules
@@ -339,7 +341,7 @@ def _schedule_factory(schedule: Any, warmup: int | float) -> Callable[..., Any]:
     # Checked now, with a made-up length, so a bad warmup fails here and not at fit start.
     if isinstance(warmup, float) or not isinstance(warmup, int) or isinstance(warmup, bool):
         schedules.resolve_warmup(100, warmup)
-    elif warmup < 0:
-        raise ConfigurationError(f"warmup must be a number of steps >= 0 or a fraction 0 < x < 1, "
-                                 f"got {warmup!r}.")
+    else:
+        check_int("presets.standard warmup", warmup, minimum=0,
+                  hint="A fraction 0 < x < 1 of the run's steps works too (warmup=0.05).")
     return functools.partial(getattr(schedules, schedule), warmup_steps=warmup)
