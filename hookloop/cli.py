@@ -52,9 +52,9 @@ def parse_assignment(text: str) -> tuple[str, Any]:
 
 
 def _print_presets() -> int:
-    from hookloop.presets import _discover
+    from hookloop.registry import entries
 
-    usable, problems = _discover()
+    usable, problems = entries()
     rows = [(entry.name, entry.package, entry.description) for entry in usable.values()]
     rows += [(entry.name, entry.package, entry.description) for entry in problems]
     rows.sort(key=lambda row: (row[1] != "hookloop", row[0]))

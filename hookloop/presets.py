@@ -11,30 +11,30 @@ the list, edit it like any list, and pass it to `Loop`::
 
 Built-in presets: `standard`, `finetune` and `debug`. Other packages publish theirs through
 the entry-point group ``hookloop.presets`` (see ``docs/presets.md``); `available` lists
-every preset installed, and `get` builds one by name. Presets are only ever used when asked
-for by name: installing a package never changes a stack you did not ask it to build.
+every preset installed, and `get` builds one by name (both live in `hookloop.registry`,
+which says when another package is imported). Presets are only ever used when asked for by
+name: installing a package never changes a stack you did not ask it to build.
+`DetectAnomaly` and `ShortRun`, the debug preset's own callbacks, live in
+`hookloop.callbacks`; ``presets.DetectAnomaly`` and ``presets.ShortRun`` are the same classes.
 """
 
 from __future__ import annotations
 
-import difflib
 import functools
-import importlib.metadata
 import inspect
 import os
-import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from hookloop.callback import Callback
+from hookloop.callbacks.detect_anomaly import DetectAnomaly
+from hookloop.callbacks.short_run import ShortRun
+from hookloop.checks import check_int, check_number
 from hookloop.errors import ConfigurationError
 from hookloop.monitor import Monitor
-
-if TYPE_CHECKING:
-    from hookloop.loop import Loop
+from hookloop.registry import ENTRY_POINT_GROUP, available, get
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -48,98 +48,9 @@ __all__ = [
     "standard",
 ]
 
-#: The entry-point group other packages publish their presets in.
-ENTRY_POINT_GROUP = "hookloop.presets"
-
 _SCHEDULES = ("warmup_cosine", "warmup_linear")
 _AMP_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
               torch.bfloat16: "bf16", torch.float16: "fp16"}
-# Words that make a metric name "higher is better" or "lower is better" (split on "_").
-# ------------------------------------------------------------------ small callbacks
-class DetectAnomaly(Callback):
-    """Turn on autograd's anomaly detection for the first ``steps`` optimizer steps.
-
-    While it is on, a backward pass that produces NaN raises at once, with the traceback
-    of the forward operation that caused it (``torch.autograd.set_detect_anomaly``). It
-    slows every step down a lot, which is why it is switched off after ``steps`` steps. The
-    previous setting is restored at fit end, also after an exception.
-
-    Args:
-        steps: Optimizer steps (``loop.state.step``) to run with anomaly detection.
-
-    Example:
-        >>> import torch
-        >>> from hookloop import Loop
-        >>> model = torch.nn.Linear(2, 1)
-        >>> data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(3)]
-        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-        ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
-        ...             callbacks=[DetectAnomaly(steps=2)])
-        >>> loop.fit(1).step, torch.is_anomaly_enabled()
-        (3, False)
-    """
-
-    def __init__(self, steps: int = 5) -> None:
-        _check_count("DetectAnomaly steps", steps, minimum=1)
-        self.steps = steps
-        self._previous: tuple[bool, bool] | None = None
-
-    def __repr__(self) -> str:
-        return f"DetectAnomaly(steps={self.steps})"
-
-    def on_fit_start(self, loop: Loop) -> None:
-        if loop.state.step < self.steps:
-            self._previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-            torch.autograd.set_detect_anomaly(True, check_nan=True)
-
-    def on_batch_end(self, loop: Loop) -> None:
-        if self._previous is not None and loop.state.step >= self.steps:
-            self._restore()
-
-    def on_fit_end(self, loop: Loop) -> None:
-        self._restore()
-
-    def _restore(self) -> None:
-        if self._previous is not None:
-            enabled, check_nan = self._previous
-            torch.autograd.set_detect_anomaly(enabled, check_nan=check_nan)
-            self._previous = None
-
-
-class ShortRun(Callback):
-    """End the fit after ``steps`` optimizer steps in all: a quick check that a stack runs.
-
-    Calls ``loop.stop()`` once ``loop.state.step`` reaches ``steps``; the fit ends at that
-    step boundary and ``on_epoch_end``/``on_fit_end`` still fire. The epoch it cuts short
-    runs no validation: call ``loop.validate()`` afterwards to try the validation path.
-    ``loop.fit(epochs, max_steps=N)`` does the same from the call site; this callback does
-    it from inside a preset.
-
-    Args:
-        steps: Optimizer steps after which training ends.
-
-    Example:
-        >>> import torch
-        >>> from hookloop import Loop
-        >>> model = torch.nn.Linear(2, 1)
-        >>> data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(10)]
-        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-        ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
-        ...             callbacks=[ShortRun(steps=4)])
-        >>> loop.fit(3).step
-        4
-    """
-
-    def __init__(self, steps: int = 20) -> None:
-        _check_count("ShortRun steps", steps, minimum=1)
-        self.steps = steps
-
-    def __repr__(self) -> str:
-        return f"ShortRun(steps={self.steps})"
-
-    def on_batch_end(self, loop: Loop) -> None:
-        if loop.state.step >= self.steps and not loop.stop_requested:
-            loop.stop(f"ShortRun: {self.steps} optimizer steps done")
 
 
 # ------------------------------------------------------------------ built-in presets
@@ -229,11 +140,11 @@ def standard(
                 "train in full precision.")
         callbacks.append(AMP(_AMP_NAMES[amp]))
     if accumulate is True or accumulate not in (None, False, 0, 1):  # True == 1: refused
-        _check_count("standard(accumulate=...)", accumulate, minimum=1)
-        callbacks.append(GradAccumulation(accumulate))
+        callbacks.append(GradAccumulation(check_int(
+            "presets.standard accumulate", accumulate, hint="Use 1 for one batch per step.")))
     if clip:
-        _check_positive("standard(clip=...)", clip)
-        callbacks.append(GradClip(float(clip)))
+        callbacks.append(GradClip(check_number("presets.standard clip", clip, above=0,
+                                               hint="Use None for no clipping.")))
     if ema:
         callbacks.append(EMA(ema))
     if schedule:
@@ -249,8 +160,9 @@ def standard(
                 "metrics={'acc': accuracy}, or a Metrics(...) callback.")
     resolved = Monitor(monitor, mode, owner="standard()").resolve() if monitor else None
     if early_stopping and monitor:  # monitor=None switches early stopping off
-        _check_count("standard(early_stopping=...)", early_stopping, minimum=1)
-        callbacks.append(EarlyStopping(monitor=monitor, mode=resolved, patience=early_stopping))
+        patience = check_int("presets.standard early_stopping", early_stopping,
+                             hint="Use None for no early stopping.")
+        callbacks.append(EarlyStopping(monitor=monitor, mode=resolved, patience=patience))
     if tensorboard:
         from hookloop.callbacks import TensorBoard
 
@@ -265,23 +177,16 @@ def standard(
     return callbacks
 
 
-def finetune(
-    *,
-    amp: str | torch.dtype | None = "bf16",
-    clip: float | None = 1.0,
-    accumulate: int | None = 1,
-    ema: float | None = None,
-    schedule: str | Callable[[torch.optim.Optimizer, int], Any] | None = "warmup_linear",
-    warmup: int | float = 0.1,
-    checkpoint_dir: str | os.PathLike[str] | None = "ckpt",
-    tensorboard: str | os.PathLike[str] | None = "runs",
-    early_stopping: int | None = None,
-    metrics: Mapping[str, Any] | Callback | None = None,
-    monitor: str | None = "val_loss",
-    mode: str = "auto",
-    resume: bool | str | os.PathLike[str] = False,
-    progress: bool = True,
-) -> list[Callback]:
+# finetune is standard with other defaults: the defaults live here, the parameters in standard.
+_FINETUNE_DEFAULTS: dict[str, Any] = {
+    "ema": None,
+    "schedule": "warmup_linear",
+    "warmup": 0.1,
+    "early_stopping": None,
+}
+
+
+def finetune(**arguments: Any) -> list[Callback]:
     """Fine-tune a pretrained model: bf16, clipping at 1.0, warmup then linear decay, no EMA.
 
     The usual recipe for a pretrained transformer-style model (a short run at a small
@@ -299,10 +204,26 @@ def finetune(
         >>> [type(callback).__name__ for callback in callbacks]
         ['AMP', 'GradClip', 'LRScheduler']
     """
-    return standard(amp=amp, clip=clip, accumulate=accumulate, ema=ema, schedule=schedule,
-                    warmup=warmup, checkpoint_dir=checkpoint_dir, tensorboard=tensorboard,
-                    early_stopping=early_stopping, metrics=metrics, monitor=monitor, mode=mode,
-                    resume=resume, progress=progress)
+    try:
+        bound = _FINETUNE_SIGNATURE.bind(**arguments)
+    except TypeError as error:  # name this function, not standard, in the message
+        raise TypeError(f"finetune() {error}") from None
+    bound.apply_defaults()
+    return standard(**bound.arguments)
+
+
+def _with_defaults(function: Callable[..., Any], defaults: Mapping[str, Any]) -> inspect.Signature:
+    """``function``'s signature with some of its defaults replaced."""
+    signature = inspect.signature(function)
+    return signature.replace(parameters=[
+        parameter.replace(default=defaults.get(parameter.name, parameter.default))
+        for parameter in signature.parameters.values()])
+
+
+# What help(), inspect.signature, `hookloop describe` and `presets.get` see: standard's
+# keyword-only parameters with finetune's defaults.
+_FINETUNE_SIGNATURE = _with_defaults(standard, _FINETUNE_DEFAULTS)
+finetune.__signature__ = _FINETUNE_SIGNATURE  # type: ignore[attr-defined]
 
 
 def debug(
@@ -359,13 +280,6 @@ def debug(
     return callbacks
 
 
-_BUILT_IN: dict[str, Callable[..., list[Callback]]] = {
-    "standard": standard,
-    "finetune": finetune,
-    "debug": debug,
-}
-
-
 # ------------------------------------------------------------------ editing a stack
 def replace(callbacks: list[Callback], kind: type[Callback] | str,
             new: Callback | None) -> list[Callback]:
@@ -413,181 +327,7 @@ def replace(callbacks: list[Callback], kind: type[Callback] | str,
     return callbacks
 
 
-# ------------------------------------------------------------------ lookup
-@dataclass(frozen=True)
-class _Entry:
-    """One preset found: built in, or published by a package through the entry point."""
-
-    name: str
-    package: str
-    function: Callable[..., list[Callback]] | None = None
-    problem: str | None = None
-
-    @property
-    def description(self) -> str:
-        if self.function is None:
-            return f"not usable: {self.problem}"
-        doc = inspect.getdoc(self.function) or ""
-        return doc.strip().splitlines()[0] if doc.strip() else "(no description)"
-
-
-def _package_of(entry_point: importlib.metadata.EntryPoint) -> str:
-    dist = getattr(entry_point, "dist", None)
-    if dist is None:
-        return f"unknown package ({entry_point.value})"
-    return f"{dist.name} {dist.version}"
-
-
-def _discover() -> tuple[dict[str, _Entry], list[_Entry]]:
-    """Built-in and installed presets by name, and the installed ones that cannot be used.
-
-    Entry points are loaded one by one: one that fails to import, is not callable, takes a
-    built-in name or is published by two packages is set aside with the reason, and the
-    others stay usable.
-    """
-    usable = {name: _Entry(name, "hookloop", function) for name, function in _BUILT_IN.items()}
-    problems: list[_Entry] = []
-    by_name: dict[str, list[importlib.metadata.EntryPoint]] = {}
-    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        by_name.setdefault(entry_point.name, []).append(entry_point)
-    for name in sorted(by_name):
-        entry_points = by_name[name]
-        packages = ", ".join(_package_of(entry_point) for entry_point in entry_points)
-        if name in usable:
-            problems.append(_Entry(name, packages, problem=(
-                f"{name!r} is the name of a built-in preset, which keeps it; the package "
-                "must publish its preset under another name")))
-            continue
-        if len(entry_points) > 1:
-            problems.append(_Entry(name, packages, problem=(
-                f"{len(entry_points)} installed packages publish a preset named {name!r}, so "
-                "none of them is used; uninstall all but one")))
-            continue
-        entry_point = entry_points[0]
-        try:
-            function = entry_point.load()
-        except Exception as error:  # any import-time failure of someone else's package
-            problems.append(_Entry(name, packages, problem=(
-                f"loading {entry_point.value} failed with {type(error).__name__}: {error}")))
-            continue
-        if not callable(function):
-            problems.append(_Entry(name, packages, problem=(
-                f"{entry_point.value} is a {type(function).__name__}, not a function "
-                "returning a list of callbacks")))
-            continue
-        usable[name] = _Entry(name, packages, function)
-    return usable, problems
-
-
-def _warn(problems: list[_Entry]) -> None:
-    for entry in problems:
-        warnings.warn(f"hookloop preset {entry.name!r} from {entry.package} is not available: "
-                      f"{entry.problem}.", RuntimeWarning, stacklevel=3)
-
-
-def available() -> dict[str, str]:
-    """Every preset that `get` can build: ``{name: one-line description}``, sorted by name.
-
-    Built-in presets come first in meaning, not in order: a package cannot replace them.
-    An installed preset that cannot be used (its package fails to import, it takes a
-    built-in name, two packages publish the same name) is left out with a warning naming
-    it and its package; the others are listed. ``hookloop presets`` prints the same list
-    with the package each preset comes from.
-
-    Returns:
-        Preset names mapped to the first line of their docstring.
-
-    Example:
-        >>> from hookloop import presets
-        >>> sorted(set(presets.available()) & {"standard", "finetune", "debug"})
-        ['debug', 'finetune', 'standard']
-    """
-    usable, problems = _discover()
-    _warn(problems)
-    return {name: usable[name].description for name in sorted(usable)}
-
-
-def get(name: str, **kwargs: Any) -> list[Callback]:
-    """Build the preset called ``name`` with ``kwargs``: ``get("standard", ema=None)``.
-
-    Args:
-        name: A built-in preset (``"standard"``, ``"finetune"``, ``"debug"``) or one an
-            installed package publishes (see `available`).
-        **kwargs: The preset's arguments.
-
-    Returns:
-        A new list of callbacks.
-
-    Raises:
-        ConfigurationError: an unknown name (the message lists the available ones), a
-            preset whose package cannot be loaded (with the reason), an argument the preset
-            does not take (with the ones it does), or a preset that does not return a list
-            of callbacks.
-
-    Example:
-        >>> from hookloop import presets
-        >>> callbacks = presets.get("finetune", tensorboard=None, progress=False)
-        >>> type(callbacks[0]).__name__
-        'AMP'
-    """
-    if not isinstance(name, str):
-        raise ConfigurationError(f"A preset name is a string such as 'standard', got {name!r}.")
-    usable, problems = _discover()
-    entry = usable.get(name)
-    if entry is None:
-        broken = next((problem for problem in problems if problem.name == name), None)
-        if broken is not None:
-            raise ConfigurationError(
-                f"The preset {name!r} from {broken.package} cannot be used: {broken.problem}.")
-        _warn(problems)
-        close = difflib.get_close_matches(name, list(usable), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigurationError(
-            f"No preset named {name!r}.{hint} Available: {', '.join(sorted(usable))}. "
-            f"Presets of other packages appear here once installed (entry-point group "
-            f"{ENTRY_POINT_GROUP!r}); `hookloop presets` lists them.")
-    function = entry.function
-    assert function is not None
-    try:
-        inspect.signature(function).bind(**kwargs)
-    except TypeError as error:
-        raise ConfigurationError(
-            f"Preset {name!r} ({entry.package}): {error}. Its parameters: "
-            f"{_parameters(function)}.") from None
-    except ValueError:  # no signature to check (a builtin or C function): just call it
-        pass
-    callbacks = function(**kwargs)
-    if isinstance(callbacks, tuple):
-        callbacks = list(callbacks)
-    if not isinstance(callbacks, list) or not all(isinstance(c, Callback) for c in callbacks):
-        raise ConfigurationError(
-            f"Preset {name!r} ({entry.package}) returned {type(callbacks).__name__} "
-            f"{callbacks!r:.200}, not a list of hookloop.Callback instances; that is a bug in "
-            "the preset's package.")
-    return callbacks
-
-
 # ------------------------------------------------------------------ helpers
-def _parameters(function: Callable[..., Any]) -> str:
-    try:
-        parameters = inspect.signature(function).parameters.values()
-    except ValueError:
-        return "unknown"
-    return ", ".join(
-        parameter.name if parameter.default is inspect.Parameter.empty
-        else f"{parameter.name}={parameter.default!r}" for parameter in parameters) or "none"
-
-
-def _check_count(label: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigurationError(f"{label} must be an int >= {minimum}, got {value!r}.")
-
-
-def _check_positive(label: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigurationError(f"{label} must be a positive number or None, got {value!r}.")
-
-
 def _schedule_factory(schedule: Any, warmup: int | float) -> Callable[..., Any]:
     """A factory ``fn(optimizer, total_steps)`` for ``LRScheduler`` from a name or a factory."""
     from hookloop import schedules
@@ -601,7 +341,7 @@ def _schedule_factory(schedule: Any, warmup: int | float) -> Callable[..., Any]:
     # Checked now, with a made-up length, so a bad warmup fails here and not at fit start.
     if isinstance(warmup, float) or not isinstance(warmup, int) or isinstance(warmup, bool):
         schedules.resolve_warmup(100, warmup)
-    elif warmup < 0:
-        raise ConfigurationError(f"warmup must be a number of steps >= 0 or a fraction 0 < x < 1, "
-                                 f"got {warmup!r}.")
+    else:
+        check_int("presets.standard warmup", warmup, minimum=0,
+                  hint="A fraction 0 < x < 1 of the run's steps works too (warmup=0.05).")
     return functools.partial(getattr(schedules, schedule), warmup_steps=warmup)

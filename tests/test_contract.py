@@ -22,6 +22,7 @@ from hookloop.callbacks import (
     Checkpoint,
     DDP,
     EMA,
+    DetectAnomaly,
     EarlyStopping,
     GradAccumulation,
     GradClip,
@@ -30,6 +31,7 @@ from hookloop.callbacks import (
     ModelSummary,
     Profiler,
     ProgressBar,
+    ShortRun,
     TensorBoard,
     TerminateOnNaN,
 )
@@ -68,6 +70,8 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
     "ModelSummary": lambda tmp: ModelSummary(print_summary=False),
     "CSVLogger": lambda tmp: CSVLogger(tmp / "log.csv", every_n_steps=2),
     "Profiler": lambda tmp: Profiler(print_table=False),
+    "DetectAnomaly": lambda tmp: DetectAnomaly(steps=3),
+    "ShortRun": lambda tmp: ShortRun(steps=14),
 }
 
 

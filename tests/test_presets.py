@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,27 @@ def classification_loop(callbacks: list, batches: int = 6) -> Loop:
 
 def kinds(callbacks: list) -> list[type]:
     return [type(callback) for callback in callbacks]
+
+
+@pytest.fixture
+def only_presets_from(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """Show hookloop only the presets of distributions under the given directories.
+
+    Whatever else is installed (a third-party preset package) would change the lists of
+    available names these tests compare exactly; the metadata is still read for real.
+    """
+    def isolate(*roots: Path) -> None:
+        read = importlib.metadata.entry_points
+
+        def entry_points(**selection: str) -> list[importlib.metadata.EntryPoint]:
+            return [entry_point for entry_point in read(**selection)
+                    if entry_point.dist is not None and any(
+                        Path(entry_point.dist.locate_file("")).is_relative_to(root)
+                        for root in roots)]
+
+        monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+
+    return isolate
 
 
 # ------------------------------------------------------------------ standard
@@ -227,7 +250,9 @@ def test_available_lists_the_built_ins_with_one_line_each() -> None:
     assert all(description and "\n" not in description for description in listed.values())
 
 
-def test_get_builds_by_name_and_reports_unknown_names() -> None:
+def test_get_builds_by_name_and_reports_unknown_names(
+        only_presets_from: Callable[..., None]) -> None:
+    only_presets_from()  # the built-ins only
     assert kinds(presets.get("finetune", checkpoint_dir=None, **QUIET)) == [AMP, GradClip, LRScheduler]
     with pytest.raises(ConfigurationError, match=r"No preset named 'standart'\. Did you mean "
                                                  r"'standard'\? Available: debug, finetune, standard"):
@@ -261,7 +286,9 @@ def not_a_list():
 
 
 def test_installed_presets_are_found_and_broken_ones_reported_by_name(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        only_presets_from: Callable[..., None]) -> None:
+    only_presets_from(tmp_path)
     _distribution(tmp_path, "good-presets", {"tight": "hl_test_good:tight",
                                              "not_a_list": "hl_test_good:not_a_list"},
                   {"hl_test_good": GOOD})

@@ -10,6 +10,7 @@ from hookloop.callbacks.amp import AMP
 from hookloop.callbacks.checkpoint import Checkpoint
 from hookloop.callbacks.csv_logger import CSVLogger
 from hookloop.callbacks.ddp import DDP
+from hookloop.callbacks.detect_anomaly import DetectAnomaly
 from hookloop.callbacks.early_stopping import EarlyStopping
 from hookloop.callbacks.ema import EMA
 from hookloop.callbacks.grad_accumulation import GradAccumulation
@@ -19,11 +20,13 @@ from hookloop.callbacks.metrics import Metrics
 from hookloop.callbacks.model_summary import ModelSummary
 from hookloop.callbacks.profiler import Profiler
 from hookloop.callbacks.progress import ProgressBar
+from hookloop.callbacks.short_run import ShortRun
 from hookloop.callbacks.tensorboard import TensorBoard
 from hookloop.callbacks.terminate_on_nan import TerminateOnNaN
 
 __all__: list[str] = []
 __all__ += ["AMP", "EMA", "GradAccumulation", "GradClip", "LRScheduler"]
 __all__ += ["Checkpoint", "EarlyStopping", "Metrics", "TerminateOnNaN"]
+__all__ += ["DetectAnomaly", "ShortRun"]
 __all__ += ["DDP"]
 __all__ += ["CSVLogger", "ModelSummary", "Profiler", "ProgressBar", "TensorBoard"]
