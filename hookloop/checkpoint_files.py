@@ -168,7 +168,9 @@ class CheckpointFiles:
         kept = [entry for entry in entries
                 if entry["file"] is not None and os.path.isfile(self.path(entry["file"]))]
         named = {entry["file"] for entry in kept}
-        newer = [{"value": value, "epoch": -1, "step": step, "file": os.path.basename(path)}
+        # Few files, written after the state: their epoch is read from them, not guessed.
+        newer = [{"value": value, "epoch": int(read_payload(path, "cpu").get("epoch", -1)),
+                  "step": step, "file": os.path.basename(path)}
                  for value, step, path in self.scored() if os.path.basename(path) not in named]
         return kept, newer
 

@@ -24,6 +24,11 @@ class TopK:
     enters when fewer than ``k`` are kept or when it beats the ``k``-th strictly, so of
     equal values the earlier stays ahead and a later tie never pushes it out.
 
+    A score at a step the ranking holds already is the same weights validated again (a
+    run resumed before that step replays its validation, or a step validation and the
+    epoch's fall on one step): it replaces that entry when it beats it, and is not
+    counted a second time otherwise.
+
     Args:
         better: ``better(value, other)``, True when ``value`` beats ``other``.
         k: How many entries to keep; None keeps every one.
@@ -36,7 +41,9 @@ class TopK:
         ['a.pt']
         >>> [(entry["value"], entry["step"]) for entry in ranking.entries]
         [(0.7, 20), (0.6, 30)]
-        >>> ranking.admits(0.6)  # a tie with the 2nd best does not enter
+        >>> ranking.admits(0.6, step=40)  # a tie with the 2nd best does not enter
+        False
+        >>> ranking.admits(0.6, step=30)  # step 30 again, no better: not counted twice
         False
     """
 
@@ -55,8 +62,15 @@ class TopK:
         """The file names the kept entries hold (a file named here must not be deleted)."""
         return {entry["file"] for entry in self.entries if entry["file"] is not None}
 
-    def admits(self, value: float) -> bool:
-        """Whether `offer` would keep ``value`` now."""
+    def at_step(self, step: int) -> dict[str, Any] | None:
+        """The entry reached at optimizer ``step``, or None."""
+        return next((entry for entry in self.entries if entry["step"] == step), None)
+
+    def admits(self, value: float, step: int) -> bool:
+        """Whether `offer` would keep ``value`` (reached at ``step``) now."""
+        same = self.at_step(step)
+        if same is not None:
+            return self.better(value, same["value"])
         if self.k is None or len(self.entries) < self.k:
             return True
         return self.better(value, self.entries[-1]["value"])
@@ -71,15 +85,22 @@ class TopK:
             file: The name of the file holding its weights, or None.
         """
         entry = {"value": float(value), "epoch": int(epoch), "step": int(step), "file": file}
+        replaced = []
+        same = self.at_step(entry["step"])
+        if same is not None:
+            if not self.better(entry["value"], same["value"]):
+                return [entry]
+            self.entries.remove(same)
+            replaced.append(same)
         # After the equal-or-better entries: of equal scores the earlier stays ahead.
         place = next((index for index, other in enumerate(self.entries)
                       if self.better(entry["value"], other["value"])), len(self.entries))
         self.entries.insert(place, entry)
         if self.k is None or len(self.entries) <= self.k:
-            return []
+            return replaced
         dropped = self.entries[self.k:]
         del self.entries[self.k:]
-        return dropped
+        return replaced + dropped
 
     def merge(self, found: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Rank entries found on disk that the saved state does not know; return the dropped.

@@ -40,11 +40,11 @@ def test_k_2_by_hand() -> None:
 
 def test_admits_says_what_offer_would_do() -> None:
     ranking = TopK(lower, 2)
-    assert ranking.admits(3.0)  # room left
+    assert ranking.admits(3.0, step=1)  # room left
     offered(ranking, [3.0, 1.0])
-    assert not ranking.admits(3.0)  # a tie with the 2nd best stays out
-    assert not ranking.admits(4.0)
-    assert ranking.admits(2.5)
+    assert not ranking.admits(3.0, step=3)  # a tie with the 2nd best stays out
+    assert not ranking.admits(4.0, step=3)
+    assert ranking.admits(2.5, step=3)
 
 
 @pytest.mark.parametrize(("better", "expected"), [
@@ -88,3 +88,23 @@ def test_state_dict_round_trip_is_plain() -> None:
     again = TopK(higher, 3)
     again.load_state_dict(ranking.state_dict())
     assert kept(again) == kept(ranking) == [(0.4, 2), (0.2, 1)]
+
+
+def test_the_same_step_is_one_validation() -> None:
+    """A run resumed before step 16 replays its validation; the ranking (merged from the
+    files after a kill) holds it already: equal or worse, it is not counted again; better,
+    it replaces the entry of that step instead of pushing another one out."""
+    ranking = TopK(lower, 2)
+    ranking.load_state_dict([{"value": 0.45, "epoch": 3, "step": 16, "file": "a.pt"},
+                             {"value": 0.5, "epoch": 1, "step": 8, "file": "b.pt"}])
+    assert not ranking.admits(0.45, step=16) and not ranking.admits(0.47, step=16)
+    assert [entry["step"] for entry in ranking.offer(0.45, 3, 16, "a.pt")] == [16]  # itself
+    assert kept(ranking) == [(0.45, 16), (0.5, 8)]
+    assert ranking.admits(0.4, step=16)
+    dropped = ranking.offer(0.4, 3, 16, "c.pt")
+    assert [(entry["value"], entry["file"]) for entry in dropped] == [(0.45, "a.pt")]
+    assert kept(ranking) == [(0.4, 16), (0.5, 8)]
+    # Only the entry of that step is replaced: 0.6 at step 8 is worse than 0.5 there.
+    assert not ranking.admits(0.6, step=8)
+    assert ranking.offer(0.55, 5, 24, "d.pt") == [{"value": 0.55, "epoch": 5, "step": 24,
+                                                     "file": "d.pt"}]

@@ -265,7 +265,7 @@ class Checkpoint(Callback):
         assert monitor is not None and ranking is not None
         value = monitor.read(loop, when=f"at epoch {state.epoch}")
         threshold = self.initial_value_threshold
-        if not math.isfinite(value) or not ranking.admits(value) or (
+        if not math.isfinite(value) or not ranking.admits(value, state.step) or (
                 threshold is not None and not monitor.better(value, threshold)):
             return
         # Every rank asks (the weights agree under DDP), so the rankings stay the same.
