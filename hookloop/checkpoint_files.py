@@ -1,12 +1,14 @@
 """`CheckpointFiles`: the files one `Checkpoint` keeps in its directory.
 
 `Checkpoint` decides when to save, what to keep and what to resume; this class knows the
-names (rotating, scored and best files), lists them, writes them atomically through
-`hookloop.storage`, prunes them, and retires the files a rollback abandons.
+names (rotating, scored, best and set-aside files), lists them, writes them atomically
+through `hookloop.storage`, prunes them, and retires the files a rollback abandons
+(completely or not at all).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import warnings
@@ -20,12 +22,14 @@ from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.storage import (
     FORMAT,
     find_unplain,
+    fsync_directory,
     is_temporary,
     link_atomic,
     prepare_directory,
     read_payload,
     regular_checkpoint_files,
     write_atomic,
+    write_text_atomic,
 )
 
 __all__ = ["CheckpointFiles", "RETIRED_PREFIX", "file_meta"]
@@ -52,7 +56,12 @@ class CheckpointFiles:
 
     * rotating files: ``{prefix}epoch=EEEE-step=SSSSSSSS.pt``, whole training states;
     * scored files (``save_top_k > 1``): ``{prefix}best-{monitor}={value:.6g}-step=SSSSSSSS.pt``;
-    * ``{prefix}best.pt``: the best validated weights.
+    * ``{prefix}best.pt``: the best validated weights;
+    * set-aside files ``{prefix}dropped-at-step=DDDDDDDD-best-...-step=SSSSSSSS.pt``: weights
+      that dropped out of the top k at step D but that a kept rotating file (at a step
+      from S to D) still ranks, so a rollback to it finds them. They are deleted once no
+      kept rotating file needs them;
+    * ``{prefix}rollback-in-progress.json`` while a rollback moves files (see `retire_after`).
 
     Temporary ``.tmp-*.part`` files are never listed. Only rank 0 calls the methods that
     write, move or delete.
@@ -83,6 +92,10 @@ class CheckpointFiles:
         self._rotating = re.compile(rf"^{start}epoch=(\d+)-step=(\d+)\.pt$")
         self._scored = re.compile(rf"^{start}best-{re.escape(monitor or '')}="
                                   r"([-+0-9.eEinfa]+)-step=(\d+)\.pt$")
+        self._set_aside = re.compile(rf"^{start}dropped-at-step=(\d+)-(best-"
+                                     rf"{re.escape(monitor or '')}=[-+0-9.eEinfa]+-step=(\d+)\.pt)$")
+        #: The marker of a rollback under way: what it moves, written before the first move.
+        self.marker = self.path(f"{prefix}rollback-in-progress.json")
 
     # ------------------------------------------------------------------ names
     def rotating_name(self, epoch: int, step: int) -> str:
@@ -92,6 +105,11 @@ class CheckpointFiles:
     def scored_name(self, value: float, step: int) -> str:
         """Name of a top-k file: ``best-val_acc=0.966667-step=00000046.pt``."""
         return f"{self.prefix}best-{self.monitor}={value:.6g}-step={step:08d}.pt"
+
+    def set_aside_name(self, entry: dict[str, Any], dropped_at: int) -> str:
+        """Name under which a dropped ranking entry waits for a rollback that may need it."""
+        scored = self.scored_name(entry["value"], entry["step"])[len(self.prefix):]
+        return f"{self.prefix}dropped-at-step={dropped_at:08d}-{scored}"
 
     @property
     def best(self) -> str:
@@ -135,10 +153,20 @@ class CheckpointFiles:
                     found.append((float(match.group(1)), int(match.group(2)), self.path(name)))
         return sorted(found, key=lambda item: item[1])
 
+    def set_aside(self) -> list[tuple[int, int, str]]:
+        """Set-aside files as ``(step reached, step dropped at, path)``."""
+        found = []
+        for name in self._names():
+            match = self._set_aside.match(name)
+            if match:
+                found.append((int(match.group(3)), int(match.group(1)), self.path(name)))
+        return sorted(found)
+
     def run_files(self) -> list[str]:
-        """Every file of this callback: rotating, scored, ``best.pt``."""
-        files = self.rotating() + [path for _, _, path in self.scored()]
-        return files + [self.best] if os.path.isfile(self.best) else files
+        """Every file of this callback: rotating, scored, set aside, ``best.pt``, a marker."""
+        files = (self.rotating() + [path for _, _, path in self.scored()]
+                 + [path for _, _, path in self.set_aside()])
+        return files + [path for path in (self.best, self.marker) if os.path.isfile(path)]
 
     def best_info(self) -> tuple[float, int, int] | None:
         """``(value, epoch, step)`` that ``best.pt`` holds for this monitor, or None."""
@@ -150,29 +178,47 @@ class CheckpointFiles:
             return None
         return float(meta["value"]), int(payload.get("epoch", -1)), int(payload.get("step", -1))
 
-    def ranked_on_disk(self, entries: list[dict[str, Any]], *, single: bool
-                       ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """The `hookloop.ranking.TopK` entries whose weights are on disk, and the best
-        files on disk that they do not name (written after the state was saved).
+    def recover(self, entries: list[dict[str, Any]], *, single: bool
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The saved `hookloop.ranking.TopK` entries whose weights are on disk (a file a
+        later drop set aside is put back under its name), and the best files on disk that
+        they do not name (written after the state was saved: a kill before the next
+        rotating file).
 
         Args:
             entries: Saved entries, best first.
             single: ``save_top_k=1``: ``best.pt`` is the only file (entries name no file).
         """
         if single:
+            top = entries[0] if entries else None
+            if top is not None and not os.path.exists(self.best):  # a rollback retired it
+                self._put_back(top, self.best_name)
             info = self.best_info()
-            kept = entries if info is not None else []
-            if info is None or (kept and kept[0]["step"] == info[2]):
-                return kept, []
-            return kept, [{"value": info[0], "epoch": info[1], "step": info[2], "file": None}]
+            if info is None:
+                return [], []
+            if top is not None and top["step"] == info[2]:
+                return [top], []
+            return entries[:1], [{"value": info[0], "epoch": info[1], "step": info[2],
+                                  "file": None}]
         kept = [entry for entry in entries
-                if entry["file"] is not None and os.path.isfile(self.path(entry["file"]))]
+                if entry["file"] is not None and self._put_back(entry, entry["file"])]
         named = {entry["file"] for entry in kept}
         # Few files, written after the state: their epoch is read from them, not guessed.
         newer = [{"value": value, "epoch": int(read_payload(path, "cpu").get("epoch", -1)),
                   "step": step, "file": os.path.basename(path)}
                  for value, step, path in self.scored() if os.path.basename(path) not in named]
         return kept, newer
+
+    def _put_back(self, entry: dict[str, Any], name: str) -> bool:
+        """True when ``name`` holds ``entry``'s weights, after moving its set-aside file there."""
+        if os.path.isfile(self.path(name)):
+            return True
+        wanted = self.scored_name(entry["value"], entry["step"])[len(self.prefix):]
+        for _, _, path in self.set_aside():
+            if path.endswith(f"-{wanted}"):
+                os.replace(path, self.path(name))
+                return True
+        return False
 
     # ---------------------------------------------------------------- reading
     def read_resume(self, path: str) -> dict[str, Any]:
@@ -201,12 +247,17 @@ class CheckpointFiles:
 
     # ---------------------------------------------------------------- writing
     def prepare(self) -> None:
-        """Create and probe the directory; delete temporary files a killed save left."""
+        """At a fit's setup: create and probe the directory, delete the temporary files a
+        killed save left, and finish a rollback a kill interrupted."""
         prepare_directory(self.dirpath)
         for name in self._names():
             if is_temporary(name):
                 with suppress(OSError):
                     os.unlink(self.path(name))
+        if self._finish_retirement():
+            warnings.warn(f"Checkpoint: finished the rollback an earlier launch began in "
+                          f"{self.dirpath} (it was killed while moving the abandoned files).",
+                          RuntimeWarning, stacklevel=4)
 
     def write(self, payload: dict[str, Any], name: str) -> str:
         """Write ``payload`` atomically under ``name``; return its path.
@@ -261,12 +312,36 @@ class CheckpointFiles:
                 return
         link_atomic(source, self.best)
 
-    def discard(self, dropped: list[dict[str, Any]], kept: set[str]) -> None:
-        """Delete the files of ranking entries that ``dropped`` out, but none in ``kept``."""
-        for entry in dropped:
-            if entry["file"] is not None and entry["file"] not in kept:
-                with suppress(FileNotFoundError):
+    def discard(self, dropped: list[tuple[int, dict[str, Any]]], kept: set[str]) -> None:
+        """The files of ranking entries that dropped out, each with the step it dropped at
+        (none named in ``kept``): set aside while a kept rotating file still ranks them,
+        else deleted. Set-aside files no longer needed go too."""
+        for at, entry in dropped:
+            if entry["file"] is None or entry["file"] in kept:
+                continue
+            with suppress(FileNotFoundError):
+                if self._needed(entry["step"], at):
+                    os.replace(self.path(entry["file"]), self.path(self.set_aside_name(entry, at)))
+                else:
                     os.unlink(self.path(entry["file"]))
+        self._prune_set_aside()
+
+    def set_best_aside(self, entry: dict[str, Any], at: int) -> None:
+        """Before ``best.pt`` (``save_top_k=1``) is replaced at step ``at``: keep what it holds
+        (``entry``) under its set-aside name while a kept rotating file still ranks it."""
+        if self._needed(entry["step"], at) and os.path.isfile(self.best):
+            link_atomic(self.best, self.path(self.set_aside_name(entry, at)))
+
+    def _needed(self, reached: int, dropped_at: int) -> bool:
+        """Whether a kept rotating file may rank an entry reached and dropped at these steps:
+        one written between them (both included: a file of the drop's step may predate it)."""
+        return any(reached <= (self.step_of(path) or 0) <= dropped_at for path in self.rotating())
+
+    def _prune_set_aside(self) -> None:
+        for reached, dropped_at, path in self.set_aside():
+            if not self._needed(reached, dropped_at):
+                with suppress(FileNotFoundError):
+                    os.unlink(path)
 
     def prune_rotating(self, newest: str, keep_last: int | None) -> None:
         """Delete rotating files older than the newest ``keep_last`` (after ``newest`` is complete)."""
@@ -279,39 +354,61 @@ class CheckpointFiles:
         for path in older[: max(len(older) - keep_last, 0)]:
             with suppress(FileNotFoundError):
                 os.unlink(path)
+        self._prune_set_aside()  # what only the deleted files ranked is not needed any more
 
     # ------------------------------------------------------------- retirement
-    def retire_after(self, step: int, resumed: str) -> tuple[str, list[str]] | None:
-        """A rollback to ``resumed`` (at optimizer ``step``): move the later files away.
+    def retire_after(self, payload: dict[str, Any], resumed: str) -> None:
+        """A rollback to ``resumed`` (holding ``payload``): move the later files away.
 
-        The rotating files after ``step`` (``resumed`` itself stays), the scored files after
-        it and a ``best.pt`` reached after it belong to the abandoned branch. They are moved,
-        never deleted, into ``retired-after-step=SSSSSSSS/`` (``-2``, ``-3``... when that
-        exists), so ``resume=True`` continues the new branch.
-
-        Returns:
-            The folder and the names moved into it, or None when nothing came later.
+        The rotating files after ``step`` (``resumed`` itself stays), the scored and
+        set-aside files reached after it and a ``best.pt`` reached after it belong to the
+        abandoned branch. They are moved, never deleted, into
+        ``retired-after-step=SSSSSSSS/`` (``-2``, ``-3``... when that exists), so
+        ``resume=True`` continues the new branch. The list of moves is written first, as
+        `marker`: a kill in the middle leaves it, and the next start (`prepare`) finishes
+        the moves before it picks a file, so the retirement is complete or not begun.
         """
-        resumed = os.path.abspath(resumed)
+        # The step is in the file's own record of itself (its name says it too).
+        step = payload["hookloop"].get("step", self.step_of(resumed))
+        if step is None:
+            return  # a file of unknown position: nothing can be said to come after it
+        step, resumed = int(step), os.path.abspath(resumed)
         later = [path for path in self.rotating()
                  if (self.step_of(path) or 0) > step and os.path.abspath(path) != resumed]
         later += [path for _, found, path in self.scored() if found > step]
+        later += [path for found, _, path in self.set_aside() if found > step]
         if os.path.isfile(self.best):
             with suppress(CheckpointError):  # an unreadable best.pt stays where it is
                 if int(read_payload(self.best, "cpu").get("step", -1)) > step:
                     later.append(self.best)
         if not later:
-            return None
-        target = self.path(f"{RETIRED_PREFIX}{step:08d}")
+            return
+        target = f"{RETIRED_PREFIX}{step:08d}"
         suffix = 1
-        while os.path.exists(target):
+        while os.path.exists(self.path(target)):
             suffix += 1
-            target = self.path(f"{RETIRED_PREFIX}{step:08d}-{suffix}")
-        os.makedirs(target)
-        for path in later:
-            os.replace(path, os.path.join(target, os.path.basename(path)))
+            target = f"{RETIRED_PREFIX}{step:08d}-{suffix}"
+        names = [os.path.basename(path) for path in later]
+        write_text_atomic(json.dumps({"into": target, "move": names}), self.marker)
+        self._finish_retirement()
         warnings.warn(
             f"Checkpoint: resuming from {os.path.basename(resumed)} (step {step}) abandons "
-            f"{len(later)} later file(s) of this run; moved to {target} (nothing deleted), so "
-            "resume=True continues the new branch.", RuntimeWarning, stacklevel=5)
-        return target, [os.path.basename(path) for path in later]
+            f"{len(later)} later file(s) of this run; moved to {self.path(target)} (nothing "
+            "deleted), so resume=True continues the new branch.", RuntimeWarning, stacklevel=5)
+
+    def _finish_retirement(self) -> bool:
+        """Do the moves the marker lists (those not done yet), then remove it; True if any."""
+        try:
+            with open(self.marker, encoding="utf-8") as handle:
+                plan = json.load(handle)
+        except FileNotFoundError:
+            return False
+        target = self.path(plan["into"])
+        os.makedirs(target, exist_ok=True)
+        for name in plan["move"]:
+            with suppress(FileNotFoundError):  # moved before the kill
+                os.replace(self.path(name), os.path.join(target, name))
+        fsync_directory(target)
+        fsync_directory(self.dirpath)
+        os.unlink(self.marker)
+        return True

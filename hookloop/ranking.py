@@ -102,16 +102,20 @@ class TopK:
         del self.entries[self.k:]
         return replaced + dropped
 
-    def merge(self, found: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """Rank entries found on disk that the saved state does not know; return the dropped.
+    def merge(self, found: Iterable[Mapping[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+        """Rank entries found on disk that the saved state does not know.
 
         After a kill between a validation and the next checkpoint, the files of that
         validation exist but the state resumed from predates them. They are offered in step
         order, as the validations happened, so ties resolve as they did.
+
+        Returns:
+            Each entry that dropped out, with the step of the entry whose offer dropped it.
         """
-        dropped: list[dict[str, Any]] = []
+        dropped: list[tuple[int, dict[str, Any]]] = []
         for entry in sorted(found, key=lambda item: item["step"]):
-            dropped += self.offer(entry["value"], entry["epoch"], entry["step"], entry["file"])
+            out = self.offer(entry["value"], entry["epoch"], entry["step"], entry["file"])
+            dropped += [(entry["step"], item) for item in out]
         return dropped
 
     def state_dict(self) -> list[dict[str, Any]]:

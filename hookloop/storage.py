@@ -22,7 +22,7 @@ from hookloop.errors import CheckpointError, CheckpointWriteError, Configuration
 from hookloop.modules import unwrap
 
 __all__ = ["FORMAT", "TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "find_unplain", "write_atomic",
-           "link_atomic",
+           "write_text_atomic", "link_atomic", "fsync_directory",
            "read_payload", "load_model_weights", "load_optimizer_state", "load_checkpoint",
            "all_finite", "describe_os_error", "prepare_directory", "regular_checkpoint_files",
            "verify_archive", "check_payload", "expect_field"]
@@ -60,8 +60,13 @@ def find_unplain(value: Any, where: str) -> str | None:
     return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
 
 
-def _fsync_directory(directory: str) -> None:
-    """Make the rename itself durable (POSIX); a no-op where directories cannot be opened."""
+def fsync_directory(directory: str) -> None:
+    """Make the renames in ``directory`` durable (POSIX); a no-op where it cannot be opened.
+
+    Example:
+        >>> import tempfile
+        >>> fsync_directory(tempfile.gettempdir())
+    """
     try:
         descriptor = os.open(directory, os.O_RDONLY)
     except OSError:  # pragma: no cover - Windows
@@ -208,7 +213,41 @@ def write_atomic(payload: Mapping[str, Any], path: str) -> None:
         if isinstance(error, RuntimeError) and "inline_container" in str(error):
             raise _write_error(path, error, "writing") from error
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
+
+
+def write_text_atomic(text: str, path: str) -> None:
+    """Write a small text file the way `write_atomic` writes a checkpoint: complete or absent.
+
+    Raises:
+        CheckpointWriteError: naming ``path`` and the cause.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "note.json")
+        >>> write_text_atomic("{}", path)
+        >>> open(path).read()
+        '{}'
+    """
+    directory = os.path.dirname(path) or "."
+    try:
+        descriptor, temporary = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX,
+                                                 dir=directory)
+    except OSError as error:
+        raise _write_error(path, error, f"creating a temporary file in {directory}") from error
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException as error:
+        with suppress(OSError):
+            os.unlink(temporary)
+        if isinstance(error, OSError):
+            raise _write_error(path, error, "writing") from error
+        raise
+    fsync_directory(directory)
 
 
 def prepare_directory(path: str | os.PathLike[str]) -> str:
@@ -329,7 +368,7 @@ def link_atomic(source: str, path: str) -> None:
         if isinstance(error, OSError):
             raise _write_error(path, error, f"linking {os.path.basename(source)} to it") from error
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
 
 
 def _default_location(model: nn.Module) -> torch.device:

@@ -50,12 +50,14 @@ def test_retire_after_moves_the_later_files_and_keeps_the_resumed_one(tmp_path: 
     files.link_best(files.scored_name(0.3, 30))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        target, moved = files.retire_after(10, paths[10])
+        files.retire_after({"hookloop": {"step": 10}}, paths[10])
     assert "abandons 4 later file(s)" in str(caught[0].message)
-    assert os.path.basename(target) == "retired-after-step=00000010"
-    assert sorted(moved) == sorted(os.listdir(target)) == [
+    assert sorted(os.listdir(tmp_path / "retired-after-step=00000010")) == [
         "best-val_loss=0.3-step=00000030.pt", "best.pt", "epoch=0001-step=00000020.pt",
         "epoch=0002-step=00000030.pt"]
-    assert names(tmp_path) == ["best-val_loss=0.5-step=00000010.pt",
+    assert names(tmp_path) == ["best-val_loss=0.5-step=00000010.pt",  # and no marker left
                                "epoch=0000-step=00000010.pt", "retired-after-step=00000010"]
-    assert files.retire_after(10, paths[10]) is None  # nothing later any more
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        files.retire_after({"hookloop": {"step": 10}}, paths[10])  # nothing later any more: nothing moves
+    assert not caught and len(names(tmp_path)) == 3

@@ -74,7 +74,7 @@ def test_merge_ranks_found_entries_in_step_order() -> None:
     found = [{"value": 0.7, "epoch": -1, "step": 8, "file": "d.pt"},
              {"value": 0.6, "epoch": -1, "step": 6, "file": "c.pt"}]
     dropped = ranking.merge(found)
-    assert [entry["file"] for entry in dropped] == ["b.pt", "c.pt"]
+    assert [(at, entry["file"]) for at, entry in dropped] == [(6, "b.pt"), (8, "c.pt")]
     assert kept(ranking) == [(0.7, 2), (0.7, 8)]
 
 

@@ -134,14 +134,6 @@ class Checkpoint(Callback):
         """Path of ``best.pt`` once it holds a kept best."""
         return self.files.best if self.top_k else None
 
-    def checkpoints(self) -> list[str]:
-        """Rotating checkpoint files in ``dirpath``, oldest first (temporary files excluded)."""
-        return self.files.rotating()
-
-    def scored_files(self) -> list[tuple[float, int, str]]:
-        """Top-k files in ``dirpath`` as ``(value, step, path)``, read from the names only."""
-        return self.files.scored()
-
     # ------------------------------------------------------------------ events
     def setup(self, loop: Loop) -> None:
         """At a fit: check the directory, and at the first fit pick the file to resume."""
@@ -226,10 +218,7 @@ class Checkpoint(Callback):
     def _resume_from(self, loop: Loop, path: str, *, rollback: bool = False) -> None:
         payload = self.files.read_resume(path)
         if rollback and distributed.is_main():
-            # The step is in this callback's own record of the file (its name says it too).
-            step = payload["hookloop"].get("step", self.files.step_of(path))
-            if step is not None:
-                self.files.retire_after(int(step), path)
+            self.files.retire_after(payload, path)
         loop.load_state_dict(payload, source=path)
         self._resumed_from = path  # said at on_fit_start, once the loop has applied it
         if self.files.step_of(path) is not None:
@@ -275,22 +264,23 @@ class Checkpoint(Callback):
         is_best = ranking.best is None or monitor.better(value, ranking.best["value"])
         name = None if self.save_top_k == 1 else self.files.scored_name(value, state.step)
         if distributed.is_main():
+            if name is None and ranking.best is not None:  # best.pt is about to be replaced
+                self.files.set_best_aside(ranking.best, at=state.step)
             self.files.write_best(weights, value, state.epoch, state.step, state.metrics, name)
             if name is not None and is_best:
                 self.files.link_best(name)
         dropped = ranking.offer(value, state.epoch, state.step, name)
         if distributed.is_main():  # only now that the new file is complete
-            self.files.discard(dropped, ranking.files())
+            self.files.discard([(state.step, entry) for entry in dropped], ranking.files())
 
     def _reconcile(self) -> None:
-        """Make the ranking agree with the files: keep the entries whose weights are on disk,
-        and rank the best files newer than the state (a kill before the next rotating file)."""
+        """Keep the entries whose weights are on disk; rank the newer files (after a kill)."""
         ranking = self._ranking
         if ranking is None:
             return
         found = None
         if distributed.is_main():
-            found = self.files.ranked_on_disk(ranking.entries, single=self.save_top_k == 1)
+            found = self.files.recover(ranking.entries, single=self.save_top_k == 1)
         kept, newer = distributed.broadcast_object(found)
         ranking.load_state_dict(kept)
         dropped, top = ranking.merge(newer), ranking.best
