@@ -2,8 +2,8 @@
 
 `Checkpoint` decides when to save, what to keep and what to resume; this class knows the
 names (rotating, scored, best and set-aside files), lists them, writes them atomically
-through `hookloop.storage`, prunes them, and retires the files a rollback abandons
-(completely or not at all).
+through `hookloop.storage`, prunes them, holds the directory for one job, and retires the
+files a rollback abandons (completely or not at all).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from hookloop import distributed
+from hookloop.directory_lock import DirectoryLock
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.storage import (
     FORMAT,
@@ -96,6 +97,7 @@ class CheckpointFiles:
                                      rf"{re.escape(monitor or '')}=[-+0-9.eEinfa]+-step=(\d+)\.pt)$")
         #: The marker of a rollback under way: what it moves, written before the first move.
         self.marker = self.path(f"{prefix}rollback-in-progress.json")
+        self._lock = DirectoryLock(dirpath)
 
     # ------------------------------------------------------------------ names
     def rotating_name(self, epoch: int, step: int) -> str:
@@ -246,10 +248,23 @@ class CheckpointFiles:
         return payload
 
     # ---------------------------------------------------------------- writing
-    def prepare(self) -> None:
-        """At a fit's setup: create and probe the directory, delete the temporary files a
-        killed save left, and finish a rollback a kill interrupted."""
+    def prepare(self) -> str | None:
+        """At a fit's setup: create and probe the directory and hold it for this process;
+        then delete the temporary files a killed save left and finish a rollback a kill
+        interrupted.
+
+        Returns:
+            None, or why the directory cannot be used: another running process holds it
+            (nothing was touched then). `release` gives it back at the fit's end.
+        """
         prepare_directory(self.dirpath)
+        holder = self._lock.acquire()
+        if holder is not None:
+            return (f"Checkpoint: {self.dirpath} is in use by another running job ({holder}). "
+                    "Two processes training into one checkpoint directory overwrite each "
+                    "other's files and delete each other's temporary files. Wait for it to "
+                    "end or stop it (its lock goes with the process, even a SIGKILLed one), "
+                    "or give this run another directory.")
         for name in self._names():
             if is_temporary(name):
                 with suppress(OSError):
@@ -258,6 +273,11 @@ class CheckpointFiles:
             warnings.warn(f"Checkpoint: finished the rollback an earlier launch began in "
                           f"{self.dirpath} (it was killed while moving the abandoned files).",
                           RuntimeWarning, stacklevel=4)
+        return None
+
+    def release(self) -> None:
+        """Give back the directory `prepare` held (at the fit's end)."""
+        self._lock.release()
 
     def write(self, payload: dict[str, Any], name: str) -> str:
         """Write ``payload`` atomically under ``name``; return its path.

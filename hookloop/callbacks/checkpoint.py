@@ -143,8 +143,11 @@ class Checkpoint(Callback):
         if self._monitor is not None:
             self._monitor.resolve()
         loop.enable_resume_snapshots()
-        if distributed.is_main():
-            self.files.prepare()
+        # Every rank learns whether rank 0 may use the directory: none waits for it in vain.
+        refused = distributed.broadcast_object(self.files.prepare() if distributed.is_main()
+                                               else None)
+        if refused:
+            raise ConfigurationError(refused)
         if self._started:
             return  # a later fit of the same loop continues in this directory
         if self.resume is False:  # a new run must not overwrite or mix with an earlier one
@@ -190,6 +193,10 @@ class Checkpoint(Callback):
                 or loop.stop_requested:
             self._save(loop, collective=True)
 
+    def on_fit_end(self, loop: Loop) -> None:
+        if distributed.is_main():
+            self.files.release()  # the directory is free for the next launch
+
     def on_exception(self, loop: Loop, exc: BaseException) -> None:
         if not loop.fitting or self._saved_at is None or not distributed.is_main():
             return  # the fit failed before it started (a bad stack, a bad file): nothing new
@@ -199,8 +206,11 @@ class Checkpoint(Callback):
                           f"be half-updated. The newest file in {self.dirpath} stays the one to "
                           "resume from.", RuntimeWarning, stacklevel=2)
             return
-        # No collectives here: the other ranks may be dead or stuck elsewhere.
-        self._save(loop, collective=False)
+        try:  # no collectives here: the other ranks may be dead or stuck elsewhere
+            self._save(loop, collective=False)
+        except KeyboardInterrupt:  # a second Ctrl-C: fit stops at once, without on_fit_end
+            self.files.release()
+            raise
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
