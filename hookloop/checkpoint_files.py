@@ -52,6 +52,13 @@ def file_meta(kind: str) -> dict[str, Any]:
             "world_size": distributed.world_size()}
 
 
+def _ranked_by(steps: list[int], reached: int, dropped_at: int) -> bool:
+    """Whether a rotating file at one of ``steps`` may rank an entry reached and dropped at
+    these steps: one written between them (both included: a file of the drop's step may
+    have been written before that step's validation)."""
+    return any(reached <= step <= dropped_at for step in steps)
+
+
 class CheckpointFiles:
     """Names, listing, atomic writes and pruning of one `Checkpoint`'s files.
 
@@ -336,11 +343,12 @@ class CheckpointFiles:
         """The files of ranking entries that dropped out, each with the step it dropped at
         (none named in ``kept``): set aside while a kept rotating file still ranks them,
         else deleted. Set-aside files no longer needed go too."""
+        steps = self._rotating_steps()
         for at, entry in dropped:
             if entry["file"] is None or entry["file"] in kept:
                 continue
             with suppress(FileNotFoundError):
-                if self._needed(entry["step"], at):
+                if _ranked_by(steps, entry["step"], at):
                     os.replace(self.path(entry["file"]), self.path(self.set_aside_name(entry, at)))
                 else:
                     os.unlink(self.path(entry["file"]))
@@ -349,17 +357,18 @@ class CheckpointFiles:
     def set_best_aside(self, entry: dict[str, Any], at: int) -> None:
         """Before ``best.pt`` (``save_top_k=1``) is replaced at step ``at``: keep what it holds
         (``entry``) under its set-aside name while a kept rotating file still ranks it."""
-        if self._needed(entry["step"], at) and os.path.isfile(self.best):
+        if _ranked_by(self._rotating_steps(), entry["step"], at) and os.path.isfile(self.best):
             link_atomic(self.best, self.path(self.set_aside_name(entry, at)))
 
-    def _needed(self, reached: int, dropped_at: int) -> bool:
-        """Whether a kept rotating file may rank an entry reached and dropped at these steps:
-        one written between them (both included: a file of the drop's step may predate it)."""
-        return any(reached <= (self.step_of(path) or 0) <= dropped_at for path in self.rotating())
+    def _rotating_steps(self) -> list[int]:
+        """The steps of the rotating files, from the names alone (no file is opened)."""
+        matches = (self._rotating.match(name) for name in self._names())
+        return [int(match.group(2)) for match in matches if match]
 
     def _prune_set_aside(self) -> None:
+        steps = self._rotating_steps()
         for reached, dropped_at, path in self.set_aside():
-            if not self._needed(reached, dropped_at):
+            if not _ranked_by(steps, reached, dropped_at):
                 with suppress(FileNotFoundError):
                     os.unlink(path)
 
