@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT, subprocess_env
-from test_ddp import SCRIPTS, TIMEOUT, read, run_ok
+from test_ddp_two_processes import SCRIPTS, TIMEOUT, read, run_ok
 
 
 @pytest.fixture(scope="module")

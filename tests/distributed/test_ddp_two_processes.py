@@ -1,6 +1,6 @@
 """DDP: real 2-process runs under torchrun (gloo, CPU) checked against hand-written loops.
 
-Each launch runs a script of tests/ddp_scripts/ with a timeout; a hang kills the whole
+Each launch runs a script of tests/distributed/scripts/ with a timeout; a hang kills the whole
 process group and fails the test. Launches are shared by module-scoped fixtures, so the
 file costs a handful of torchrun starts.
 """
@@ -25,7 +25,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from conftest import ROOT, subprocess_env
 
-sys.path.insert(0, str(ROOT / "tests" / "ddp_scripts"))
+sys.path.insert(0, str(ROOT / "tests" / "distributed" / "scripts"))
 import common  # noqa: E402  (the scripts' data and models, for the oracles)
 
 from hookloop import ConfigurationError, Loop, distributed  # noqa: E402
@@ -33,7 +33,7 @@ from hookloop.callbacks import DDP  # noqa: E402
 from hookloop.callbacks import ddp as ddp_module  # noqa: E402
 from hookloop.callbacks.ddp import UnpaddedDistributedSampler  # noqa: E402
 
-SCRIPTS = ROOT / "tests" / "ddp_scripts"
+SCRIPTS = ROOT / "tests" / "distributed" / "scripts"
 TIMEOUT = 150  # seconds per launch; a healthy one takes ~10 s on 2 busy cores
 
 
@@ -138,7 +138,7 @@ def hand_accumulation(epochs: int = 2) -> tuple[dict[str, torch.Tensor], int]:
     return model.state_dict(), steps
 
 
-# ------------------------------------------------------------- launch 1: tests/ddp_scripts/train.py
+# ------------------------------------------------------------- launch 1: tests/distributed/scripts/train.py
 @pytest.fixture(scope="module")
 def train_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp_train")
@@ -215,7 +215,7 @@ def test_distributed_helpers_fall_back_in_one_process() -> None:
     assert distributed.all_gather_object("x") == ["x"]
 
 
-# ------------------------------------------------ launches 2-3: tests/ddp_scripts/integration.py
+# ------------------------------------------------ launches 2-3: tests/distributed/scripts/integration.py
 @pytest.fixture(scope="module")
 def integration_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp_integration")

@@ -1,4 +1,5 @@
-"""Data, models and helpers shared by the torchrun scripts and by tests/test_ddp.py's oracles."""
+"""Data, models and helpers shared by the torchrun scripts and by the oracles of
+tests/distributed/test_ddp_two_processes.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from hookloop import Loop
 from hookloop.callbacks import CSVLogger, ProgressBar, TensorBoard
-from test_no_sync import count_reads  # noqa: F401  (the fixture)
+from test_loop_no_sync import count_reads  # noqa: F401  (the fixture)
 
 
 def _reads_for(batches: int, count_reads, tmp_path, terminal: bool) -> int:
