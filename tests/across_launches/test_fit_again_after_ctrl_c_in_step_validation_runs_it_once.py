@@ -1,11 +1,12 @@
-"""Ctrl-C during a validation every n steps, then fit() again (a notebook)."""
+"""Ctrl-C during a validation every n steps, then fit() again (a notebook): the interrupted
+validation runs once more, and the run ends as an uninterrupted one."""
 from __future__ import annotations
 
 import pytest
 
 from hookloop import Callback
 
-from review_helpers import make_data, make_loop, same, weights
+from builders import net_batches, net_loop, same_weights, weights
 
 
 class InterruptValidationOnce(Callback):
@@ -24,15 +25,15 @@ def rows(history):
 
 
 def test_fit_again_after_ctrl_c_in_step_validation_runs_that_validation():
-    val = make_data(2, seed=5)
-    reference = make_loop(val=val, val_every_n_steps=2, val_every_n_epochs=None,
-                          sanity_val_batches=0)
+    val = net_batches(2, seed=5)
+    reference = net_loop(val=val, val_every_n_steps=2, val_every_n_epochs=None,
+                         sanity_val_batches=0)
     reference.fit(2)
 
-    loop = make_loop([InterruptValidationOnce(at_step=2)], val=val, val_every_n_steps=2,
-                     val_every_n_epochs=None, sanity_val_batches=0)
+    loop = net_loop([InterruptValidationOnce(at_step=2)], val=val, val_every_n_steps=2,
+                    val_every_n_epochs=None, sanity_val_batches=0)
     with pytest.raises(KeyboardInterrupt):
         loop.fit(2)
     loop.fit(2)
-    assert same(weights(loop), weights(reference))
+    assert same_weights(weights(loop), weights(reference))
     assert rows(loop.state.history) == rows(reference.state.history)

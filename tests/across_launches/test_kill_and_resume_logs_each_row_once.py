@@ -97,7 +97,8 @@ def test_csv_rows_are_those_of_the_uninterrupted_run(runs, killed: str) -> None:
 
 @pytest.mark.parametrize("killed", ["killed10", "killed13"])
 def test_history_survives_kill_and_resume(runs, killed: str) -> None:
-    """Needs the loop to checkpoint and restore state.history (issue 8)."""
+    """state.history is saved in the checkpoint and restored: the resumed run's rows are the
+    uninterrupted run's, none lost or repeated."""
     resumed = json.loads((runs[killed] / "history.json").read_text())
     reference = json.loads((runs["reference"] / "history.json").read_text())
     assert resumed == reference

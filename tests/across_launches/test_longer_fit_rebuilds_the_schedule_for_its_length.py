@@ -9,7 +9,7 @@ import torch
 from hookloop import Callback
 from hookloop.callbacks import LRScheduler
 
-from review_helpers import make_loop
+from builders import net_loop
 
 BASE = 0.05
 
@@ -30,7 +30,7 @@ def test_fit_2_then_fit_4_follows_the_4_epoch_cosine():
     rates = Rates()
     schedule = LRScheduler(lambda opt, total: torch.optim.lr_scheduler.CosineAnnealingLR(
         opt, T_max=total))
-    loop = make_loop([schedule, rates], lr=BASE, sanity_val_batches=0)
+    loop = net_loop([schedule, rates], lr=BASE, sanity_val_batches=0)
     loop.fit(2)   # 8 steps
     loop.fit(4)   # 16 steps in all: steps 8..15 follow the 16-step cosine
     for step in range(8, 16):

@@ -3,15 +3,7 @@ from __future__ import annotations
 
 from hookloop import Callback
 
-from review_helpers import make_data, make_loop
-
-
-class Stream:
-    def __init__(self, items):
-        self.items = items
-
-    def __iter__(self):
-        return iter(self.items)
+from builders import Unsized, net_batches, net_loop
 
 
 class Record(Callback):
@@ -24,15 +16,15 @@ class Record(Callback):
 
 def run(train):
     record = Record()
-    loop = make_loop([record], train=train, val=make_data(2, seed=5), sanity_val_batches=0)
+    loop = net_loop([record], train=train, val=net_batches(2, seed=5), sanity_val_batches=0)
     loop.fit(1, max_steps=4)
     return loop, record
 
 
 def test_max_steps_on_the_last_batch_completes_the_epoch_as_with_a_length():
-    data = make_data(4)
+    data = net_batches(4)
     sized, sized_record = run(list(data))
-    unsized, unsized_record = run(Stream(list(data)))
+    unsized, unsized_record = run(Unsized(list(data)))
     assert sized_record.completed == [True]           # the oracle: same data with a len()
     assert unsized_record.completed == sized_record.completed
     assert [sorted(r) for r in unsized.state.history] == [sorted(r) for r in sized.state.history]

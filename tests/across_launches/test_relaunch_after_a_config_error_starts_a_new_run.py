@@ -1,4 +1,5 @@
-"""A configuration error before the first batch must leave the checkpoint directory alone."""
+"""A configuration error before the first batch leaves the checkpoint directory empty, so the
+fixed relaunch starts a new run."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ import torch
 from hookloop import ConfigurationError
 from hookloop.callbacks import Checkpoint, LRScheduler
 
-from review_helpers import make_loop
+from builders import net_loop
 
 
 def onecycle(loop, total):
@@ -17,23 +18,25 @@ def onecycle(loop, total):
 
 
 def test_too_short_schedule_leaves_no_file_and_the_fixed_relaunch_starts(tmp_path):
-    loop = make_loop(sanity_val_batches=0)
+    loop = net_loop(sanity_val_batches=0)
     loop.callbacks = [LRScheduler(onecycle(loop, 3)), Checkpoint(tmp_path)]
     with pytest.raises(ConfigurationError, match="total_steps=3"):
         loop.fit(2)  # 8 steps needed: refused before the first batch
     assert os.listdir(tmp_path) == []
     # The user fixes the schedule and runs the same script again (a new run, resume=False).
-    fixed = make_loop(sanity_val_batches=0)
+    fixed = net_loop(sanity_val_batches=0)
     fixed.callbacks = [LRScheduler(onecycle(fixed, 8)), Checkpoint(tmp_path)]
     fixed.fit(2)
 
 
 def test_fixed_relaunch_is_not_refused_as_an_earlier_run(tmp_path):
-    loop = make_loop(sanity_val_batches=0)
+    """The refused fit wrote nothing, so the relaunch is a new run, not "a directory that
+    already holds checkpoints of an earlier run"."""
+    loop = net_loop(sanity_val_batches=0)
     loop.callbacks = [LRScheduler(onecycle(loop, 3)), Checkpoint(tmp_path)]
     with pytest.raises(ConfigurationError):
         loop.fit(2)
-    fixed = make_loop(sanity_val_batches=0)
+    fixed = net_loop(sanity_val_batches=0)
     fixed.callbacks = [LRScheduler(onecycle(fixed, 8)), Checkpoint(tmp_path)]
-    fixed.fit(2)  # raises "already holds checkpoints of an earlier run"
+    fixed.fit(2)
     assert fixed.state.step == 8

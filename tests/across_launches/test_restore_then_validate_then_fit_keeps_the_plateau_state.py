@@ -1,16 +1,13 @@
-"""loop.load_state_dict(state); loop.validate(); loop.fit(): the restore is applied by
-validate(), before a factory-built scheduler exists."""
+"""loop.load_state_dict(state); loop.validate(); loop.fit(): validate() applies the restore
+before a factory-built plateau scheduler exists, and the fit still restores its state and
+ends as the uninterrupted run."""
 from __future__ import annotations
 
-import copy
-
-import pytest
 import torch
 
-from hookloop import Callback
 from hookloop.callbacks import LRScheduler
 
-from review_helpers import make_data, make_loop, same, weights
+from builders import StateCapture, net_batches, net_loop, same_weights, weights
 
 
 def plateau(optimizer, total):
@@ -18,37 +15,31 @@ def plateau(optimizer, total):
                                                       factor=0.5)
 
 
-class Capture(Callback):
-    def __init__(self):
-        self.states = {}
-
-    def on_epoch_end(self, loop):
-        self.states[loop.state.epoch] = copy.deepcopy(loop.state_dict())
-
-
 def run_reference():
-    capture = Capture()
+    capture = StateCapture()
     schedule = LRScheduler(plateau, monitor="val_loss")
-    loop = make_loop([schedule, capture], val=make_data(2, seed=5), sanity_val_batches=0)
+    loop = net_loop([schedule, capture], val=net_batches(2, seed=5), sanity_val_batches=0)
     loop.fit(4)
     return loop, schedule, capture
 
 
 def test_plateau_factory_restored_then_validate_then_fit():
+    """The plateau scheduler built after validate() gets the restored state, and its step
+    gets the monitored metric."""
     reference, ref_schedule, capture = run_reference()
     schedule = LRScheduler(plateau, monitor="val_loss")
-    loop = make_loop([schedule], val=make_data(2, seed=5), sanity_val_batches=0)
+    loop = net_loop([schedule], val=net_batches(2, seed=5), sanity_val_batches=0)
     loop.load_state_dict(capture.states[1])
     loop.validate()
-    loop.fit(4)  # TypeError: ReduceLROnPlateau.step() missing 'metrics'
+    loop.fit(4)
     assert schedule.scheduler.state_dict()["best"] == ref_schedule.scheduler.state_dict()["best"]
-    assert same(weights(loop), weights(reference))
+    assert same_weights(weights(loop), weights(reference))
 
 
 def test_plateau_factory_restored_then_fit_control():
     reference, ref_schedule, capture = run_reference()
     schedule = LRScheduler(plateau, monitor="val_loss")
-    loop = make_loop([schedule], val=make_data(2, seed=5), sanity_val_batches=0)
+    loop = net_loop([schedule], val=net_batches(2, seed=5), sanity_val_batches=0)
     loop.load_state_dict(capture.states[1])
     loop.fit(4)
-    assert same(weights(loop), weights(reference))
+    assert same_weights(weights(loop), weights(reference))

@@ -1,4 +1,5 @@
-"""AMP float16 with skipped steps: a resume from a step checkpoint equals an uninterrupted run."""
+"""AMP float16 with skipped steps: a kill, then a resume from a step checkpoint, ends as an
+uninterrupted run (weights, EMA shadow, skipped-step count)."""
 from __future__ import annotations
 
 import warnings
@@ -9,7 +10,7 @@ import torch
 from hookloop import Callback
 from hookloop.callbacks import AMP, Checkpoint, EMA, LRScheduler
 
-from review_helpers import make_data, make_loop, same, weights
+from builders import net_batches, net_loop, same_weights, weights
 
 
 class Kill(Callback):
@@ -37,18 +38,18 @@ def stack(tmp=None, resume=False, kill=None):
 @pytest.mark.parametrize("kill_at", [2, 5, 7, 10])
 def test_resume_with_skipped_steps(tmp_path, kill_at):
     warnings.simplefilter("ignore")
-    data = make_data(6)
-    reference = make_loop(stack(), train=data, sanity_val_batches=0)
+    data = net_batches(6)
+    reference = net_loop(stack(), train=data, sanity_val_batches=0)
     reference.fit(2)
     amp = reference.callbacks[0]
     assert amp.skipped_steps > 0
-    first = make_loop(stack(tmp_path, kill=Kill(kill_at)), train=data, sanity_val_batches=0)
+    first = net_loop(stack(tmp_path, kill=Kill(kill_at)), train=data, sanity_val_batches=0)
     with pytest.raises(RuntimeError):
         first.fit(2)
-    second = make_loop(stack(tmp_path, resume=True), train=data, sanity_val_batches=0)
+    second = net_loop(stack(tmp_path, resume=True), train=data, sanity_val_batches=0)
     second.fit(2)
     assert second.state.step == reference.state.step
     assert second.callbacks[0].skipped_steps == amp.skipped_steps
-    assert same(weights(second), weights(reference))
-    assert same(second.callbacks[1].averaged_state_dict(),
-                reference.callbacks[1].averaged_state_dict())
+    assert same_weights(weights(second), weights(reference))
+    assert same_weights(second.callbacks[1].averaged_state_dict(),
+                        reference.callbacks[1].averaged_state_dict())

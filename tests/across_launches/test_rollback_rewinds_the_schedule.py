@@ -1,7 +1,7 @@
-"""In-process rollback (loop.load_state_dict of an older state) with a factory schedule."""
+"""In-process rollback (loop.load_state_dict of an older state) with a factory schedule: the
+schedule rewinds with the weights, and the branch trained again ends where the first did."""
 from __future__ import annotations
 
-import copy
 import functools
 
 import torch
@@ -10,21 +10,13 @@ from hookloop import Callback
 from hookloop.callbacks import LRScheduler
 from hookloop.schedules import warmup_cosine
 
-from review_helpers import make_loop, same, weights
-
-
-class Capture(Callback):
-    def __init__(self):
-        self.states = {}
-
-    def on_epoch_end(self, loop):
-        self.states[loop.state.epoch] = copy.deepcopy(loop.state_dict())
+from builders import StateCapture, net_loop, same_weights, weights
 
 
 def test_rollback_in_process_rewinds_a_factory_schedule():
-    capture = Capture()
+    capture = StateCapture()
     schedule = LRScheduler(functools.partial(warmup_cosine, warmup_steps=2))
-    loop = make_loop([schedule, capture], sanity_val_batches=0)
+    loop = net_loop([schedule, capture], sanity_val_batches=0)
     loop.fit(3)
     final = weights(loop)
     lr_final = loop.optimizer.param_groups[0]["lr"]
@@ -33,13 +25,13 @@ def test_rollback_in_process_rewinds_a_factory_schedule():
     loop.fit(3)
     assert schedule.scheduler.last_epoch == loop.state.step == 12
     assert loop.optimizer.param_groups[0]["lr"] == lr_final
-    assert same(weights(loop), final)
+    assert same_weights(weights(loop), final)
 
 
 def test_rollback_in_process_then_check_lr_right_after_restore():
-    capture = Capture()
+    capture = StateCapture()
     schedule = LRScheduler(functools.partial(warmup_cosine, warmup_steps=2))
-    loop = make_loop([schedule, capture], sanity_val_batches=0)
+    loop = net_loop([schedule, capture], sanity_val_batches=0)
     loop.fit(3)
     lr_after_epoch0 = capture.states[0]["optimizer"]["param_groups"][0]["lr"]
     seen = []
@@ -55,14 +47,15 @@ def test_rollback_in_process_then_check_lr_right_after_restore():
 
 
 def test_rollback_in_process_silent_with_a_schedule_without_total_steps():
-    """CosineAnnealingLR has no total_steps, so nothing raises: the LR is silently wrong."""
-    capture = Capture()
+    """CosineAnnealingLR has no total_steps attribute, so no length check can catch a
+    schedule left at the later step: the rollback must rewind it all the same."""
+    capture = StateCapture()
     schedule = LRScheduler(lambda opt, total: torch.optim.lr_scheduler.CosineAnnealingLR(
         opt, T_max=total))
-    loop = make_loop([schedule, capture], sanity_val_batches=0)
+    loop = net_loop([schedule, capture], sanity_val_batches=0)
     loop.fit(3)
     final = weights(loop)
     loop.load_state_dict(capture.states[0])
     loop.fit(3)
     assert schedule.scheduler.last_epoch == loop.state.step == 12
-    assert same(weights(loop), final)
+    assert same_weights(weights(loop), final)

@@ -6,7 +6,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hookloop import Callback
 
-from review_helpers import make_loop, same, weights
+from builders import net_loop, same_weights, weights
 
 
 def loaders():
@@ -28,25 +28,25 @@ class StopAt(Callback):
 
 def test_stop_validate_fit_equals_uninterrupted():
     train, val = loaders()
-    reference = make_loop(train=train, val=val, sanity_val_batches=2)
+    reference = net_loop(train=train, val=val, sanity_val_batches=2)
     reference.fit(2)
 
     train, val = loaders()
-    loop = make_loop([StopAt(3)], train=train, val=val, sanity_val_batches=2)
+    loop = net_loop([StopAt(3)], train=train, val=val, sanity_val_batches=2)
     loop.fit(2)
     loop.callbacks = []
     loop.validate()          # look at the model in the middle of the run
     loop.fit(2)
-    assert same(weights(loop), weights(reference))
+    assert same_weights(weights(loop), weights(reference))
 
 
 def test_stop_fit_equals_uninterrupted_control():
     train, val = loaders()
-    reference = make_loop(train=train, val=val, sanity_val_batches=2)
+    reference = net_loop(train=train, val=val, sanity_val_batches=2)
     reference.fit(2)
     train, val = loaders()
-    loop = make_loop([StopAt(3)], train=train, val=val, sanity_val_batches=2)
+    loop = net_loop([StopAt(3)], train=train, val=val, sanity_val_batches=2)
     loop.fit(2)
     loop.callbacks = []
     loop.fit(2)
-    assert same(weights(loop), weights(reference))
+    assert same_weights(weights(loop), weights(reference))
