@@ -6,15 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, subprocess_env
-from test_ddp_two_processes import SCRIPTS, TIMEOUT, read, run_ok
+from launch import SCRIPTS, TIMEOUT, read, run_ok, start
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +51,7 @@ def test_unpadded_sampler_is_refused_for_training(faults_run: Path) -> None:
 
 
 def _launch(*args: str) -> subprocess.Popen[str]:
-    env = subprocess_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env["PYTHONPATH"]])
-    env.pop("RANK", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", str(SCRIPTS / "preempted.py"), *args]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return start(SCRIPTS / "preempted.py", *args)
 
 
 def test_sigterm_to_torchrun_leaves_a_resumable_checkpoint(tmp_path: Path) -> None:

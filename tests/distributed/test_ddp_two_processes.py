@@ -1,79 +1,29 @@
 """DDP: real 2-process runs under torchrun (gloo, CPU) checked against hand-written loops.
 
-Each launch runs a script of tests/distributed/scripts/ with a timeout; a hang kills the whole
-process group and fails the test. Launches are shared by module-scoped fixtures, so the
-file costs a handful of torchrun starts.
+Each launch runs a script of tests/distributed/scripts/ with a timeout (launch.py); a hang
+kills the whole process group and fails the test. Launches are shared by module-scoped
+fixtures, so the file costs a handful of torchrun starts.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset, WeightedRandomSampler
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import TensorDataset
 
+from builders import accuracy
 from conftest import ROOT, subprocess_env
+from launch import SCRIPTS, TIMEOUT, assert_close_weights, read, run_ok, torchrun
 
-sys.path.insert(0, str(ROOT / "tests" / "distributed" / "scripts"))
+sys.path.insert(0, str(SCRIPTS))
 import common  # noqa: E402  (the scripts' data and models, for the oracles)
-
-from hookloop import ConfigurationError, Loop, distributed  # noqa: E402
-from hookloop.callbacks import DDP  # noqa: E402
-from hookloop.callbacks import ddp as ddp_module  # noqa: E402
-from hookloop.callbacks.ddp import UnpaddedDistributedSampler  # noqa: E402
-
-SCRIPTS = ROOT / "tests" / "distributed" / "scripts"
-TIMEOUT = 150  # seconds per launch; a healthy one takes ~10 s on 2 busy cores
-
-
-def torchrun(script: Path, *args: str, timeout: float = TIMEOUT
-             ) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` on 2 processes; kill the whole process group if it overruns."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", str(script), *args]
-    env = subprocess_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env["PYTHONPATH"]])
-    env.pop("RANK", None)
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{script.name} hung: killed after {timeout} s\n{output[-6000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, output, "")
-
-
-def run_ok(script: Path, *args: str) -> str:
-    result = torchrun(script, *args)
-    assert result.returncode == 0, f"{script.name} failed:\n{result.stdout[-8000:]}"
-    return result.stdout
-
-
-def read(out: Path, name: str, rank: int) -> Any:
-    tensors = out / f"{name}.rank{rank}.pt"
-    if tensors.exists():
-        return torch.load(tensors, weights_only=True)
-    return json.loads((out / f"{name}.rank{rank}.json").read_text())
-
-
-def assert_close_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                         atol: float = 1e-5) -> None:
-    assert actual.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=atol, msg=key)
 
 
 # ------------------------------------------------------------------ hand-written oracles
@@ -116,10 +66,6 @@ def hand_train(model: nn.Module, train: TensorDataset, loss_fn: Any, *, seed: in
     return history
 
 
-def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return (outputs.argmax(dim=-1) == targets).float().mean()
-
-
 def hand_accumulation(epochs: int = 2) -> tuple[dict[str, torch.Tensor], int]:
     """One process, micro-batches of 6 in order, windows of 2, 2, 1 averaged by real size."""
     inputs, targets = common.regression_data(30, seed=5).tensors
@@ -138,7 +84,7 @@ def hand_accumulation(epochs: int = 2) -> tuple[dict[str, torch.Tensor], int]:
     return model.state_dict(), steps
 
 
-# ------------------------------------------------------------- launch 1: tests/distributed/scripts/train.py
+# ------------------------------------------------------------ launch 1: scripts/train.py
 @pytest.fixture(scope="module")
 def train_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp_train")
@@ -209,13 +155,7 @@ def test_distributed_helpers_reduce_over_two_ranks(train_run: Path) -> None:
         assert "rank 0: ['key0']; rank 1: ['key1']" in results["mismatch"]
 
 
-def test_distributed_helpers_fall_back_in_one_process() -> None:
-    assert distributed.all_reduce_sums({"b": torch.tensor(2), "a": 1.5}) == {"a": 1.5, "b": 2.0}
-    assert distributed.all_reduce_sums({}) == {}
-    assert distributed.all_gather_object("x") == ["x"]
-
-
-# ------------------------------------------------ launches 2-3: tests/distributed/scripts/integration.py
+# ---------------------------------------------------- launches 2-3: scripts/integration.py
 @pytest.fixture(scope="module")
 def integration_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp_integration")
@@ -328,131 +268,3 @@ def test_an_exception_on_one_rank_ends_both_processes_with_the_error(tmp_path: P
     assert "raised in callback FailOnRankOne at event on_batch_start" in result.stdout
     assert "unreachable" not in result.stdout
     assert time.monotonic() - started < 120
-
-
-# --------------------------------------------------------------- in-process: no torchrun
-def _plain_loop(callbacks: list[Any]) -> tuple[Loop, nn.Module, DataLoader]:
-    model = common.make_model(seed=1)
-    data = DataLoader(common.regression_data(12, seed=2), batch_size=4)
-    loop = Loop(model, common.make_optimizer(model), data, loss_fn=nn.functional.mse_loss,
-                callbacks=callbacks, device="cpu")
-    return loop, model, data
-
-
-def test_outside_torchrun_ddp_does_nothing_and_says_so_once(monkeypatch: pytest.MonkeyPatch
-                                                            ) -> None:
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    loop, model, data = _plain_loop([DDP()])
-    with pytest.warns(UserWarning, match="not launched by torchrun") as record:
-        loop.fit(1)
-        loop.fit(2)
-    assert len([w for w in record if "torchrun" in str(w.message)]) == 1
-    assert loop.model is model and loop.train_data is data
-    # The same training as a hand loop over the same batches.
-    expected = common.make_model(seed=1)
-    optimizer = common.make_optimizer(expected)
-    inputs, targets = common.regression_data(12, seed=2).tensors
-    for _ in range(2):
-        for start in range(0, 12, 4):
-            optimizer.zero_grad()
-            nn.functional.mse_loss(expected(inputs[start:start + 4]),
-                                   targets[start:start + 4]).backward()
-            optimizer.step()
-    assert_close_weights(model.state_dict(), expected.state_dict(), atol=0)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("size", [0, 1, 5, 6, 7])
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_unpadded_sampler_counts_every_sample_once(world: int, size: int, shuffle: bool) -> None:
-    shards = [UnpaddedDistributedSampler(range(size), num_replicas=world, rank=rank,
-                                         shuffle=shuffle, seed=3) for rank in range(world)]
-    for shard in shards:
-        shard.set_epoch(1)
-    seen = [list(shard) for shard in shards]
-    assert [len(indices) for indices in seen] == [len(shard) for shard in shards]
-    assert sorted(index for indices in seen for index in indices) == list(range(size))
-    assert max(map(len, seen)) - min(map(len, seen)) <= 1
-    if shuffle and size == 7:
-        order = torch.randperm(7, generator=torch.Generator().manual_seed(3 + 1)).tolist()
-        assert seen[0] == order[0::world]
-
-
-def _pretend_rank(monkeypatch: pytest.MonkeyPatch, rank: int, world: int) -> None:
-    monkeypatch.setattr(distributed, "rank", lambda: rank)
-    monkeypatch.setattr(distributed, "world_size", lambda: world)
-    monkeypatch.setattr(distributed, "broadcast_object", lambda obj, src=0: obj)
-
-
-def _collate(batch: list[Any]) -> Any:
-    return torch.utils.data.default_collate(batch)
-
-
-def _init_worker(worker_id: int) -> None:
-    pass
-
-
-def test_loaders_are_rebuilt_with_the_same_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    _pretend_rank(monkeypatch, rank=1, world=2)
-    dataset = common.regression_data(10, seed=0)
-    generator = torch.Generator().manual_seed(123)
-    loader = DataLoader(dataset, batch_size=3, shuffle=True, num_workers=2, collate_fn=_collate,
-                        pin_memory=True, drop_last=True, timeout=5.0,
-                        worker_init_fn=_init_worker, generator=generator,
-                        persistent_workers=True, prefetch_factor=3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # pin_memory without an accelerator
-        sharded = ddp_module._shard(loader, training=True)
-    sampler = sharded.sampler
-    assert isinstance(sampler, DistributedSampler)
-    assert (sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed) == (2, 1, True, 123)
-    assert not sampler.drop_last  # padded: every rank runs the same number of batches
-    for setting in ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last",
-                    "timeout", "worker_init_fn", "generator", "persistent_workers",
-                    "prefetch_factor", "dataset"):
-        assert getattr(sharded, setting) == getattr(loader, setting), setting
-    assert len(sharded) == 1  # 5 samples on this rank, batches of 3, drop_last
-
-    ordered = DataLoader(dataset, batch_size=2)
-    sharded_val = ddp_module._shard(ordered, training=False)
-    assert isinstance(sharded_val.sampler, UnpaddedDistributedSampler)
-    assert not sharded_val.sampler.shuffle
-    assert [index for batch in sharded_val.batch_sampler for index in batch] == [1, 3, 5, 7, 9]
-    sharded_train = ddp_module._shard(ordered, training=True)
-    assert not sharded_train.sampler.shuffle  # a loader that does not shuffle keeps its order
-    assert list(sharded_train.sampler) == [1, 3, 5, 7, 9]
-
-
-def test_loaders_ddp_cannot_shard_are_reported_or_left_alone(monkeypatch: pytest.MonkeyPatch
-                                                             ) -> None:
-    _pretend_rank(monkeypatch, rank=0, world=2)
-    dataset = common.regression_data(8, seed=0)
-    weighted = DataLoader(dataset, sampler=WeightedRandomSampler([1.0] * 8, 8), batch_size=2)
-    with pytest.raises(ConfigurationError, match="DistributedSampler"):
-        ddp_module._shard(weighted, training=True)
-    replacing = DataLoader(dataset, sampler=RandomSampler(dataset, replacement=True))
-    with pytest.raises(ConfigurationError, match="WeightedRandomSampler|RandomSampler"):
-        ddp_module._shard(replacing, training=True)
-    mine = DataLoader(dataset, sampler=DistributedSampler(dataset, num_replicas=2, rank=0))
-    assert ddp_module._shard(mine, training=True) is mine
-    batches = [(torch.randn(2, 4), torch.randn(2, 1))]
-    with pytest.warns(UserWarning, match="not a DataLoader"):
-        assert ddp_module._shard(batches, training=True) is batches
-
-
-def test_train_step_context_is_no_sync_inside_a_window_only() -> None:
-    class FakeDDP(nn.parallel.DistributedDataParallel):
-        def __init__(self) -> None:  # no process group needed to test the choice
-            nn.Module.__init__(self)
-
-        def no_sync(self) -> str:  # type: ignore[override]
-            return "no_sync"
-
-    loop, _, _ = _plain_loop([])
-    loop.model = FakeDDP()
-    callback = DDP()
-    loop.state.step_boundary = False
-    assert callback.train_step_context(loop) == "no_sync"
-    loop.state.step_boundary = True
-    assert callback.train_step_context(loop) is None
