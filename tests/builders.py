@@ -40,6 +40,7 @@ __all__ = [
     "RaiseAfterStep",
     "RaiseAtBatch",
     "ScriptedMetric",
+    "SeenSamples",
     "StateCapture",
     "StepRecorder",
     "Unsized",
@@ -50,6 +51,7 @@ __all__ = [
     "adamw",
     "classification_batches",
     "classification_dataset",
+    "dropout_loop",
     "make_loop",
     "net_batches",
     "net_loop",
@@ -58,6 +60,7 @@ __all__ = [
     "same_weights",
     "sgd",
     "shuffled",
+    "shuffled_run",
     "split",
     "two_layers",
     "weights",
@@ -328,6 +331,52 @@ def make_loop(callbacks: Iterable[Callback] = (), *,
                 loss_fn=loss_fn, callbacks=list(callbacks), device=device, **options)
 
 
+def dropout_loop(callbacks: Iterable[Callback] = (), *, batches: int = 4,
+                 **options: Any) -> Loop:
+    """A regression run in which any stray random draw shows: dropout and a shuffled loader.
+
+    ``batches`` batches of 4 samples (3 features) drawn from the global generator after the
+    model, shuffled by a loader seeded 7; validation on the first 8 samples; SGD lr 0.05.
+
+    Args:
+        callbacks: The stack, in order.
+        batches: Training batches per epoch.
+        **options: Other `Loop` arguments (``val_every_n_steps=``, ...).
+
+    Returns:
+        The loop, not fitted yet.
+    """
+    def train() -> DataLoader:
+        dataset = TensorDataset(torch.randn(4 * batches, 3), torch.randn(4 * batches, 1))
+        return shuffled(dataset, 4, seed=7)
+
+    return make_loop(callbacks, model=lambda: two_layers(3, 8, 1, nn.Dropout(0.3)), train=train,
+                     val=lambda loader: DataLoader(split(loader.dataset, 8)[0], batch_size=4),
+                     optimizer=sgd(0.05), **options)
+
+
+def shuffled_run(callbacks: Iterable[Callback] = (), samples: int = 96,
+                 batch: int = 8) -> tuple[nn.Module, Loop]:
+    """A classification run with dropout over a shuffled loader: 6 features, 3 classes.
+
+    The dataset is drawn from a generator seeded 3 and shuffled by one seeded 4; the model
+    (``two_layers(6, 16, 3, Dropout(0.3), ReLU())``) is seeded 0; SGD lr 0.1, momentum 0.9.
+
+    Args:
+        callbacks: The stack, in order.
+        samples: Samples in the dataset.
+        batch: Samples per batch.
+
+    Returns:
+        The model and the loop, not fitted yet.
+    """
+    loader = shuffled(classification_dataset(samples, features=6, classes=3, seed=3), batch,
+                      seed=4)
+    loop = make_loop(callbacks, model=lambda: two_layers(6, 16, 3, nn.Dropout(0.3), nn.ReLU()),
+                     train=loader, optimizer=sgd(0.1, momentum=0.9), loss_fn=F.cross_entropy)
+    return loop.model, loop
+
+
 def net_batches(count: int = 4, *, size: int = 4, seed: int = 1) -> list[Batch]:
     """The across-launch tests' data: batches of 4 features and 1 target (seeded)."""
     return regression_batches(count, size=size, features=4, seed=seed)
@@ -527,6 +576,16 @@ class ValidationSteps(Callback):
     def on_validation_end(self, loop: Loop) -> None:
         if not loop.sanity_checking:
             self.steps.append(loop.state.step)
+
+
+class SeenSamples(Callback):
+    """Which samples each training batch held: the sum of each input row, batch by batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+
+    def on_batch_end(self, loop: Loop) -> None:
+        self.batches.append(loop.state.batch[0].sum(dim=1))
 
 
 class StateCapture(Callback):

@@ -1,4 +1,5 @@
-"""Bad input: each mistake is a ConfigurationError with the fix, before the first batch."""
+"""Argument checks: each mistake is a ConfigurationError with the fix, before the first batch
+(hookloop/checks.py and the checks each constructor makes), and device=None's choice."""
 
 from __future__ import annotations
 
@@ -9,28 +10,20 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import hookloop.checks
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import AMP, DDP, EMA, GradClip, Metrics, TerminateOnNaN
 from hookloop.checks import available_devices
 
-
-class Batches(Callback):
-    """Counts training batches: proves an error came before the first one."""
-
-    def __init__(self) -> None:
-        self.seen = 0
-
-    def on_batch_start(self, loop: Loop) -> None:
-        self.seen += 1
+from builders import MLP, BatchCounter, regression_dataset
 
 
 def dataset() -> TensorDataset:
-    generator = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(12, 3, generator=generator),
-                         torch.randn(12, 1, generator=generator))
+    return regression_dataset(12, features=3, outputs=1, seed=0)
 
 
 def loop_with(**overrides: Any) -> Loop:
+    """The working setup, with ``overrides`` given to `Loop` as they are (bad values too)."""
     torch.manual_seed(0)
     model = overrides.pop("model", nn.Linear(3, 1))
     arguments: dict[str, Any] = {
@@ -56,7 +49,7 @@ def loop_with(**overrides: Any) -> Loop:
     ({"device": "gpu"}, r"device='gpu' is not a device name.*'cuda'.*Devices here: 'cpu'"),
     ({"device": True}, r"device must be None, a string"),
     ({"device": -1}, r"device=-1 is not a device index"),
-    ({"callbacks": [Batches]}, r"callbacks\[0\] is the class Batches"),
+    ({"callbacks": [BatchCounter]}, r"callbacks\[0\] is the class BatchCounter"),
     ({"callbacks": ["x"]}, r"callbacks\[0\] is 'x'"),
 ])
 def test_loop_arguments_are_checked_when_built(overrides: dict[str, Any], expected: str) -> None:
@@ -87,13 +80,13 @@ def test_an_optimizer_over_another_models_parameters_is_refused() -> None:
 
 
 def test_a_generator_with_epochs_left_is_refused_before_the_first_batch() -> None:
-    counter = Batches()
+    counter = BatchCounter()
     data = ((inputs, targets) for inputs, targets in DataLoader(dataset(), batch_size=4))
     loop = loop_with(train_data=data, callbacks=[counter])
     with pytest.raises(ConfigurationError, match=r"train_data is a generator, a one-shot "
                                                  r"iterator.*2 more epochs"):
         loop.fit(2)
-    assert counter.seen == 0
+    assert counter.batches == 0
     assert loop.fit(1).step == 3  # one epoch of a generator is fine
     val = iter([(torch.randn(2, 3), torch.randn(2, 1))])
     with pytest.raises(ConfigurationError, match=r"val_data is a list_iterator"):
@@ -170,7 +163,7 @@ def test_a_metric_returning_a_non_number_is_named_at_its_first_call(value: Any) 
 ])
 def test_another_frameworks_event_gets_the_event_that_means_the_same(method: str,
                                                                      meant: str) -> None:
-    counter = Batches()
+    counter = BatchCounter()
     ported = type("Ported", (Callback,), {method: lambda self, *args: None})()
     loop = loop_with(callbacks=[ported, counter])
     with pytest.raises(ConfigurationError) as caught:
@@ -178,10 +171,29 @@ def test_another_frameworks_event_gets_the_event_that_means_the_same(method: str
     message = str(caught.value)
     assert f"Ported.{method} is named like an event of" in message
     assert f"means the same is {meant!r}" in message
-    assert counter.seen == 0
+    assert counter.batches == 0
 
 
 def test_an_unknown_event_like_name_still_gets_the_closest_spelling() -> None:
     typo = type("Typo", (Callback,), {"on_valdation_end": lambda self, loop: None})()
     with pytest.raises(ConfigurationError, match=r"Did you mean 'on_validation_end'"):
         loop_with(callbacks=[typo]).fit(1)
+
+
+# ----------------------------------------------------------------------- device=None
+@pytest.mark.parametrize(("cuda", "mps", "expected"), [
+    (True, True, "cuda"), (True, False, "cuda"), (False, True, "mps"), (False, False, "cpu")])
+def test_device_none_picks_cuda_then_mps_then_cpu(monkeypatch: pytest.MonkeyPatch, cuda: bool,
+                                                  mps: bool, expected: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    assert hookloop.checks.default_device().type == expected
+    model = nn.Linear(2, 1)
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [(torch.randn(1, 2),) * 2])
+    assert loop.device.type == expected
+
+
+def test_device_none_means_cuda_when_available_else_cpu() -> None:
+    model = MLP()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [])
+    assert loop.device.type == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from hookloop import Callback, HookloopError, Loop
+import hookloop
+from hookloop import HookloopError, Loop
 from hookloop.callbacks import (
     AMP,
     DDP,
@@ -44,6 +45,8 @@ from hookloop.callbacks import (
     TerminateOnNaN,
 )
 
+from builders import BatchCounter, make_loop, regression_batches, regression_dataset
+
 
 class Fresh:
     """A bad value made anew for each use (a generator is used up once iterated)."""
@@ -55,21 +58,8 @@ class Fresh:
         return self.label
 
 
-class Batches(Callback):
-    def __init__(self) -> None:
-        self.seen = 0
-
-    def on_batch_start(self, loop: Loop) -> None:
-        self.seen += 1
-
-    def on_validation_batch_start(self, loop: Loop) -> None:
-        self.seen += 1
-
-
 def _dataset() -> TensorDataset:
-    generator = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(12, 3, generator=generator),
-                         torch.randn(12, 1, generator=generator))
+    return regression_dataset(12, features=3, outputs=1, seed=0)
 
 
 def _mean_error(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -242,7 +232,7 @@ def _names_it(error: BaseException, argument: str, value: Any) -> bool:
     return any(item in text for item in shown)
 
 
-def _loop(directory: Path, extra: list[Any], counter: Batches, **overrides: Any) -> Loop:
+def _loop(directory: Path, extra: list[Any], counter: BatchCounter, **overrides: Any) -> Loop:
     torch.manual_seed(0)
     model = overrides.pop("model", nn.Linear(3, 1))
     arguments: dict[str, Any] = {
@@ -258,7 +248,7 @@ def _loop(directory: Path, extra: list[Any], counter: Batches, **overrides: Any)
 
 
 def _fit(case: str, argument: str, value: Any, build: Callable[[], Loop],
-         fit: dict[str, Any] | None = None, counter: Batches | None = None) -> Outcome:
+         fit: dict[str, Any] | None = None, counter: BatchCounter | None = None) -> Outcome:
     """Build (the Loop or the callback inside ``build``), then fit; say where it failed."""
     try:
         with warnings.catch_warnings():
@@ -269,7 +259,7 @@ def _fit(case: str, argument: str, value: Any, build: Callable[[], Loop],
         return Outcome(case, "construction" if named else "unclear", f"unnamed: {error}")
     except Exception as error:  # noqa: BLE001 - what the fuzz looks for
         return Outcome(case, "unclear", f"{type(error).__name__}: {error}")
-    counter = counter or next(c for c in loop.callbacks if isinstance(c, Batches))
+    counter = counter or next(c for c in loop.callbacks if isinstance(c, BatchCounter))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -277,7 +267,8 @@ def _fit(case: str, argument: str, value: Any, build: Callable[[], Loop],
     except HookloopError as error:
         if not _names_it(error, argument, value):
             return Outcome(case, "unclear", f"unnamed: {error}")
-        where = "fit start" if counter.seen == 0 else ("first call" if counter.seen == 1 else "late")
+        seen = counter.batches
+        where = "fit start" if seen == 0 else ("first call" if seen == 1 else "late")
         return Outcome(case, where, str(error)[:200])
     except Exception as error:  # noqa: BLE001
         return Outcome(case, "unclear", f"{type(error).__name__}: {str(error)[:200]}")
@@ -295,9 +286,9 @@ def run_fuzz(directory: Path) -> list[Outcome]:
                 case_directory.mkdir()
                 made = _value(value)
                 kwargs = {**defaults(case_directory), argument: made}
-                counter = Batches()
+                counter = BatchCounter(validation=True)
 
-                def build(kwargs: dict[str, Any] = kwargs, counter: Batches = counter,
+                def build(kwargs: dict[str, Any] = kwargs, counter: BatchCounter = counter,
                           cls: type = cls, case_directory: Path = case_directory) -> Loop:
                     return _loop(case_directory, [cls(**kwargs)], counter)
 
@@ -306,20 +297,20 @@ def run_fuzz(directory: Path) -> list[Outcome]:
                                          made, build, counter=counter))
     for argument, values in LOOP.items():
         for value in values:
-            counter = Batches()
+            counter = BatchCounter(validation=True)
             made = _value(value)
             if argument == "callbacks" and isinstance(made, list):
                 made = [counter, *made]  # keep the batch counter in a list of callbacks
 
             def build(argument: str = argument, made: Any = made,
-                      counter: Batches = counter) -> Loop:
+                      counter: BatchCounter = counter) -> Loop:
                 return _loop(directory, [], counter, **{argument: made})
 
             outcomes.append(_fit(f"Loop({argument}={value!r})", argument, made, build,
                                  counter=counter))
     for argument, values in FIT.items():
         for value in values:
-            counter = Batches()
+            counter = BatchCounter(validation=True)
             fit = {"epochs": 2, argument: value}
             outcomes.append(_fit(f"fit({argument}={value!r})", argument, value,
                                  lambda counter=counter: _loop(directory, [], counter), fit,
@@ -356,3 +347,33 @@ def test_every_bad_argument_is_rejected_early_and_named(tmp_path: Path,
                      or (outcome.where == "first call" and outcome.case in FIRST_CALL_ALLOWED))]
     assert not wrong, "\n".join(f"{o.case}: {o.where}: {o.detail}" for o in wrong)
     assert len(outcomes) >= 150
+
+
+# ------------------------------------------------------------ outside the table
+
+
+def _bad_callback_cases():
+    """Bad arguments of the callbacks whose every flag and path the table above leaves out."""
+    from hookloop.callbacks import CSVLogger, ModelSummary, Profiler, ProgressBar, TensorBoard
+    return [
+        ("CSVLogger(path=3)", lambda d: CSVLogger(path=3)),
+        ("TensorBoard(log_dir=3)", lambda d: TensorBoard(log_dir=3)),
+        ("TensorBoard(graph='yes')", lambda d: TensorBoard(log_dir=d / "tb", graph="yes")),
+        ("Profiler(console='x')", lambda d: Profiler(console="x")),
+        ("Profiler(print_table='yes')", lambda d: Profiler(print_table="yes")),
+        ("ProgressBar(console=3)", lambda d: ProgressBar(console=3)),
+        ("ProgressBar(terminal='x')", lambda d: ProgressBar(terminal="x")),
+        ("ModelSummary(print_summary='yes')", lambda d: ModelSummary(print_summary="yes")),
+        ("ModelSummary(input_size=-1)", lambda d: ModelSummary(input_size=-1)),
+    ]
+
+
+@pytest.mark.parametrize("label,make", _bad_callback_cases(),
+                         ids=[case[0] for case in _bad_callback_cases()])
+def test_bad_arguments_of_the_unfuzzed_callbacks_are_named_errors(tmp_path: Path, label,
+                                                                  make) -> None:
+    """Each is a hookloop error (never a raw TypeError or AttributeError, never accepted)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(hookloop.HookloopError):  # oracle: the bad-input rule of issue 9
+            make_loop([make(tmp_path)], train=regression_batches(4, seed=1)).fit(1)

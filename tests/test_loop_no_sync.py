@@ -1,28 +1,14 @@
-"""The loop forces no host-device sync per batch: the number of reads does not grow with data."""
+"""The loop forces no host-device sync per batch: the number of reads does not grow with data
+(``count_reads`` is in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-from hookloop import Callback, Loop
+from hookloop import Callback
 
-READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
-
-
-@pytest.fixture
-def count_reads(monkeypatch):
-    counts = {"n": 0}
-    for name in READS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, **kwargs):
-            counts["n"] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return counts
+from builders import classification_batches, make_loop, two_layers
 
 
 class ListenEverywhere(Callback):
@@ -37,12 +23,10 @@ class ListenEverywhere(Callback):
 
 
 def _reads_for(batches: int, count_reads, sanity_val_batches: int = 0) -> int:
-    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    data = [(torch.randn(4, 5), torch.randint(0, 3, (4,))) for _ in range(batches)]
     # SGD: torch's Adam reads its CPU step counter with .item(), which would blur the count.
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=data,
-                loss_fn=F.cross_entropy, callbacks=[ListenEverywhere()], device="cpu",
-                sanity_val_batches=sanity_val_batches)
+    loop = make_loop([ListenEverywhere()], model=lambda: two_layers(5, 8, 3, torch.nn.ReLU()),
+                     train=lambda: classification_batches(batches), val=lambda train: train,
+                     loss_fn=F.cross_entropy, seed=None, sanity_val_batches=sanity_val_batches)
     before = count_reads["n"]
     loop.fit(2)
     return count_reads["n"] - before

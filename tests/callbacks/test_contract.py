@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import hookloop.callbacks as builtins
 from hookloop import Callback, ConfigurationError, Loop, describe
@@ -35,14 +34,12 @@ from hookloop.callbacks import (
 )
 from hookloop.schedules import warmup_cosine
 
+from builders import accuracy, classification_dataset, make_loop, sgd, shuffled, split, two_layers
+
 # DDP outside torchrun is a no-op that says so; here that is expected.
 pytestmark = [pytest.mark.filterwarnings("ignore:DDP. not launched by torchrun"),
               # the same TensorBoard twice in a row writes into one log_dir: it says so
               pytest.mark.filterwarnings("ignore:TensorBoard. .* already holds event files")]
-
-
-def accuracy(outputs, targets):
-    return (outputs.argmax(-1) == targets).float().mean()
 
 
 FACTORIES: dict[str, Callable[[Path], Callback]] = {
@@ -72,17 +69,11 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
 
 
 def _build(callback: Callback, seed: int = 0) -> Loop:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.1),
-                                torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    generator = torch.Generator().manual_seed(seed)
-    inputs, targets = torch.randn(70, 6, generator=generator), torch.randint(0, 3, (70,), generator=generator)
-    train = DataLoader(TensorDataset(inputs[:50], targets[:50]), batch_size=8, shuffle=True,
-                       generator=torch.Generator().manual_seed(seed))
-    val = DataLoader(TensorDataset(inputs[50:], targets[50:]), batch_size=8)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    return Loop(model, optimizer, train, val_data=val, loss_fn=F.cross_entropy,
-                callbacks=[callback], device="cpu")
+    train, val = split(classification_dataset(70, features=6, classes=3, seed=seed), 50)
+    return make_loop([callback], seed=seed,
+                     model=lambda: two_layers(6, 16, 3, torch.nn.Dropout(0.1), torch.nn.ReLU()),
+                     train=shuffled(train, 8, seed=seed), val=DataLoader(val, batch_size=8),
+                     optimizer=sgd(0.05, momentum=0.9), loss_fn=F.cross_entropy)
 
 
 def _equal(a, b) -> bool:

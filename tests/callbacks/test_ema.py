@@ -13,18 +13,16 @@ from torch import nn
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import EMA
 
+from builders import regression_batches, two_layers
+
 
 def make_model(batch_norm: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    layers = [nn.Linear(4, 8)] + ([nn.BatchNorm1d(8)] if batch_norm else []) + [nn.Tanh(),
-                                                                               nn.Linear(8, 1)]
-    return nn.Sequential(*layers)
+    return two_layers(4, 8, 1, *([nn.BatchNorm1d(8)] if batch_norm else []), nn.Tanh())
 
 
 def make_data(batches: int, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator))
-            for _ in range(batches)]
+    return regression_batches(batches, size=8, features=4, seed=seed)
 
 
 class SeedEMA:
