@@ -45,7 +45,7 @@ def count_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     for name in HOST_READS:
         original = getattr(torch.Tensor, name)
 
-        def counted(self, *args, _original=original, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        def counted(self, *args, _original=original, **kwargs):  # noqa: ANN
             counts["n"] += 1
             return _original(self, *args, **kwargs)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from hookloop import Callback, ConfigurationError, Loop
 
-from builders import MLP, shuffled_run
+from builders import MLP, make_loop, shuffled_run
 
 
 def test_custom_forward_is_used_as_is() -> None:
@@ -60,8 +60,8 @@ def test_model_output_with_loss_attribute_is_accepted() -> None:
 
 
 def _fit_error(batch, **kwargs) -> str:
-    model = kwargs.pop("model", MLP())
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [batch], device="cpu", **kwargs)
+    loop = make_loop(model=kwargs.pop("model", MLP()), train=[batch],
+                     loss_fn=kwargs.pop("loss_fn", None), seed=None, **kwargs)
     with pytest.raises(ConfigurationError) as info:
         loop.fit(1)
     return str(info.value)

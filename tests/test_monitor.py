@@ -11,21 +11,12 @@ import torch
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import Checkpoint, EarlyStopping
 
-from builders import SeenSamples, shuffled_run
+from builders import ScriptedMetric, SeenSamples, shuffled_run
 
 
 def test_val_acc_is_maximised_by_default(tmp_path: Path) -> None:
-    values = iter([0.5, 0.6, 0.7, 0.8, 0.9])
-
-    class Rising(Callback):
-        def produces(self, loop: Loop) -> list[str]:
-            return ["val_acc"]
-
-        def on_validation_end(self, loop: Loop) -> None:
-            if not loop.sanity_checking:
-                loop.state.metrics["val_acc"] = next(values)
-
-    model, loop = shuffled_run([Rising(), EarlyStopping("val_acc", patience=1),
+    rising = ScriptedMetric([0.5, 0.6, 0.7, 0.8, 0.9], "val_acc", by="order")
+    model, loop = shuffled_run([rising, EarlyStopping("val_acc", patience=1),
                                 Checkpoint(tmp_path, monitor="val_acc")])
     loop.val_data = loop.train_data
     loop.fit(5)

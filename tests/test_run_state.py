@@ -132,7 +132,8 @@ def test_fit_again_after_an_exception_equals_an_uninterrupted_run(exc: type[Base
 def test_fit_again_after_an_exception_inside_an_accumulation_window() -> None:
     reference, loop = shuffled_run([GradAccumulation(4)])
     loop.fit(2)
-    model, loop = shuffled_run([GradAccumulation(4), RaiseAtBatch(0, 6, KeyboardInterrupt, event="after_forward")])
+    interrupt = RaiseAtBatch(0, 6, KeyboardInterrupt, event="after_forward")
+    model, loop = shuffled_run([GradAccumulation(4), interrupt])
     with pytest.raises(KeyboardInterrupt):
         loop.fit(2)
     loop.fit(2)

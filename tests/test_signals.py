@@ -114,8 +114,8 @@ def test_a_sigterm_while_handling_an_exception_lets_the_others_finish(tmp_path: 
         def on_fit_end(self, loop: Loop) -> None:
             Closes.closed = True
 
-    _, loop = shuffled_run([Preempted(), RaiseAtBatch(0, 5, RuntimeError, event="after_forward"), Closes(),
-                            Checkpoint(tmp_path)])
+    _, loop = shuffled_run([Preempted(), RaiseAtBatch(0, 5, RuntimeError, event="after_forward"),
+                            Closes(), Checkpoint(tmp_path)])
     with pytest.raises(Terminated) as caught:
         loop.fit(2)
     assert isinstance(caught.value.__cause__, RuntimeError)

@@ -1,4 +1,5 @@
-"""Storage faults: writes that fail, damaged or wrong files, directories that cannot be used.
+"""Checkpoint files (hookloop/storage.py): writes that fail, damaged or wrong files, links,
+directories that cannot be used, and load_checkpoint.
 
 Faults are simulated (monkeypatched writes, a path that is a file, a failing probe), so the
 tests run unprivileged; the oracle for what was written is a plain ``torch.load``.

@@ -1,4 +1,5 @@
-"""AMP against hand-written autocast/GradScaler loops (the seeds' loops), on CPU."""
+"""AMP against hand-written autocast/GradScaler loops (the seeds' loops), on CPU, and the scale
+after many overflows: one warning, and a floor it never goes below."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 import hookloop
 from hookloop import Callback, Loop
@@ -22,8 +21,12 @@ from hookloop.callbacks import Checkpoint
 from hookloop.callbacks import checkpoint as checkpoint_module
 from hookloop import storage
 
-from builders import EventRecorder, adam, regression_batches
+from builders import EventRecorder, adam, regression_batches, regression_dataset, shuffled
 from builders import make_loop as build_loop
+
+
+#: The events a recorder is checked for here: the exception path and the end of the fit.
+ENDS = ("on_exception", "on_fit_end")
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -64,7 +67,7 @@ def test_ctrl_c_leaves_a_resumable_checkpoint_and_propagates(tmp_path: Path) -> 
     loop = make_loop(tmp_path, [recorder, CtrlC(epoch=1, batch=2)])
     with pytest.raises(KeyboardInterrupt):
         loop.fit(3)
-    assert recorder.labels("on_exception", "on_fit_end") == ["on_exception:KeyboardInterrupt", "on_fit_end"]
+    assert recorder.labels(*ENDS) == ["on_exception:KeyboardInterrupt", "on_fit_end"]
     files = sorted(path.name for path in tmp_path.iterdir())
     assert files == ["epoch=0001-step=00000007.pt"]  # the last completed step (5 + 2)
     payload = torch.load(tmp_path / files[0], weights_only=True)
@@ -100,7 +103,7 @@ def test_second_ctrl_c_during_the_save_aborts_at_once(tmp_path: Path,
     with pytest.raises(KeyboardInterrupt):
         loop.fit(3)
     assert time.perf_counter() - started < 5
-    assert recorder.labels("on_exception", "on_fit_end") == []  # aborted at once: nothing after the interrupted save
+    assert recorder.labels(*ENDS) == []  # aborted at once: nothing after the interrupted save
     files = sorted(path.name for path in tmp_path.iterdir())
     assert files == ["epoch=0000-step=00000005.pt"]  # the good file, no temporary left
     payload = torch.load(tmp_path / files[0], weights_only=True)
@@ -116,7 +119,7 @@ def test_other_exceptions_also_leave_a_checkpoint(tmp_path: Path) -> None:
     recorder = EventRecorder()
     with pytest.raises(ValueError, match="boom"):
         make_loop(tmp_path, [recorder, Boom()]).fit(2)
-    assert recorder.labels("on_exception", "on_fit_end") == ["on_exception:ValueError", "on_fit_end"]
+    assert recorder.labels(*ENDS) == ["on_exception:ValueError", "on_fit_end"]
     assert [path.name for path in tmp_path.iterdir()] == ["epoch=0000-step=00000003.pt"]
 
 
@@ -127,17 +130,12 @@ TOTAL_STEPS = 60  # 20 batches x 3 epochs
 def train_until_done(directory: str | None, out: str, started: object = None) -> None:
     """A training script, run in a child process; ``directory=None``: no checkpoints."""
     torch.set_num_threads(1)
-    generator = torch.Generator().manual_seed(1)
-    inputs = torch.randn(160, 256, generator=generator)
-    targets = torch.randn(160, 1, generator=generator)
-    loader = DataLoader(TensorDataset(inputs, targets), batch_size=8, shuffle=True,
-                        generator=torch.Generator().manual_seed(2))
-    torch.manual_seed(0)
+    loader = shuffled(regression_dataset(160, features=256, seed=1), 8, seed=2)
     # ~1.3M parameters: with Adam's two moments a checkpoint is ~16 MB, slow enough (tens of
     # ms) to be killed in the middle of writing it.
-    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Dropout(0.2),
-                          nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Dropout(0.2),
+                             nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1))
 
     class Started(Callback):
         def on_batch_end(self, loop: Loop) -> None:
@@ -147,11 +145,10 @@ def train_until_done(directory: str | None, out: str, started: object = None) ->
     callbacks: list[Callback] = [Started()]
     if directory is not None:
         callbacks.insert(0, Checkpoint(directory, every_n_steps=1, keep_last=2, resume=True))
-    loop = Loop(model, optimizer, loader, loss_fn=nn.functional.mse_loss, callbacks=callbacks,
-                device="cpu")
+    loop = build_loop(callbacks, model=model, train=loader, optimizer=adam(1e-4))
     loop.fit(3)
     assert loop.state.step == TOTAL_STEPS
-    torch.save(model.state_dict(), out)
+    torch.save(loop.model.state_dict(), out)
 
 
 def check_directory(directory: Path) -> int:

@@ -13,7 +13,7 @@ from torch import nn
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import EMA
 
-from builders import regression_batches, two_layers
+from builders import make_loop, regression_batches, sgd, two_layers
 
 
 def make_model(batch_norm: bool = False) -> nn.Module:
@@ -60,11 +60,10 @@ def hand_loop(data, epochs, decay, every=1, buffers="average", batch_norm=False)
 
 
 def hook_loop(data, epochs, ema, batch_norm=False, val_data=None):  # noqa: ANN001, ANN201
-    model = make_model(batch_norm)
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), data,
-                val_data=val_data, loss_fn=F.mse_loss, device="cpu", callbacks=[ema])
+    loop = make_loop([ema], model=make_model(batch_norm), train=data, val=val_data,
+                     optimizer=sgd(0.1, momentum=0.9), seed=None)
     loop.fit(epochs)
-    return model, loop
+    return loop.model, loop
 
 
 @pytest.mark.parametrize("every", [1, 3])

@@ -13,7 +13,7 @@ from torch import nn
 from hookloop import Callback, CallbackOrderError, ConfigurationError, Loop
 from hookloop.callbacks import AMP, GradClip
 
-from builders import BatchCounter, regression_batches, two_layers
+from builders import BatchCounter, make_loop, regression_batches, two_layers
 
 
 def make_model() -> nn.Module:
@@ -149,8 +149,8 @@ def detached_loop(clip: GradClip) -> tuple[Loop, nn.Module]:
         outputs = head(loop.model(inputs).detach())
         return outputs, F.mse_loss(outputs, labels)
 
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(3),
-                forward=forward, device="cpu", callbacks=[clip])
+    loop = make_loop([clip], model=model, train=make_data(3), forward=forward, loss_fn=None,
+                     seed=None)
     return loop, model
 
 

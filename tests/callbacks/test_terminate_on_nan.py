@@ -1,5 +1,7 @@
 """TerminateOnNaN: the non-finite batch never reaches the weights (hand-written loop as oracle),
-training stops with a message naming epoch and step, and no NaN checkpoint replaces a good one."""
+training stops with a message naming epoch and step, and no NaN checkpoint replaces a good one;
+non-finite gradients of a finite loss stop before the step, and poisoned BatchNorm statistics
+are put back."""
 
 from __future__ import annotations
 
