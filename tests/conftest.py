@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -45,7 +46,8 @@ def count_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     for name in HOST_READS:
         original = getattr(torch.Tensor, name)
 
-        def counted(self, *args, _original=original, **kwargs):  # noqa: ANN
+        def counted(self: torch.Tensor, *args: Any, _original: Any = original,
+                    **kwargs: Any) -> Any:
             counts["n"] += 1
             return _original(self, *args, **kwargs)
 
