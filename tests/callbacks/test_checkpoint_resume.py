@@ -3,6 +3,7 @@ an uninterrupted run, computed by a hand-written loop (the seeds' plain loop).""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
@@ -16,6 +17,9 @@ from hookloop import Callback, Loop
 from hookloop.callbacks import Checkpoint, EarlyStopping, Metrics
 
 from builders import Crash, RaiseAfterStep, RaiseAtBatch
+
+#: Raises `Crash` once the loop has completed optimizer step ``k`` (like a crash right after).
+CrashAfterStep = functools.partial(RaiseAfterStep, boundary=True)
 
 SAMPLES, BATCH, EPOCHS = 23, 5, 3  # 5 batches per epoch, the last one of 3 samples
 STEPS_PER_EPOCH = math.ceil(SAMPLES / BATCH)
@@ -100,7 +104,7 @@ def uninterrupted() -> nn.Module:
 def test_crash_after_step_k_then_resume_is_exact(tmp_path: Path, uninterrupted: nn.Module,
                                                  k: int, every_n_steps: int | None) -> None:
     with pytest.raises(Crash):
-        run(tmp_path, [RaiseAfterStep(k, boundary=True)], every_n_steps=every_n_steps)
+        run(tmp_path, [CrashAfterStep(k)], every_n_steps=every_n_steps)
     newest = Checkpoint(tmp_path).checkpoints()[-1]
     assert torch.load(newest, weights_only=True)["loop"]["step"] == k
     loop, model = run(tmp_path, [], resume=True, every_n_steps=every_n_steps)
@@ -127,7 +131,7 @@ def test_resume_from_every_step_file(tmp_path: Path, uninterrupted: nn.Module) -
 def test_resumed_run_reports_the_same_metrics(tmp_path: Path) -> None:
     reference, _ = run(tmp_path / "reference", [])
     with pytest.raises(Crash):
-        run(tmp_path / "crashed", [RaiseAfterStep(12, boundary=True)])
+        run(tmp_path / "crashed", [CrashAfterStep(12)])
     resumed, _ = run(tmp_path / "crashed", [], resume=True)
     assert resumed.state.metrics == reference.state.metrics
     assert set(resumed.state.metrics) >= {"train_loss", "val_loss", "train_mae", "val_mae"}
@@ -178,7 +182,7 @@ def test_integration_with_ema_and_lr_scheduler(tmp_path: Path) -> None:
 
     reference, reference_callbacks = fit(tmp_path / "a", [], False)
     with pytest.raises(Crash):
-        fit(tmp_path / "b", [RaiseAfterStep(7, boundary=True)], False)
+        fit(tmp_path / "b", [CrashAfterStep(7)], False)
     resumed, resumed_callbacks = fit(tmp_path / "b", [], True)
     assert_same_weights(resumed.model, reference.model)
     assert resumed.optimizer.param_groups[0]["lr"] == reference.optimizer.param_groups[0]["lr"]
@@ -198,7 +202,7 @@ def test_crash_at_the_end_of_an_evenly_divided_epoch(tmp_path: Path, k: int) -> 
     try:
         expected = hand_written(epochs=2)
         with pytest.raises(Crash):
-            run(tmp_path, [RaiseAfterStep(k, boundary=True)], epochs=2)
+            run(tmp_path, [CrashAfterStep(k)], epochs=2)
         loop, model = run(tmp_path, [], resume=True, epochs=2)
         assert loop.state.step == 8
         assert_same_weights(model, expected)
@@ -222,7 +226,7 @@ def test_integration_with_amp_float16_scaler(tmp_path: Path) -> None:
 
     reference, reference_amp = fit(tmp_path / "a", [], False)
     with pytest.raises(Crash):
-        fit(tmp_path / "b", [RaiseAfterStep(8, boundary=True)], False)
+        fit(tmp_path / "b", [CrashAfterStep(8)], False)
     resumed, resumed_amp = fit(tmp_path / "b", [], True)
     assert resumed.state.step == reference.state.step
     assert_same_weights(resumed.model, reference.model)
