@@ -48,6 +48,7 @@ __all__ = [
     "WeightRecorder",
     "accuracy",
     "adam",
+    "assert_close_weights",
     "adamw",
     "classification_batches",
     "classification_dataset",
@@ -408,6 +409,14 @@ def weights(source: Loop | nn.Module) -> dict[str, torch.Tensor]:
     """Detached copies of a model's state dict (a loop's unwrapped model, or a module)."""
     module = source.unwrapped_model if isinstance(source, Loop) else source
     return {name: value.detach().clone() for name, value in module.state_dict().items()}
+
+
+def assert_close_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                         atol: float = 1e-5) -> None:
+    """Two state dicts with the same names and values within ``atol``, name by name."""
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=atol, msg=key)
 
 
 def same_weights(first: Loop | nn.Module | dict[str, torch.Tensor],

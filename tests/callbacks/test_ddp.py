@@ -19,18 +19,11 @@ from hookloop.callbacks import DDP
 from hookloop.callbacks import ddp as ddp_module
 from hookloop.callbacks.ddp import UnpaddedDistributedSampler
 
-from builders import make_loop, sgd
+from builders import assert_close_weights, make_loop, sgd
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tests" / "distributed" / "scripts"))
 import common  # noqa: E402  (the torchrun scripts' data and model, shared with their oracles)
-
-
-def assert_close_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                         atol: float = 1e-5) -> None:
-    assert actual.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=atol, msg=key)
 
 
 def _plain_loop(callbacks: list[Any]) -> tuple[Loop, nn.Module, DataLoader]:

@@ -20,7 +20,7 @@ import torch
 
 from conftest import ROOT, subprocess_env
 
-__all__ = ["SCRIPTS", "TIMEOUT", "assert_close_weights", "read", "run_ok", "start", "torchrun"]
+__all__ = ["SCRIPTS", "TIMEOUT", "read", "run_ok", "start", "torchrun"]
 
 SCRIPTS = ROOT / "tests" / "distributed" / "scripts"
 TIMEOUT = 150  # seconds per launch; a healthy one takes ~10 s on 2 busy cores
@@ -51,20 +51,16 @@ def torchrun(script: Path, *args: str, timeout: float = TIMEOUT
 
 
 def run_ok(script: Path, *args: str) -> str:
+    """`torchrun`, and fail the test unless every process exited 0; returns the output."""
     result = torchrun(script, *args)
     assert result.returncode == 0, f"{script.name} failed:\n{result.stdout[-8000:]}"
     return result.stdout
 
 
 def read(out: Path, name: str, rank: int) -> Any:
+    """What rank ``rank`` saved as ``name`` with ``common.save``: tensors, or JSON."""
     tensors = out / f"{name}.rank{rank}.pt"
     if tensors.exists():
         return torch.load(tensors, weights_only=True)
     return json.loads((out / f"{name}.rank{rank}.json").read_text())
 
-
-def assert_close_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                         atol: float = 1e-5) -> None:
-    assert actual.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=atol, msg=key)

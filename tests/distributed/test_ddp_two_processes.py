@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from builders import accuracy
+from builders import accuracy, assert_close_weights
 from conftest import ROOT, subprocess_env
-from launch import SCRIPTS, TIMEOUT, assert_close_weights, read, run_ok, torchrun
+from launch import SCRIPTS, TIMEOUT, read, run_ok, torchrun
 
 sys.path.insert(0, str(SCRIPTS))
 import common  # noqa: E402  (the scripts' data and models, for the oracles)
