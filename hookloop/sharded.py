@@ -24,14 +24,32 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LAYOUTS", "full_optimizer_state", "gather_for_rank_zero", "is_sharded_module",
-           "is_sharded_tensor", "layout_of", "load_full_model_state",
-           "load_full_optimizer_state", "load_sharded_state", "model_state", "optimizer_state",
-           "place_like", "replicated_like", "set_layout", "sharded_targets"]
+__all__ = [
+    "LAYOUTS",
+    "full_optimizer_state",
+    "gather",
+    "gather_for_rank_zero",
+    "grad_scaler",
+    "is_sharded_module",
+    "is_sharded_tensor",
+    "layout_of",
+    "load_full_model_state",
+    "load_full_optimizer_state",
+    "load_sharded_state",
+    "model_state",
+    "optimizer_state",
+    "place_like",
+    "regather",
+    "release",
+    "replicated_like",
+    "set_layout",
+    "sharded_targets",
+]
 
 #: The checkpoint layouts of a sharded model: one gathered file, or a directory of shards.
 LAYOUTS = ("full", "sharded")
 _layouts: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+_gathered: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def is_sharded_tensor(value: Any) -> bool:
@@ -84,6 +102,61 @@ def set_layout(module: nn.Module, layout: str | None) -> None:
 def layout_of(module: nn.Module) -> str | None:
     """The checkpoint layout `set_layout` recorded for ``module``, or None (not sharded)."""
     return _layouts.get(module)
+
+
+def _parts(module: nn.Module) -> list[nn.Module]:
+    """The submodules ``fully_shard`` was applied to, in ``modules()`` order (every rank's)."""
+    return [part for part in module.modules() if is_sharded_module(part)]
+
+
+def gather(module: nn.Module) -> None:
+    """Gather every parameter of the sharded ``module`` on every rank, and keep them gathered
+    until `release`: no forward all-gathers meanwhile, so ranks may run different numbers
+    of forwards (validation over shards of unequal size). A collective.
+    """
+    parts = _parts(module)
+    for part in parts:
+        part.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
+    for part in parts:
+        part.unshard()  # type: ignore[operator]
+    _gathered.add(module)
+
+
+def regather(module: nn.Module) -> None:
+    """After weights were written into the shards of a `gather`-ed ``module`` (an EMA
+    swapped in: reading the state dict gives back the shards): gather them again, so the
+    forwards see them. A collective then; nothing for a module not gathered."""
+    if module not in _gathered:
+        return
+    for part in _parts(module):
+        part.reshard()  # type: ignore[operator]
+        part.unshard()  # type: ignore[operator]
+
+
+def release(module: nn.Module, reshard_after_forward: bool) -> None:
+    """End a `gather`: free the gathered parameters, and let each block free them after its
+    forward again (``reshard_after_forward``; the root keeps them from forward to backward,
+    as torch does by default)."""
+    for part in _parts(module):
+        part.reshard()  # type: ignore[operator]
+        part.set_reshard_after_forward(  # type: ignore[operator]
+            reshard_after_forward and part is not module, recurse=False)
+    _gathered.discard(module)
+
+
+def grad_scaler(module: nn.Module, device_type: str, **settings: Any) -> torch.amp.GradScaler:
+    """The GradScaler for ``module``: FSDP's sharded one for a sharded module (a step with an
+    inf/NaN in any rank's shards is skipped on every rank), torch's otherwise.
+
+    Example:
+        >>> type(grad_scaler(torch.nn.Linear(2, 2), "cpu", enabled=False)).__name__
+        'GradScaler'
+    """
+    if is_sharded_module(module):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device_type, **settings)
+    return torch.amp.GradScaler(device_type, **settings)
 
 
 def replicated_like(value: torch.Tensor, reference: Any) -> Any:
