@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 from builders import assert_close_weights
-from launch import SCRIPTS, read, run_ok, torchrun
+from conftest import ROOT, subprocess_env
+from launch import SCRIPTS, TIMEOUT, read, run_ok, torchrun
 from torch import nn
 
 sys.path.insert(0, str(SCRIPTS))
@@ -170,3 +172,22 @@ def test_a_sharded_checkpoint_of_two_ranks_resumes_on_one_with_the_same_next_los
     assert math.isclose(one["5"], sum(reference) / 2, rel_tol=1e-6)
     # On two ranks the resumed run's next loss is the uninterrupted run's, bit for bit.
     assert [read(out, "resumed-sharded-log", rank)["losses"]["5"] for rank in (0, 1)] == reference
+
+
+# ------------------------------------------------------------------------ the example
+def test_example_runs_in_one_process_and_sharded_under_torchrun(tmp_path: Path) -> None:
+    example = ROOT / "examples" / "fsdp.py"
+    plain = subprocess.run([sys.executable, str(example), "--epochs", "1", "--max-steps", "2"],
+                           cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                           timeout=TIMEOUT)
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    assert "training on 1 process(es), device cpu: rank 0 holds 537,482 of the 537,482" \
+        in plain.stdout
+    assert "FSDP: not launched by torchrun" in plain.stderr
+    output = run_ok(example, "--epochs", "1", "--accumulate", "2",
+                    "--checkpoint-dir", str(tmp_path / "checkpoints"))
+    # Rank 0 prints once, holding half of the weights.
+    assert output.count("training on 2 process(es), device cpu: rank 0 holds 268,741 of") == 1
+    assert "epoch 1/1  step 12" in output  # 23 batches per rank, windows of 2
+    names = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
+    assert names == ["best.dcp", "epoch=0000-step=00000012.dcp"]
