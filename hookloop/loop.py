@@ -514,8 +514,8 @@ class Loop:
 
     def _validate_pass(self, data: Iterable[Any], prefix: str, limit: int | None = None,
                        events: Table | None = None) -> None:
-        """One pass over ``data`` without gradients; ``events`` (default: the loop's table)
-        receives the events, the loop's table gives the contexts."""
+        """One pass over (the first ``limit`` batches of) ``data`` without gradients; the
+        events go to ``events`` (default: the loop's table), the contexts come from the loop's."""
         state, contexts = self.state, self._table
         assert contexts is not None
         table = events if events is not None else contexts

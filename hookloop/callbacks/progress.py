@@ -187,7 +187,7 @@ class ProgressBar(Callback):
         """Show the validation bar."""
         self._val_batches = 0
         self._train_batch_idx = loop.state.batch_idx
-        if self._progress is not None and loop.fitting:
+        if self._progress is not None and loop.phase is Phase.VALIDATE:
             self._next_refresh = 0.0
             self._progress.update(self._tasks["train"], completed=self._batches)
             self._task("val", "validation", length_of(loop.val_data))
