@@ -136,6 +136,7 @@ def capture(loop: Loop, position: Position, ended: Mapping[str, Any] | None, *,
         "loop": {
             **shared,
             "world_size": world,
+            "batches_per_epoch": loop.batches_per_epoch,
             "optimizer_class": type(optimizer).__qualname__,
             "param_groups": [len(group["params"]) for group in optimizer.param_groups],
             "epochs": loop.state.epochs,
@@ -187,6 +188,7 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
         raise CheckpointError(f"{source}: not a training state: {', '.join(missing)} "
                               "missing or not a mapping.")
     check_optimizer_fits(loop.optimizer, loop_part, payload["optimizer"], source)
+    check_same_data(loop, loop_part, source)
     load_model_weights(source, loop.unwrapped_model, payload["model"])
     load_optimizer_state(source, loop.optimizer, payload["optimizer"])
     ranks = payload.get("ranks") or [{}]
@@ -244,6 +246,34 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
             f"{', '.join(sorted(saved))}. Add those callbacks (with the same name=) to "
             "restore it, or ignore this if you removed them on purpose.", RuntimeWarning,
             stacklevel=4)
+
+def check_same_data(loop: Loop, loop_part: Mapping[str, Any], source: str) -> None:
+    """Another number of training batches per epoch (same world size): refused inside an
+    epoch, where the position would skip batches of other data than those trained on; a
+    warning at an epoch end, where the run goes on with the new data from the next epoch.
+
+    Raises:
+        CheckpointError: the position is inside an epoch and ``len(train_data)`` changed.
+    """
+    saved, now = loop_part.get("batches_per_epoch"), loop.batches_per_epoch
+    if saved is None or now is None or int(saved) == now or \
+            int(loop_part.get("world_size", 1)) != distributed.world_size():
+        return
+    done, epoch = int(loop_part.get("batch_idx", 0)), int(loop_part.get("epoch", 0))
+    if done:
+        raise CheckpointError(
+            f"{source}: the run was saved after {done} of {saved} batches of epoch {epoch + 1}, "
+            f"but train_data now has {now} batches per epoch, so resuming would skip its first "
+            f"{done} batch{'es' if done != 1 else ''}, which are not the ones it trained on. "
+            "Resume with the training data the "
+            "run was saved with, or from a checkpoint written at an epoch end, or start a new "
+            "run (Checkpoint(resume=False) in a new directory).")
+    if distributed.is_main():
+        warnings.warn(
+            f"{source}: the run had {saved} batches per epoch and train_data now has {now}: it "
+            f"continues from epoch {epoch + 1} with the new data (a schedule built for the run's "
+            "total steps is rebuilt for the new total).", RuntimeWarning, stacklevel=4)
+
 
 def check_optimizer_fits(optimizer: torch.optim.Optimizer, loop_part: Mapping[str, Any],
                          saved: Mapping[str, Any], source: str) -> None:
