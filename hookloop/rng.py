@@ -7,12 +7,12 @@ States are stored as tensors, ints and lists only, so a checkpoint holding them 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["capture_rng", "restore_rng", "loader_generators"]
+__all__ = ["capture_rng", "restore_rng", "loader_generators", "rng_state_problem"]
 
 try:  # numpy is optional
     import numpy as _numpy
@@ -68,3 +68,34 @@ def restore_rng(state: dict[str, Any], generators: Iterable[torch.Generator] = (
     if "numpy" in state and _numpy is not None:
         kind, keys, position, has_gauss, cached = state["numpy"]
         _numpy.random.set_state((kind, keys.numpy().astype("uint32"), position, has_gauss, cached))
+
+
+def rng_state_problem(state: Any) -> tuple[str, Any, str] | None:
+    """The first field of a saved `capture_rng` state with the wrong type, or None.
+
+    A checkpoint file read back may have been edited or written by another program;
+    restoring a wrong state fails deep inside torch or NumPy without naming the field.
+
+    Returns:
+        ``(field, value, expected)``: the field's name inside the state (``""`` for the
+        state itself), its value, and what it should be.
+
+    Example:
+        >>> rng_state_problem(capture_rng()) is None
+        True
+        >>> rng_state_problem({"torch": "abc"})
+        ('torch', 'abc', 'a uint8 tensor')
+    """
+    if not isinstance(state, Mapping):
+        return "", state, "a dict"
+    torch_state = state.get("torch")
+    if not isinstance(torch_state, torch.Tensor) or torch_state.dtype != torch.uint8:
+        return "torch", torch_state, "a uint8 tensor"
+    generators = state.get("generators", [])
+    if not isinstance(generators, list) or not all(
+            isinstance(item, torch.Tensor) for item in generators):
+        return "generators", generators, "a list of tensors"
+    for field, size in (("python", 3), ("numpy", 5)):
+        if field in state and (not isinstance(state[field], list) or len(state[field]) != size):
+            return field, state[field], f"a list of {size} items"
+    return None

@@ -20,7 +20,8 @@ from hookloop.callback import Callback
 from hookloop.dispatch import annotate
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.ordering import overrides
-from hookloop.storage import find_unplain, load_model_weights, load_optimizer_state
+from hookloop.rng import rng_state_problem
+from hookloop.storage import expect_field, find_unplain, load_model_weights, load_optimizer_state
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from hookloop.state import LoopState
 
 __all__ = ["RunEnd", "capture", "restore", "check_mapping", "check_callback_states",
-           "check_optimizer_fits"]
+           "check_optimizer_fits", "check_run_fields"]
 
 
 class RunEnd:
@@ -296,3 +297,65 @@ def check_optimizer_fits(optimizer: torch.optim.Optimizer, loop_part: Mapping[st
             f"{source}: the saved optimizer has param groups of sizes {list(saved_layout)}, "
             f"this loop's {ours} has {layout}. Build the optimizer over the same parameters "
             "in the same groups as the saved run.")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_run_fields(path: str, payload: Mapping[str, Any]) -> None:
+    """Check the loop's part of a training checkpoint (what `capture` writes); name the
+    first wrong field.
+
+    ``loop`` is a dict with int ``epoch``, ``batch_idx`` and ``step`` >= 0, a list of dicts
+    ``history`` and an ``ended`` dict (both optional); each rank's part in ``ranks`` is a
+    dict whose loss sums and generator states (`hookloop.rng.rng_state_problem`) have
+    their types.
+
+    Raises:
+        CheckpointError: naming ``path`` and the field.
+
+    Example:
+        >>> check_run_fields("x.pt", {"loop": {"epoch": 1, "batch_idx": 0, "step": -4}})
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.CheckpointError: x.pt: the checkpoint's field 'loop.step' is int (-4), expected an int >= 0. The file was not written by this version of hookloop or was edited; resume from another file.
+    """
+    if "loop" not in payload:
+        raise CheckpointError(
+            f"{path}: a training checkpoint without its 'loop' field (the position to "
+            "resume from); it cannot be resumed.")
+    loop = payload["loop"]
+    expect_field(path, "loop", loop, isinstance(loop, Mapping), "a dict")
+    for field in ("epoch", "batch_idx", "step"):
+        if field not in loop:
+            raise CheckpointError(f"{path}: the checkpoint's field 'loop.{field}' is missing; "
+                                  "it cannot be resumed.")
+        value = loop[field]
+        expect_field(path, f"loop.{field}", value, _is_int(value) and value >= 0, "an int >= 0")
+    if loop.get("history") is not None:
+        expect_field(path, "loop.history", loop["history"], isinstance(loop["history"], list)
+                     and all(isinstance(row, Mapping) for row in loop["history"]),
+                     "a list of dicts")
+    if loop.get("ended") is not None:
+        ended = loop["ended"]
+        expect_field(path, "loop.ended", ended, isinstance(ended, Mapping) and _is_int(
+            ended.get("epochs")) and isinstance(ended.get("reason"), str),
+            "None or a dict with 'reason' and 'epochs'")
+    for index, part in enumerate(payload.get("ranks") or []):
+        where = f"ranks[{index}]"
+        expect_field(path, where, part, isinstance(part, Mapping), "a dict")
+        if "train_samples" in part:
+            value = part["train_samples"]
+            expect_field(path, f"{where}.train_samples", value, _is_int(value) and value >= 0,
+                         "an int >= 0")
+        if part.get("train_loss_sum") is not None:
+            value = part["train_loss_sum"]
+            expect_field(path, f"{where}.train_loss_sum", value,
+                         isinstance(value, torch.Tensor), "a tensor or None")
+        for field in ("rng", "epoch_rng", "prefetch_rng"):
+            problem = rng_state_problem(part[field]) if part.get(field) is not None else None
+            if problem is not None:
+                inner, value, expected = problem
+                expect_field(path, f"{where}.{field}" + (f".{inner}" if inner else ""), value,
+                             False, expected)

@@ -22,10 +22,10 @@ from hookloop.errors import CheckpointError, CheckpointWriteError, Configuration
 from hookloop.modules import unwrap
 
 __all__ = ["FORMAT", "TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "find_unplain", "write_atomic",
-           "link_atomic",
+           "write_text_atomic", "link_atomic", "fsync_directory",
            "read_payload", "load_model_weights", "load_optimizer_state", "load_checkpoint",
            "all_finite", "describe_os_error", "prepare_directory", "regular_checkpoint_files",
-           "verify_archive", "check_payload"]
+           "verify_archive", "check_payload", "expect_field"]
 
 #: Version of the file layout written by `Checkpoint`.
 FORMAT = 2
@@ -60,8 +60,13 @@ def find_unplain(value: Any, where: str) -> str | None:
     return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
 
 
-def _fsync_directory(directory: str) -> None:
-    """Make the rename itself durable (POSIX); a no-op where directories cannot be opened."""
+def fsync_directory(directory: str) -> None:
+    """Make the renames in ``directory`` durable (POSIX); a no-op where it cannot be opened.
+
+    Example:
+        >>> import tempfile
+        >>> fsync_directory(tempfile.gettempdir())
+    """
     try:
         descriptor = os.open(directory, os.O_RDONLY)
     except OSError:  # pragma: no cover - Windows
@@ -208,7 +213,41 @@ def write_atomic(payload: Mapping[str, Any], path: str) -> None:
         if isinstance(error, RuntimeError) and "inline_container" in str(error):
             raise _write_error(path, error, "writing") from error
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
+
+
+def write_text_atomic(text: str, path: str) -> None:
+    """Write a small text file the way `write_atomic` writes a checkpoint: complete or absent.
+
+    Raises:
+        CheckpointWriteError: naming ``path`` and the cause.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "note.json")
+        >>> write_text_atomic("{}", path)
+        >>> open(path).read()
+        '{}'
+    """
+    directory = os.path.dirname(path) or "."
+    try:
+        descriptor, temporary = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX,
+                                                 dir=directory)
+    except OSError as error:
+        raise _write_error(path, error, f"creating a temporary file in {directory}") from error
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException as error:
+        with suppress(OSError):
+            os.unlink(temporary)
+        if isinstance(error, OSError):
+            raise _write_error(path, error, "writing") from error
+        raise
+    fsync_directory(directory)
 
 
 def prepare_directory(path: str | os.PathLike[str]) -> str:
@@ -329,7 +368,7 @@ def link_atomic(source: str, path: str) -> None:
         if isinstance(error, OSError):
             raise _write_error(path, error, f"linking {os.path.basename(source)} to it") from error
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
 
 
 def _default_location(model: nn.Module) -> torch.device:
@@ -408,7 +447,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _expect(path: str, field: str, value: Any, ok: bool, expected: str) -> None:
+def expect_field(path: str, field: str, value: Any, ok: bool, expected: str) -> None:
+    """Raise `CheckpointError` naming ``path`` and ``field`` unless ``ok``: the one message
+    form for a field of the wrong type in a checkpoint file.
+
+    Example:
+        >>> expect_field("x.pt", "loop.step", "3", False, "an int >= 0")
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.CheckpointError: x.pt: the checkpoint's field 'loop.step' is str ('3'), expected an int >= 0. The file was not written by this version of hookloop or was edited; resume from another file.
+    """
     if not ok:
         raise CheckpointError(
             f"{path}: the checkpoint's field {field!r} is {_type_name(value)} "
@@ -429,12 +477,12 @@ def check_payload(path: str, payload: Mapping[str, Any]) -> None:
     type. Each is a `CheckpointError` naming the file and the field, instead of a raw
     KeyError/TypeError deep inside the resume.
 
-    Rules: ``hookloop`` is a dict with an int ``format`` (1 up to `FORMAT`) and a ``kind``
-    of ``"resume"`` or ``"best"``; ``model`` is a mapping of names to tensors; a
-    ``"resume"`` file also has ``optimizer`` (with ``state`` and ``param_groups``) and
-    ``loop`` (with int ``epoch``, ``batch_idx`` and ``step`` >= 0); optional fields
-    (``callbacks``, ``metrics``, ``ranks``, ``loop.history``, ``loop.ended``) have their
-    container types, and each rank's part its field types.
+    Rules checked here, for the fields this module writes: ``hookloop`` is a dict with an
+    int ``format`` (1 up to `FORMAT`) and a ``kind`` of ``"resume"`` or ``"best"``;
+    ``model`` is a mapping of names to tensors; optional ``callbacks`` and ``metrics`` are
+    dicts and ``ranks`` a list; a ``"resume"`` file also has ``optimizer`` (with ``state``
+    and ``param_groups``). The loop's part (``loop``, each rank's part) is checked by its
+    owner, `hookloop.run_state.check_run_fields`.
 
     Raises:
         CheckpointError: naming ``path`` and the field.
@@ -448,7 +496,7 @@ def check_payload(path: str, payload: Mapping[str, Any]) -> None:
     """
     meta = payload["hookloop"]
     version = meta.get("format")
-    _expect(path, "hookloop.format", version, _is_int(version), "an int")
+    expect_field(path, "hookloop.format", version, _is_int(version), "an int")
     if version > FORMAT:
         raise CheckpointError(
             f"{path}: written by a newer hookloop (format {version}; this one reads up to "
@@ -456,18 +504,18 @@ def check_payload(path: str, payload: Mapping[str, Any]) -> None:
     if version < 1:
         raise CheckpointError(f"{path}: unknown checkpoint format {version} (valid: 1 to {FORMAT}).")
     kind = meta.get("kind")
-    _expect(path, "hookloop.kind", kind, kind in ("resume", "best"), "'resume' or 'best'")
+    expect_field(path, "hookloop.kind", kind, kind in ("resume", "best"), "'resume' or 'best'")
     model = payload.get("model")
-    _expect(path, "model", model, isinstance(model, Mapping), "a mapping of weights")
+    expect_field(path, "model", model, isinstance(model, Mapping), "a mapping of weights")
     for name, value in model.items():
-        _expect(path, "model (a key)", name, isinstance(name, str), "a str")
+        expect_field(path, "model (a key)", name, isinstance(name, str), "a str")
         if not name.endswith("_extra_state"):
-            _expect(path, f"model.{name}", value, isinstance(value, torch.Tensor), "a tensor")
+            expect_field(path, f"model.{name}", value, isinstance(value, torch.Tensor), "a tensor")
     for field in ("callbacks", "metrics"):
         if field in payload:
-            _expect(path, field, payload[field], isinstance(payload[field], Mapping), "a dict")
+            expect_field(path, field, payload[field], isinstance(payload[field], Mapping), "a dict")
     if "ranks" in payload:
-        _expect(path, "ranks", payload["ranks"], isinstance(payload["ranks"], list), "a list")
+        expect_field(path, "ranks", payload["ranks"], isinstance(payload["ranks"], list), "a list")
     if kind != "resume":
         return
     optimizer = payload.get("optimizer")
@@ -475,64 +523,15 @@ def check_payload(path: str, payload: Mapping[str, Any]) -> None:
         raise CheckpointError(
             f"{path}: a training checkpoint without its 'optimizer' field; it cannot be "
             "resumed (hookloop.load_checkpoint(path, model) still loads the weights).")
-    _expect(path, "optimizer", optimizer, isinstance(optimizer, Mapping), "a dict")
+    expect_field(path, "optimizer", optimizer, isinstance(optimizer, Mapping), "a dict")
     for field, kind_of in (("state", Mapping), ("param_groups", list)):
         value = optimizer.get(field)
-        _expect(path, f"optimizer.{field}", value, isinstance(value, kind_of),
+        expect_field(path, f"optimizer.{field}", value, isinstance(value, kind_of),
                 "a dict" if kind_of is Mapping else "a list")
-    if "loop" not in payload:
-        raise CheckpointError(
-            f"{path}: a training checkpoint without its 'loop' field (the position to "
-            "resume from); it cannot be resumed.")
-    loop = payload["loop"]
-    _expect(path, "loop", loop, isinstance(loop, Mapping), "a dict")
-    for field in ("epoch", "batch_idx", "step"):
-        if field not in loop:
-            raise CheckpointError(f"{path}: the checkpoint's field 'loop.{field}' is missing; "
-                                  "it cannot be resumed.")
-        value = loop[field]
-        _expect(path, f"loop.{field}", value, _is_int(value) and value >= 0, "an int >= 0")
-    if loop.get("history") is not None:
-        _expect(path, "loop.history", loop["history"], isinstance(loop["history"], list)
-                and all(isinstance(row, Mapping) for row in loop["history"]), "a list of dicts")
-    if loop.get("ended") is not None:
-        ended = loop["ended"]
-        _expect(path, "loop.ended", ended, isinstance(ended, Mapping) and _is_int(
-            ended.get("epochs")) and isinstance(ended.get("reason"), str),
-            "None or a dict with 'reason' and 'epochs'")
-    for index, part in enumerate(payload.get("ranks") or []):
-        where = f"ranks[{index}]"
-        _expect(path, where, part, isinstance(part, Mapping), "a dict")
-        if "train_samples" in part:
-            value = part["train_samples"]
-            _expect(path, f"{where}.train_samples", value, _is_int(value) and value >= 0,
-                    "an int >= 0")
-        if part.get("train_loss_sum") is not None:
-            value = part["train_loss_sum"]
-            _expect(path, f"{where}.train_loss_sum", value, isinstance(value, torch.Tensor),
-                    "a tensor or None")
-        for field in ("rng", "epoch_rng", "prefetch_rng"):
-            if part.get(field) is not None:
-                _check_rng(path, f"{where}.{field}", part[field])
+    # The loop's part (position, history, each rank's generators) is the run state's.
+    from hookloop.run_state import check_run_fields  # run_state imports this module
 
-
-def _check_rng(path: str, where: str, state: Any) -> None:
-    """A saved set of random generators (`hookloop.rng.capture_rng`) has its field types."""
-    _expect(path, where, state, isinstance(state, Mapping), "a dict")
-    torch_state = state.get("torch")
-    _expect(path, f"{where}.torch", torch_state, isinstance(torch_state, torch.Tensor)
-            and torch_state.dtype == torch.uint8, "a uint8 tensor")
-    generators = state.get("generators", [])
-    _expect(path, f"{where}.generators", generators, isinstance(generators, list) and all(
-        isinstance(item, torch.Tensor) for item in generators), "a list of tensors")
-    if "python" in state:
-        python = state["python"]
-        _expect(path, f"{where}.python", python, isinstance(python, list) and len(python) == 3,
-                "a list of 3 items")
-    if "numpy" in state:
-        numpy_state = state["numpy"]
-        _expect(path, f"{where}.numpy", numpy_state, isinstance(numpy_state, list)
-                and len(numpy_state) == 5, "a list of 5 items")
+    check_run_fields(path, payload)
 
 
 def read_payload(path: str | os.PathLike[str], map_location: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import hookloop
 from hookloop import Callback, Loop
 from hookloop.callbacks import AMP, Checkpoint
 from hookloop.callbacks import amp as amp_module
-from hookloop.callbacks import checkpoint as checkpoint_module
+from hookloop import checkpoint_files as checkpoint_module  # where Checkpoint's writes go
 from hookloop import storage
 
 

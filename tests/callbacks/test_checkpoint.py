@@ -137,7 +137,7 @@ def test_temporary_files_are_never_taken_for_checkpoints(tmp_path: Path) -> None
     make_loop(tmp_path).fit(1)
     (tmp_path / ".tmp-abc.part").write_bytes(b"PK\x03\x04 partial")
     checkpoint = Checkpoint(tmp_path, resume=True)
-    assert [Path(path).name for path in checkpoint.checkpoints()] == ["epoch=0000-step=00000004.pt"]
+    assert [Path(path).name for path in checkpoint.files.rotating()] == ["epoch=0000-step=00000004.pt"]
     make_loop(tmp_path, [checkpoint]).fit(2)
     assert not (tmp_path / ".tmp-abc.part").exists()  # cleaned at fit start
 

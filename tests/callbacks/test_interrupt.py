@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from hookloop import Callback, Loop
 from hookloop.callbacks import Checkpoint
 from hookloop import storage
+from hookloop.directory_lock import LOCK_NAME
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -170,6 +171,8 @@ def check_directory(directory: Path) -> int:
     for path in directory.iterdir():
         if path.name.startswith(".tmp-"):
             temporary += 1
+            continue
+        if path.name == LOCK_NAME:  # the killed job's lock file (the lock died with it)
             continue
         payload = torch.load(path, weights_only=True)
         assert payload["hookloop"]["kind"] == "resume", path

@@ -125,7 +125,7 @@ def test_crash_after_step_k_then_resume_is_exact(tmp_path: Path, uninterrupted: 
                                                  k: int, every_n_steps: int | None) -> None:
     with pytest.raises(Crash):
         run(tmp_path, [CrashAfterStep(k)], every_n_steps=every_n_steps)
-    newest = Checkpoint(tmp_path).checkpoints()[-1]
+    newest = Checkpoint(tmp_path).files.rotating()[-1]
     assert torch.load(newest, weights_only=True)["loop"]["step"] == k
     loop, model = run(tmp_path, [], resume=True, every_n_steps=every_n_steps)
     assert loop.state.step == TOTAL
@@ -140,7 +140,7 @@ def test_resume_from_every_step_file(tmp_path: Path, uninterrupted: nn.Module) -
                 callbacks=[Checkpoint(tmp_path / "all", every_n_steps=1, keep_last=None)],
                 device="cpu")
     loop.fit(EPOCHS)
-    files = Checkpoint(tmp_path / "all").checkpoints()
+    files = Checkpoint(tmp_path / "all").files.rotating()
     assert len(files) == TOTAL
     for path in files[:-1:2]:
         loop, model = run(tmp_path / "resumed", [], resume=str(path), early_stopping=False)

@@ -1,0 +1,443 @@
+"""`CheckpointFiles`: the files one `Checkpoint` keeps in its directory.
+
+`Checkpoint` decides when to save, what to keep and what to resume; this class knows the
+names (rotating, scored, best and set-aside files), lists them, writes them atomically
+through `hookloop.storage`, prunes them, holds the directory for one job, and retires the
+files a rollback abandons (completely or not at all).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from contextlib import suppress
+from typing import Any
+
+import torch
+
+from hookloop import distributed
+from hookloop.directory_lock import DirectoryLock
+from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.storage import (
+    FORMAT,
+    find_unplain,
+    fsync_directory,
+    is_temporary,
+    link_atomic,
+    prepare_directory,
+    read_payload,
+    regular_checkpoint_files,
+    write_atomic,
+    write_text_atomic,
+)
+
+__all__ = ["CheckpointFiles", "RETIRED_PREFIX", "file_meta"]
+
+#: Folder (in the checkpoint directory) of the files a rollback abandoned.
+RETIRED_PREFIX = "retired-after-step="
+
+
+def file_meta(kind: str) -> dict[str, Any]:
+    """The ``hookloop`` entry of a file: version, `FORMAT`, ``kind`` and the world size.
+
+    Example:
+        >>> sorted(file_meta("best"))
+        ['format', 'kind', 'version', 'world_size']
+    """
+    import hookloop  # the package imports this module: its version is there by now
+
+    return {"version": hookloop.__version__, "format": FORMAT, "kind": kind,
+            "world_size": distributed.world_size()}
+
+
+def _ranked_by(steps: list[int], reached: int, dropped_at: int) -> bool:
+    """Whether a rotating file at one of ``steps`` may rank an entry reached and dropped at
+    these steps: one written between them (both included: a file of the drop's step may
+    have been written before that step's validation)."""
+    return any(reached <= step <= dropped_at for step in steps)
+
+
+class CheckpointFiles:
+    """Names, listing, atomic writes and pruning of one `Checkpoint`'s files.
+
+    * rotating files: ``{prefix}epoch=EEEE-step=SSSSSSSS.pt``, whole training states;
+    * scored files (``save_top_k > 1``): ``{prefix}best-{monitor}={value:.6g}-step=SSSSSSSS.pt``;
+    * ``{prefix}best.pt``: the best validated weights;
+    * set-aside files ``{prefix}dropped-at-step=DDDDDDDD-best-...-step=SSSSSSSS.pt``: weights
+      that dropped out of the top k at step D but that a kept rotating file (at a step
+      from S to D) still ranks, so a rollback to it finds them. They are deleted once no
+      kept rotating file needs them;
+    * ``{prefix}rollback-in-progress.json`` while a rollback moves files (see `retire_after`).
+
+    Temporary ``.tmp-*.part`` files are never listed. Only rank 0 calls the methods that
+    write, move or delete.
+
+    Args:
+        dirpath: The checkpoint directory.
+        prefix: ``""``, or ``"name-"`` for a named `Checkpoint`.
+        monitor: The metric in the scored names, or None.
+
+    Example:
+        >>> import tempfile, torch
+        >>> files = CheckpointFiles(tempfile.mkdtemp(), monitor="val_loss")
+        >>> files.prepare()
+        >>> files.rotating_name(2, 30), files.scored_name(0.25, 30)
+        ('epoch=0002-step=00000030.pt', 'best-val_loss=0.25-step=00000030.pt')
+        >>> path = files.write({"model": {"w": torch.ones(1)}}, files.rotating_name(0, 1))
+        >>> [os.path.basename(name) for name in files.rotating()]
+        ['epoch=0000-step=00000001.pt']
+    """
+
+    def __init__(self, dirpath: str, prefix: str = "", monitor: str | None = None) -> None:
+        self.dirpath = dirpath
+        self.prefix = prefix
+        self.monitor = monitor
+        #: The name of ``best.pt`` (with the prefix).
+        self.best_name = f"{prefix}best.pt"
+        start = re.escape(prefix)
+        self._rotating = re.compile(rf"^{start}epoch=(\d+)-step=(\d+)\.pt$")
+        self._scored = re.compile(rf"^{start}best-{re.escape(monitor or '')}="
+                                  r"([-+0-9.eEinfa]+)-step=(\d+)\.pt$")
+        self._set_aside = re.compile(rf"^{start}dropped-at-step=(\d+)-(best-"
+                                     rf"{re.escape(monitor or '')}=[-+0-9.eEinfa]+-step=(\d+)\.pt)$")
+        #: The marker of a rollback under way: what it moves, written before the first move.
+        self.marker = self.path(f"{prefix}rollback-in-progress.json")
+        self._lock = DirectoryLock(dirpath)
+
+    # ------------------------------------------------------------------ names
+    def rotating_name(self, epoch: int, step: int) -> str:
+        """Name of the rotating file of ``epoch`` (0-based) and optimizer ``step``."""
+        return f"{self.prefix}epoch={epoch:04d}-step={step:08d}.pt"
+
+    def scored_name(self, value: float, step: int) -> str:
+        """Name of a top-k file: ``best-val_acc=0.966667-step=00000046.pt``."""
+        return f"{self.prefix}best-{self.monitor}={value:.6g}-step={step:08d}.pt"
+
+    def set_aside_name(self, entry: dict[str, Any], dropped_at: int) -> str:
+        """Name under which a dropped ranking entry waits for a rollback that may need it."""
+        scored = self.scored_name(entry["value"], entry["step"])[len(self.prefix):]
+        return f"{self.prefix}dropped-at-step={dropped_at:08d}-{scored}"
+
+    @property
+    def best(self) -> str:
+        """Path of ``best.pt``."""
+        return self.path(self.best_name)
+
+    def path(self, name: str) -> str:
+        """Path of the file ``name`` in the directory."""
+        return os.path.join(self.dirpath, name)
+
+    def step_of(self, path: str) -> int | None:
+        """The step in a rotating file's name, or None for another name."""
+        match = self._rotating.match(os.path.basename(path))
+        return int(match.group(2)) if match else None
+
+    # ---------------------------------------------------------------- listing
+    def _names(self) -> list[str]:
+        try:
+            return os.listdir(self.dirpath)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def rotating(self) -> list[str]:
+        """Paths of the rotating files, oldest first (by step, then epoch)."""
+        found = []
+        for name in self._names():
+            match = self._rotating.match(name)
+            if match:
+                found.append(((int(match.group(2)), int(match.group(1))), name))
+        return regular_checkpoint_files(self.dirpath, [name for _, name in sorted(found)])
+
+    def scored(self) -> list[tuple[float, int, str]]:
+        """Top-k files as ``(value, step, path)``, oldest first, read from the names only."""
+        if self.monitor is None:
+            return []
+        found = []
+        for name in self._names():
+            match = self._scored.match(name)
+            if match:
+                with suppress(ValueError):
+                    found.append((float(match.group(1)), int(match.group(2)), self.path(name)))
+        return sorted(found, key=lambda item: item[1])
+
+    def set_aside(self) -> list[tuple[int, int, str]]:
+        """Set-aside files as ``(step reached, step dropped at, path)``."""
+        found = []
+        for name in self._names():
+            match = self._set_aside.match(name)
+            if match:
+                found.append((int(match.group(3)), int(match.group(1)), self.path(name)))
+        return sorted(found)
+
+    def run_files(self) -> list[str]:
+        """Every file of this callback: rotating, scored, set aside, ``best.pt``, a marker."""
+        files = (self.rotating() + [path for _, _, path in self.scored()]
+                 + [path for _, _, path in self.set_aside()])
+        return files + [path for path in (self.best, self.marker) if os.path.isfile(path)]
+
+    def best_info(self) -> tuple[float, int, int] | None:
+        """``(value, epoch, step)`` that ``best.pt`` holds for this monitor, or None."""
+        if not os.path.exists(self.best):
+            return None
+        payload = read_payload(self.best, "cpu")
+        meta = payload["hookloop"]
+        if meta.get("monitor") != self.monitor or meta.get("value") is None:
+            return None
+        return float(meta["value"]), int(payload.get("epoch", -1)), int(payload.get("step", -1))
+
+    def recover(self, entries: list[dict[str, Any]], *, single: bool
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The saved `hookloop.ranking.TopK` entries whose weights are on disk (a file a
+        later drop set aside is put back under its name), and the best files on disk that
+        they do not name (written after the state was saved: a kill before the next
+        rotating file).
+
+        Args:
+            entries: Saved entries, best first.
+            single: ``save_top_k=1``: ``best.pt`` is the only file (entries name no file).
+        """
+        if single:
+            top = entries[0] if entries else None
+            if top is not None and not os.path.exists(self.best):  # a rollback retired it
+                self._put_back(top, self.best_name)
+            info = self.best_info()
+            if info is None:
+                return [], []
+            if top is not None and top["step"] == info[2]:
+                return [top], []
+            return entries[:1], [{"value": info[0], "epoch": info[1], "step": info[2],
+                                  "file": None}]
+        kept = [entry for entry in entries
+                if entry["file"] is not None and self._put_back(entry, entry["file"])]
+        named = {entry["file"] for entry in kept}
+        # Few files, written after the state: their epoch is read from them, not guessed.
+        newer = [{"value": value, "epoch": int(read_payload(path, "cpu").get("epoch", -1)),
+                  "step": step, "file": os.path.basename(path)}
+                 for value, step, path in self.scored() if os.path.basename(path) not in named]
+        return kept, newer
+
+    def _put_back(self, entry: dict[str, Any], name: str) -> bool:
+        """True when ``name`` holds ``entry``'s weights, after moving its set-aside file there."""
+        if os.path.isfile(self.path(name)):
+            return True
+        wanted = self.scored_name(entry["value"], entry["step"])[len(self.prefix):]
+        for _, _, path in self.set_aside():
+            if path.endswith(f"-{wanted}"):
+                os.replace(path, self.path(name))
+                return True
+        return False
+
+    # ---------------------------------------------------------------- reading
+    def read_resume(self, path: str) -> dict[str, Any]:
+        """A training state to resume from, checked to be one (not a best file, same format).
+
+        Raises:
+            CheckpointError: naming the file and what to do instead.
+        """
+        # Onto the CPU, never the device recorded in the file; the loop copies each tensor
+        # to where its model, optimizer or callback lives.
+        payload = read_payload(path, torch.device("cpu"))
+        meta = payload["hookloop"]
+        if meta.get("kind") != "resume" or "loop" not in payload:
+            raise CheckpointError(
+                f"{path}: holds only validated weights (a best.pt file), not a training state; "
+                "resume from a rotating checkpoint (epoch=...-step=....pt), or load the weights "
+                "with hookloop.load_checkpoint(path, model).")
+        if int(meta.get("format", 0)) != FORMAT:
+            newer = int(meta.get("format", 0)) > FORMAT
+            raise CheckpointError(
+                f"{path}: written by {'a newer' if newer else 'an older'} hookloop "
+                f"({meta.get('version')}, file format {meta.get('format')}; this one reads "
+                f"format {FORMAT}). {'Upgrade hookloop' if newer else 'Use that hookloop version'} "
+                "to resume from it, or load its weights with hookloop.load_checkpoint.")
+        return payload
+
+    # ---------------------------------------------------------------- writing
+    def prepare(self) -> str | None:
+        """At a fit's setup: create and probe the directory and hold it for this process;
+        then delete the temporary files a killed save left and finish a rollback a kill
+        interrupted.
+
+        Returns:
+            None, or why the directory cannot be used: another running process holds it
+            (nothing was touched then). `release` gives it back at the fit's end.
+        """
+        prepare_directory(self.dirpath)
+        holder = self._lock.acquire()
+        if holder is not None:
+            return (f"Checkpoint: {self.dirpath} is in use by another running job ({holder}). "
+                    "Two processes training into one checkpoint directory overwrite each "
+                    "other's files and delete each other's temporary files. Wait for it to "
+                    "end or stop it (its lock goes with the process, even a SIGKILLed one), "
+                    "or give this run another directory.")
+        for name in self._names():
+            if is_temporary(name):
+                with suppress(OSError):
+                    os.unlink(self.path(name))
+        if self._finish_retirement():
+            warnings.warn(f"Checkpoint: finished the rollback an earlier launch began in "
+                          f"{self.dirpath} (it was killed while moving the abandoned files).",
+                          RuntimeWarning, stacklevel=4)
+        return None
+
+    def release(self) -> None:
+        """Give back the directory `prepare` held (at the fit's end)."""
+        self._lock.release()
+
+    def write(self, payload: dict[str, Any], name: str) -> str:
+        """Write ``payload`` atomically under ``name``; return its path.
+
+        Raises:
+            CheckpointError: the payload holds something ``torch.load(weights_only=True)``
+                would refuse (nothing is written).
+            CheckpointWriteError: the file system failed.
+        """
+        problem = find_unplain(payload, "checkpoint")
+        if problem:
+            raise CheckpointError(
+                f"Cannot write a checkpoint that torch.load(weights_only=True) can read: "
+                f"{problem}. State must hold only tensors, numbers, strings and "
+                "lists/tuples/dicts of them; convert that value in the state_dict that returns it.")
+        path = self.path(name)
+        write_atomic(payload, path)
+        return path
+
+    def write_resume(self, run: dict[str, Any], epoch: int, step: int,
+                     metrics: dict[str, float]) -> str:
+        """Write the rotating file of ``epoch`` and ``step`` holding ``run`` (`Loop.state_dict`)."""
+        payload = {"hookloop": {**file_meta("resume"), "epoch": epoch, "step": step}, **run,
+                   "metrics": dict(metrics)}
+        return self.write(payload, self.rotating_name(epoch, step))
+
+    def write_best(self, weights: dict[str, Any], value: float, epoch: int, step: int,
+                   metrics: dict[str, float], name: str | None) -> str:
+        """Write validated ``weights`` scoring ``value`` under ``name`` (None: ``best.pt``)."""
+        payload = {"hookloop": {**file_meta("best"), "monitor": self.monitor, "value": value},
+                   "model": weights, "epoch": epoch, "step": step, "metrics": dict(metrics)}
+        return self.write(payload, name or self.best_name)
+
+    def earlier_run_error(self, found: list[str]) -> ConfigurationError:
+        """The error of a new run (``resume=False``) over the files ``found`` of an earlier one."""
+        names = [os.path.basename(path) for path in found]
+        listed = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        harm = ("overwrite its best.pt with a possibly worse one and " if
+                any(name.endswith("best.pt") for name in names) else "")
+        return ConfigurationError(
+            f"Checkpoint: {self.dirpath} already holds checkpoints of an earlier run ({listed}), "
+            f"and resume=False starts a new run, which would {harm}mix its rotating files with "
+            "the earlier run's (a later resume=True could then pick the earlier run's file). "
+            "Pass Checkpoint(..., resume=True) to continue that run, or give a new or empty "
+            "directory (or delete those files) to start a new one.")
+
+    def link_best(self, name: str) -> None:
+        """Make ``best.pt`` the file ``name`` (a hard link, or an atomic copy), unless it is."""
+        source = self.path(name)
+        with suppress(OSError):
+            if os.path.samefile(source, self.best):
+                return
+        link_atomic(source, self.best)
+
+    def discard(self, dropped: list[tuple[int, dict[str, Any]]], kept: set[str]) -> None:
+        """The files of ranking entries that dropped out, each with the step it dropped at
+        (none named in ``kept``): set aside while a kept rotating file still ranks them,
+        else deleted. Set-aside files no longer needed go too."""
+        steps = self._rotating_steps()
+        for at, entry in dropped:
+            if entry["file"] is None or entry["file"] in kept:
+                continue
+            with suppress(FileNotFoundError):
+                if _ranked_by(steps, entry["step"], at):
+                    os.replace(self.path(entry["file"]), self.path(self.set_aside_name(entry, at)))
+                else:
+                    os.unlink(self.path(entry["file"]))
+        self._prune_set_aside()
+
+    def set_best_aside(self, entry: dict[str, Any], at: int) -> None:
+        """Before ``best.pt`` (``save_top_k=1``) is replaced at step ``at``: keep what it holds
+        (``entry``) under its set-aside name while a kept rotating file still ranks it."""
+        if _ranked_by(self._rotating_steps(), entry["step"], at) and os.path.isfile(self.best):
+            link_atomic(self.best, self.path(self.set_aside_name(entry, at)))
+
+    def _rotating_steps(self) -> list[int]:
+        """The steps of the rotating files, from the names alone (no file is opened)."""
+        matches = (self._rotating.match(name) for name in self._names())
+        return [int(match.group(2)) for match in matches if match]
+
+    def _prune_set_aside(self) -> None:
+        steps = self._rotating_steps()
+        for reached, dropped_at, path in self.set_aside():
+            if not _ranked_by(steps, reached, dropped_at):
+                with suppress(FileNotFoundError):
+                    os.unlink(path)
+
+    def prune_rotating(self, newest: str, keep_last: int | None) -> None:
+        """Delete rotating files older than the newest ``keep_last`` (after ``newest`` is complete)."""
+        if keep_last is None:
+            return
+        files = self.rotating()
+        if newest not in files:  # pragma: no cover - deleted behind our back
+            return
+        older = files[: files.index(newest) + 1]
+        for path in older[: max(len(older) - keep_last, 0)]:
+            with suppress(FileNotFoundError):
+                os.unlink(path)
+        self._prune_set_aside()  # what only the deleted files ranked is not needed any more
+
+    # ------------------------------------------------------------- retirement
+    def retire_after(self, payload: dict[str, Any], resumed: str) -> None:
+        """A rollback to ``resumed`` (holding ``payload``): move the later files away.
+
+        The rotating files after ``step`` (``resumed`` itself stays), the scored and
+        set-aside files reached after it and a ``best.pt`` reached after it belong to the
+        abandoned branch. They are moved, never deleted, into
+        ``retired-after-step=SSSSSSSS/`` (``-2``, ``-3``... when that exists), so
+        ``resume=True`` continues the new branch. The list of moves is written first, as
+        `marker`: a kill in the middle leaves it, and the next start (`prepare`) finishes
+        the moves before it picks a file, so the retirement is complete or not begun.
+        """
+        # The step is in the file's own record of itself (its name says it too).
+        step = payload["hookloop"].get("step", self.step_of(resumed))
+        if step is None:
+            return  # a file of unknown position: nothing can be said to come after it
+        step, resumed = int(step), os.path.abspath(resumed)
+        later = [path for path in self.rotating()
+                 if (self.step_of(path) or 0) > step and os.path.abspath(path) != resumed]
+        later += [path for _, found, path in self.scored() if found > step]
+        later += [path for found, _, path in self.set_aside() if found > step]
+        if os.path.isfile(self.best):
+            with suppress(CheckpointError):  # an unreadable best.pt stays where it is
+                if int(read_payload(self.best, "cpu").get("step", -1)) > step:
+                    later.append(self.best)
+        if not later:
+            return
+        target = f"{RETIRED_PREFIX}{step:08d}"
+        suffix = 1
+        while os.path.exists(self.path(target)):
+            suffix += 1
+            target = f"{RETIRED_PREFIX}{step:08d}-{suffix}"
+        names = [os.path.basename(path) for path in later]
+        write_text_atomic(json.dumps({"into": target, "move": names}), self.marker)
+        self._finish_retirement()
+        warnings.warn(
+            f"Checkpoint: resuming from {os.path.basename(resumed)} (step {step}) abandons "
+            f"{len(later)} later file(s) of this run; moved to {self.path(target)} (nothing "
+            "deleted), so resume=True continues the new branch.", RuntimeWarning, stacklevel=5)
+
+    def _finish_retirement(self) -> bool:
+        """Do the moves the marker lists (those not done yet), then remove it; True if any."""
+        try:
+            with open(self.marker, encoding="utf-8") as handle:
+                plan = json.load(handle)
+        except FileNotFoundError:
+            return False
+        target = self.path(plan["into"])
+        os.makedirs(target, exist_ok=True)
+        for name in plan["move"]:
+            with suppress(FileNotFoundError):  # moved before the kill
+                os.replace(self.path(name), os.path.join(target, name))
+        fsync_directory(target)
+        fsync_directory(self.dirpath)
+        os.unlink(self.marker)
+        return True
