@@ -14,6 +14,7 @@ constructor reads ``self.patience = check_int("EarlyStopping patience", patience
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Iterable, Iterator
@@ -310,6 +311,27 @@ def _check_callable(value: Any, name: str, signature: str) -> None:
             f"({type(value).__name__}).")
 
 
+def _check_arity(function: Any, name: str, count: int, call: str, hint: str) -> None:
+    """``function`` must accept ``count`` positional arguments, as the loop will call it.
+
+    Read from its signature (no call is made); a function whose signature cannot be read
+    (some builtins) passes.
+    """
+    if function is None:
+        return
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*range(count))
+    except TypeError:
+        label = getattr(function, "__qualname__", None) or type(function).__name__
+        raise ConfigurationError(
+            f"{name} is called as {call}, with {count} arguments, but {label}{signature} "
+            f"cannot take them. {hint}") from None
+
+
 def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
     if not callable(getattr(optimizer, "step", None)) or not hasattr(optimizer, "param_groups"):
         raise ConfigurationError(
@@ -361,6 +383,11 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
     if val_data is not None:
         _check_data(val_data, "val_data")
     _check_callable(loss_fn, "loss_fn", "fn(outputs, targets) -> scalar loss")
+    _check_arity(loss_fn, "loss_fn", 2, "loss_fn(outputs, targets)",
+                 "For a loss that needs only the outputs, or more than the targets, pass "
+                 "forward=fn(loop, batch) -> (outputs, loss) instead.")
+    _check_arity(forward, "forward", 2, "forward(loop, batch)",
+                 "It must return (outputs, loss).")
     _check_callable(forward, "forward", "fn(loop, batch) -> (outputs, loss)")
     if callbacks is None:
         raise ConfigurationError(
