@@ -311,6 +311,31 @@ def _check_callable(value: Any, name: str, signature: str) -> None:
             f"({type(value).__name__}).")
 
 
+def check_extra_state(state: Any) -> dict[str, Any]:
+    """``Loop(state=...)``: names mapped to objects with ``state_dict`` and ``load_state_dict``.
+
+    Example:
+        >>> import torch
+        >>> sorted(check_extra_state({"discriminator": torch.nn.Linear(2, 1)}))
+        ['discriminator']
+    """
+    if state is None:
+        return {}
+    if not isinstance(state, dict) or isinstance(state, nn.Module):
+        raise ConfigurationError(
+            f"Loop state must be a dict of name -> object with state_dict/load_state_dict "
+            f"(e.g. state={{'discriminator': net_d, 'opt_d': opt_d}}), got {type(state).__name__}.")
+    for name, item in state.items():
+        check_name("Loop state key", name, optional=False)
+        if not (callable(getattr(item, "state_dict", None))
+                and callable(getattr(item, "load_state_dict", None))):
+            raise ConfigurationError(
+                f"Loop state[{name!r}] (of type {type(item).__name__}) has no state_dict() and "
+                "load_state_dict(): the loop saves and restores each object of state= through "
+                "them (a module, an optimizer, a scheduler, a GradScaler...).")
+    return dict(state)
+
+
 def _check_arity(function: Any, name: str, count: int, call: str, hint: str) -> None:
     """``function`` must accept ``count`` positional arguments, as the loop will call it.
 

@@ -62,6 +62,11 @@ class Loop:
             validation events, so a metric of the wrong shape or a missing target fails in
             seconds, not after an epoch. It changes no state, metric or random stream; 0 turns
             it off.
+        state: More objects to save and restore with the run, by name: anything with
+            ``state_dict``/``load_state_dict`` (a GAN's discriminator and its optimizer:
+            ``state={"discriminator": net_d, "opt_d": opt_d}``). They are in
+            `state_dict` under ``"state"`` and restored before ``on_fit_start``; the loop
+            neither moves nor trains them.
 
     How the loss is computed, first rule that applies: ``forward`` if given; a pair batch
     with ``loss_fn``: ``loss_fn(model(inputs), targets)``; a mapping batch:
@@ -84,7 +89,7 @@ class Loop:
                  forward: Callable[[Loop, Any], tuple[Any, torch.Tensor]] | None = None,
                  callbacks: Iterable[Callback] = (), device: torch.device | str | None = None,
                  val_every_n_epochs: int | None = 1, val_every_n_steps: int | None = None,
-                 sanity_val_batches: int = 2) -> None:
+                 sanity_val_batches: int = 2, state: dict[str, Any] | None = None) -> None:
         self.device = checks.check_loop_arguments(
             model, optimizer, train_data, val_data, loss_fn, forward, callbacks, device,
             val_every_n_epochs=val_every_n_epochs, val_every_n_steps=val_every_n_steps,
@@ -95,6 +100,8 @@ class Loop:
         self.callbacks: list[Callback] = list(callbacks)
         self.val_every_n_epochs, self.val_every_n_steps = val_every_n_epochs, val_every_n_steps
         self.sanity_val_batches = sanity_val_batches
+        #: More objects saved and restored with the run (``state=``), by name.
+        self.extra_state = checks.check_extra_state(state)
         self.state = LoopState()
         #: Micro-batches per optimizer step; set by ``GradAccumulation`` in ``setup``.
         self.accumulation_steps = 1

@@ -148,6 +148,9 @@ def capture(loop: Loop, position: Position, ended: Mapping[str, Any] | None, *,
         "ranks": ranks,
         "callbacks": {callback.state_key: callback.state_dict() for callback in loop.callbacks
                       if overrides(callback, "state_dict")},
+        "state": {name: item.state_dict() for name, item in loop.extra_state.items()},
+        "state_classes": {name: type(item).__qualname__
+                          for name, item in loop.extra_state.items()},
     }
 
 
@@ -190,6 +193,7 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
                               "missing or not a mapping.")
     check_optimizer_fits(loop.optimizer, loop_part, payload["optimizer"], source)
     check_same_data(loop, loop_part, source)
+    _check_extra_state(loop, payload, source)
     load_model_weights(source, loop.unwrapped_model, payload["model"])
     load_optimizer_state(source, loop.optimizer, payload["optimizer"])
     ranks = payload.get("ranks") or [{}]
@@ -220,6 +224,7 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
         loop.state.metrics = {key: value for key, value in loop.state.history[-1].items()
                               if key not in ("epoch", "step")}
     end.restored = loop_part.get("ended")
+    _load_extra_state(loop, payload, source)
     saved = dict(payload.get("callbacks") or {})
     for callback in loop.callbacks:
         if not overrides(callback, "state_dict"):
@@ -247,6 +252,51 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
             f"{', '.join(sorted(saved))}. Add those callbacks (with the same name=) to "
             "restore it, or ignore this if you removed them on purpose.", RuntimeWarning,
             stacklevel=4)
+
+def _check_extra_state(loop: Loop, payload: Mapping[str, Any], source: str) -> None:
+    """Before anything is loaded: each object of ``Loop(state=...)`` is of the class saved
+    (and an optimizer has the param-group layout saved)."""
+    saved, classes = payload.get("state") or {}, payload.get("state_classes") or {}
+    for field, value in (("state", saved), ("state_classes", classes)):
+        if not isinstance(value, Mapping):
+            raise CheckpointError(f"{source}: field {field!r} must be a dict, got "
+                                  f"{type(value).__name__}.")
+    for name, item in loop.extra_state.items():
+        theirs = classes.get(name)
+        if theirs is not None and theirs != type(item).__qualname__:
+            raise CheckpointError(
+                f"{source}: state[{name!r}] was saved from the class {theirs}, but this loop's "
+                f"state[{name!r}] is of the class {type(item).__qualname__}. Pass the same kind of object "
+                "under that name, or another name to start it fresh.")
+        if isinstance(item, torch.optim.Optimizer) and isinstance(saved.get(name), Mapping):
+            check_optimizer_fits(item, {}, saved[name], f"{source} (field 'state.{name}')")
+
+
+def _load_extra_state(loop: Loop, payload: Mapping[str, Any], source: str) -> None:
+    """Load each object of ``Loop(state=...)``; a missing or unclaimed name is a warning."""
+    saved = dict(payload.get("state") or {})
+    for name, item in loop.extra_state.items():
+        if name not in saved:
+            if distributed.is_main():
+                warnings.warn(f"{source} has no state for Loop(state={{{name!r}: ...}}); it "
+                              "starts fresh.", RuntimeWarning, stacklevel=5)
+            continue
+        state, where = saved.pop(name), f"{source} (field 'state.{name}')"
+        if isinstance(item, torch.nn.Module):
+            load_model_weights(where, item, state)
+        elif isinstance(item, torch.optim.Optimizer):
+            load_optimizer_state(where, item, state)
+        else:
+            try:
+                item.load_state_dict(state)
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError,
+                    RuntimeError) as error:
+                raise CheckpointError(f"{where}: the state does not fit state[{name!r}]: "
+                                      f"{type(error).__name__}: {error}") from error
+    if saved and distributed.is_main():
+        warnings.warn(f"{source} holds state for {', '.join(sorted(saved))}, which this loop's "
+                      "state= does not name; it is ignored.", RuntimeWarning, stacklevel=5)
+
 
 def check_same_data(loop: Loop, loop_part: Mapping[str, Any], source: str) -> None:
     """Another number of training batches per epoch (same world size): refused inside an
