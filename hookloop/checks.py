@@ -28,7 +28,9 @@ from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.data import length_of
 from hookloop.errors import ConfigurationError
+from hookloop.forward import check_batch_rule
 from hookloop.ordering import check_callbacks
+from hookloop.untouched import untouched
 
 __all__ = ["check_int", "check_optional_int", "check_flag", "check_number", "check_name",
            "check_choice", "check_path", "check_console", "check_loop_arguments",
@@ -336,6 +338,19 @@ def check_extra_state(state: Any) -> dict[str, Any]:
     return dict(state)
 
 
+def _check_selector(label: str, selector: Any) -> None:
+    """``Loop(inputs=..., targets=...)``: None, a key (str or int) or a function of a batch."""
+    if selector is None or (isinstance(selector, str) and selector) or (
+            _is_int(selector) and selector >= 0):
+        return
+    if callable(selector) and not isinstance(selector, type):
+        _check_arity(selector, label, 1, f"{label}(batch)", "It gets the batch and returns "
+                     f"the {label}.")
+        return
+    raise _refuse(f"Loop {label}", "a key of the batch (e.g. 'image'), an index, or a function "
+                  "fn(batch)", selector)
+
+
 def _check_arity(function: Any, name: str, count: int, call: str, hint: str) -> None:
     """``function`` must accept ``count`` positional arguments, as the loop will call it.
 
@@ -377,7 +392,8 @@ def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
 def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: Any,
                          loss_fn: Any, forward: Any, callbacks: Any, device: Any, *,
                          val_every_n_epochs: Any = 1, val_every_n_steps: Any = None,
-                         sanity_val_batches: Any = 2) -> torch.device:
+                         sanity_val_batches: Any = 2, inputs: Any = None,
+                         targets: Any = None) -> torch.device:
     """Check `Loop`'s arguments when it is built; return the device to train on.
 
     Checks: a ``nn.Module`` model; an optimizer with at least one of the model's
@@ -433,6 +449,8 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
                 raise ConfigurationError(
                     f"callbacks[{index}] is {callback!r} ({type(callback).__name__}), not a "
                     "hookloop.Callback. Subclass hookloop.Callback and pass an instance.")
+    for label, selector in (("inputs", inputs), ("targets", targets)):
+        _check_selector(label, selector)
     check_optional_int("Loop val_every_n_epochs", val_every_n_epochs)
     check_optional_int("Loop val_every_n_steps", val_every_n_steps)
     check_int("Loop sanity_val_batches", sanity_val_batches, minimum=0,
@@ -484,6 +502,23 @@ def check_fit(loop: Any, epochs: Any, max_steps: Any) -> None:
     check_fit_arguments(epochs, max_steps)
     check_callbacks(loop.callbacks, loop)  # a stack that cannot work: nothing ran yet
     check_fit_data(loop.train_data, epochs - loop.position.epoch, loop.val_data)
+    check_batch_rule(loop, _first_sample(loop.train_data))
+
+
+def _first_sample(data: Any) -> Any:
+    """The first batch of a list, or the first sample of a DataLoader's map-style dataset,
+    read without iterating the data (and without changing any random stream); else None."""
+    if isinstance(data, (list, tuple)):
+        return data[0] if data else None
+    dataset = getattr(data, "dataset", None)
+    if isinstance(data, DataLoader) and not isinstance(dataset, IterableDataset) and \
+            length_of(dataset):
+        with untouched():
+            try:
+                return dataset[0]
+            except Exception:  # the loader will show its own error where it has one
+                return None
+    return None
 
 
 def check_fit_arguments(epochs: Any, max_steps: Any) -> None:

@@ -22,11 +22,11 @@ from torch import nn
 from hookloop import checks, dispatch, distributed, run_state, sanity
 from hookloop.cadence import Cadence
 from hookloop.callback import Callback
-from hookloop.data import LossSum, length_of, move_to_device
+from hookloop.data import LossSum, length_of
 from hookloop.describe import describe
 from hookloop.dispatch import Table, Wrapper, call, emit, entered
 from hookloop.errors import ConfigurationError
-from hookloop.forward import check_loss, compute, predict_all
+from hookloop.forward import Selector, check_loss, compute, predict_all
 from hookloop.modules import unwrap
 from hookloop.ordering import check_callbacks, overrides
 from hookloop.phase import Phase, Phases
@@ -62,6 +62,13 @@ class Loop:
             validation events, so a metric of the wrong shape or a missing target fails in
             seconds, not after an epoch. It changes no state, metric or random stream; 0 turns
             it off.
+        inputs: For mapping batches (``{"image": ..., "label": ...}``) trained with a
+            ``loss_fn``: the key of the model's input (or ``fn(batch) -> inputs``; a mapping
+            it returns is passed as keyword arguments, a tuple as positional ones). The
+            model is called on it, in training, validation, ``predict`` and summaries.
+        targets: The key of the targets (or ``fn(batch) -> targets``) given to ``loss_fn``
+            and to ``Metrics``; default: the batch's ``labels`` or ``targets`` entry, or the
+            second item of a pair.
         state: More objects to save and restore with the run, by name: anything with
             ``state_dict``/``load_state_dict`` (a GAN's discriminator and its optimizer:
             ``state={"discriminator": net_d, "opt_d": opt_d}``). They are in
@@ -89,14 +96,15 @@ class Loop:
                  forward: Callable[[Loop, Any], tuple[Any, torch.Tensor]] | None = None,
                  callbacks: Iterable[Callback] = (), device: torch.device | str | None = None,
                  val_every_n_epochs: int | None = 1, val_every_n_steps: int | None = None,
-                 sanity_val_batches: int = 2, state: dict[str, Any] | None = None) -> None:
+                 sanity_val_batches: int = 2, state: dict[str, Any] | None = None,
+                 inputs: Selector | None = None, targets: Selector | None = None) -> None:
         self.device = checks.check_loop_arguments(
             model, optimizer, train_data, val_data, loss_fn, forward, callbacks, device,
             val_every_n_epochs=val_every_n_epochs, val_every_n_steps=val_every_n_steps,
-            sanity_val_batches=sanity_val_batches)
+            sanity_val_batches=sanity_val_batches, inputs=inputs, targets=targets)
         self.model, self.optimizer = model, optimizer
         self.train_data, self.val_data = train_data, val_data
-        self.loss_fn, self.forward = loss_fn, forward
+        self.loss_fn, self.forward, self.inputs, self.targets = loss_fn, forward, inputs, targets
         self.callbacks: list[Callback] = list(callbacks)
         self.val_every_n_epochs, self.val_every_n_steps = val_every_n_epochs, val_every_n_steps
         self.sanity_val_batches = sanity_val_batches
@@ -338,16 +346,26 @@ class Loop:
                 if key.startswith(prefix + "_")}
 
     @torch.no_grad()
-    def predict(self, data: Iterable[Any]) -> Any:
+    def predict(self, data: Iterable[Any], *, forward: Callable[[Loop, Any], Any] | None = None,
+                dtype: torch.dtype | None = torch.float32) -> Any:
         """The model's outputs for every batch of ``data``, in order, on the CPU.
 
         Eval mode, no gradients, with the forward contexts (autocast with ``AMP``) and the
-        validation contexts (the EMA weights with ``EMA``). No loss is computed unless
-        ``forward`` computes one. A batch is fed as in training: ``forward(loop, batch)``
-        when given; else the inputs of an ``(inputs, targets)`` pair (or the first item of
-        a tuple or list), ``model(**batch)`` for a mapping, ``model(batch)`` for a tensor.
-        Tensor outputs are concatenated along the first dimension (also inside tuples and
-        mappings); other outputs come back as a list, one item per batch.
+        validation contexts (the EMA weights with ``EMA``). No loss and no targets are
+        needed, so unlabeled data works. A batch is fed, first rule that applies: by
+        ``forward(loop, batch) -> outputs`` given here; by the loop's ``inputs=`` rule;
+        by the loop's ``forward`` (its outputs); else the inputs of an ``(inputs, targets)``
+        pair (or the first item of a tuple or list), ``model(**batch)`` for a mapping,
+        ``model(batch)`` for a tensor. Tensor outputs are concatenated along the first
+        dimension (also inside tuples and mappings); other outputs come back as a list,
+        one item per batch.
+
+        Args:
+            data: Batches, labeled or not.
+            forward: ``fn(loop, batch) -> outputs`` for this call (a training forward's
+                ``(outputs, loss)`` works too: its outputs are taken).
+            dtype: Floating outputs come back in this dtype (float32 by default, also under
+                ``AMP(torch.bfloat16)``, so ``.numpy()`` works); None keeps the computed one.
 
         Example:
             >>> import torch
@@ -364,7 +382,7 @@ class Loop:
         with self._alone(Phase.PREDICT, data) as (table, data), \
                 entered(table.validation_context, self):
             self.model.eval()
-            return predict_all(self, data, table.forward_context)
+            return predict_all(self, data, table.forward_context, forward, dtype)
 
     def describe(self) -> str:
         """Print and return the table of which callback runs at which event."""
@@ -462,7 +480,7 @@ class Loop:
         if self._cadence.owed_on_resume(batches.start, state.step, self._position.validated):
             self._step_validation(batches)  # the run stopped during the one due at this step
         for batch_idx, batch, state.step_boundary in batches:
-            batch = state.set_batch(move_to_device(batch, self.device), batch_idx)
+            batch = state.set_batch(batch, batch_idx, self)
             if table.on_batch_start:
                 emit(self, table.on_batch_start)
             with entered(table.train_step_context, self):
@@ -536,7 +554,7 @@ class Loop:
                 emit(self, table.on_validation_start)
                 with torch.no_grad():
                     for batch_idx, batch in enumerate(itertools.islice(data, limit)):
-                        batch = state.set_batch(move_to_device(batch, self.device), batch_idx)
+                        batch = state.set_batch(batch, batch_idx, self)
                         if table.on_validation_batch_start:
                             emit(self, table.on_validation_batch_start)
                         with entered(contexts.forward_context, self):
