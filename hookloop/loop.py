@@ -11,7 +11,6 @@ pseudocode.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -22,12 +21,12 @@ from torch import nn
 from hookloop import checks, dispatch, distributed, run_state, sanity
 from hookloop.cadence import Cadence
 from hookloop.callback import Callback
-from hookloop.data import LossSum, length_of
+from hookloop.data import LossSum
 from hookloop.describe import describe
 from hookloop.dispatch import Table, Wrapper, call, emit, entered
 from hookloop.errors import ConfigurationError
 from hookloop.forward import Selector, check_loss, compute, predict_all
-from hookloop.modules import unwrap
+from hookloop.geometry import Geometry
 from hookloop.ordering import check_callbacks, overrides
 from hookloop.phase import Phase, Phases
 from hookloop.position import EpochPass, Position, RunPosition
@@ -40,8 +39,11 @@ from hookloop.untouched import untouched
 __all__ = ["Loop"]
 
 
-class Loop:
+class Loop(Geometry):
     """A training loop that emits events; every feature is a `Callback` in ``callbacks``.
+
+    Its step geometry (``batches_per_epoch``, ``steps_per_epoch``, ``total_steps``) and
+    ``unwrapped_model`` come from `hookloop.geometry.Geometry`.
 
     Args:
         model: The module to train. Moved to ``device`` when ``fit`` starts.
@@ -216,31 +218,6 @@ class Loop:
         run draws exactly what an uninterrupted one would (about 30 microseconds per step).
         """
         self._position.full_snapshots = True
-
-    # ----------------------------------------------------------------- geometry
-    @property
-    def unwrapped_model(self) -> nn.Module:
-        """The model without DDP/DataParallel or ``torch.compile`` wrappers."""
-        return unwrap(self.model)
-
-    @property
-    def batches_per_epoch(self) -> int | None:
-        """``len(train_data)``, or None for data without a length."""
-        return length_of(self.train_data)
-
-    @property
-    def steps_per_epoch(self) -> int | None:
-        """Optimizer steps per epoch (accumulation and sharding accounted), or None."""
-        batches = self.batches_per_epoch
-        return None if batches is None else math.ceil(batches / self.accumulation_steps)
-
-    @property
-    def total_steps(self) -> int | None:
-        """Optimizer steps the current fit makes in all, from its start (or None)."""
-        per_epoch = self.steps_per_epoch
-        limits = [per_epoch * self.state.epochs if per_epoch is not None else None,
-                  self.state.max_steps]
-        return min((limit for limit in limits if limit is not None), default=None)
 
     # --------------------------------------------------------------- public API
     def fit(self, epochs: int, *, max_steps: int | None = None) -> LoopState:
@@ -445,13 +422,7 @@ class Loop:
                 call(callback.setup, self)
         checks.check_setup(self)
         self.model.to(self.device)
-        if self._restore is not None:
-            state, source = self._restore
-            run_state.restore(self, self._position, self._end, state, source)
-            # validate()/evaluate()/predict() alone apply it too (the weights, the EMA), and
-            # leave it for the next fit, whose setup builds what only a fit builds.
-            if self.fitting:
-                self._restore = None
+        self._restore = run_state.apply(self, self._position, self._end, self._restore)
         self._table = Table(self.callbacks, self.handler_wrapper, main=distributed.is_main())
         self._position.attach(self.train_data)
         return self._table

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from hookloop.position import Position
     from hookloop.state import LoopState
 
-__all__ = ["RunEnd", "capture", "restore", "check_mapping", "check_callback_states",
+__all__ = ["RunEnd", "apply", "capture", "restore", "check_mapping", "check_callback_states",
            "check_optimizer_fits", "check_run_fields"]
 
 
@@ -109,6 +109,21 @@ class RunEnd:
             return (f"max_steps={max_steps} is already reached (step {step}), so "
                     "this fit trains nothing; pass a larger max_steps or none.")
         return None
+
+
+def apply(loop: Loop, position: Position, end: RunEnd,
+          pending: tuple[Mapping[str, Any], str] | None) -> tuple[Mapping[str, Any], str] | None:
+    """At setup: apply the state `Loop.load_state_dict` asked for; return what stays pending.
+
+    A fit consumes it. ``validate()``/``evaluate()``/``predict()`` alone apply it too (the
+    weights, the EMA) and leave it for the next fit, whose setup builds what only a fit
+    builds (a scheduler from its factory).
+    """
+    if pending is None:
+        return None
+    state, source = pending
+    restore(loop, position, end, state, source)
+    return None if loop.fitting else pending
 
 
 def check_mapping(state: Any, source: str | None) -> Mapping[str, Any]:
