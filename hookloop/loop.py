@@ -273,6 +273,7 @@ class Loop(Geometry):
                 raise
             else:
                 dispatch.emit_fit_end(self, table, None)
+                self._end.announce()  # why the run ended, in one line (rank 0)
             finally:
                 # Device memory of the last batch is not kept alive by the returned state.
                 state.batch = state.outputs = state.loss = state.targets = None

@@ -41,7 +41,7 @@ class RunEnd:
     ``epochs``, or a larger or absent ``max_steps``, continues it.
     """
 
-    __slots__ = ("requested", "reason", "restored", "_state")
+    __slots__ = ("requested", "reason", "restored", "idle", "_state")
 
     def __init__(self, state: LoopState) -> None:
         self._state = state  # the loop's: its step and max_steps
@@ -51,6 +51,8 @@ class RunEnd:
         self.reason: str | None = None
         #: The end recorded by the state being restored (None: it had not ended).
         self.restored: Mapping[str, Any] | None = None
+        #: This fit had nothing to train (it said so before on_fit_start).
+        self.idle = False
 
     def begin(self) -> None:
         """At every fit start: no stop requested yet."""
@@ -87,9 +89,21 @@ class RunEnd:
         When there is a reason, the fit is stopped with it (``stop_requested`` is True).
         """
         reason = self._idle_reason(epochs, max_steps, epochs_done, step)
+        self.idle = reason is not None
         if reason is not None:
             self.stop(reason)
         return reason
+
+    def announce(self) -> None:
+        """At the end of a fit that trained: rank 0 prints one line saying why it ended,
+        with the epoch numbered as the progress display numbers it (from 1)."""
+        state = self._state
+        if self.idle or not distributed.is_main():
+            return
+        why = (self.reason or "loop.stop() was called") if self.requested else \
+            f"all {state.epochs} epochs are done"
+        print(f"hookloop: training ended at epoch {state.epoch + 1}/{state.epochs}, step "
+              f"{state.step}: {why.rstrip('.')}.", flush=True)
 
     def _idle_reason(self, epochs: int, max_steps: int | None, epochs_done: int,
                      step: int) -> str | None:
