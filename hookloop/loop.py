@@ -157,11 +157,6 @@ class Loop(Geometry):
         self._stepper.cancelled = True
 
     @property
-    def step_cancelled(self) -> bool:
-        """True when a callback cancelled the step of the current step boundary."""
-        return self._stepper.cancelled
-
-    @property
     def epoch_completed(self) -> bool:
         """In ``on_epoch_end``: True when the training pass ran through all the data.
 
