@@ -89,6 +89,7 @@ class Loop(Geometry):
         >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu")
         >>> loop.fit(1).step
+        hookloop: training ended at epoch 1/1, step 2: its 1 epoch is done.
         2
     """
 

@@ -77,7 +77,7 @@ class RunEnd:
         if self.requested:
             reason = self.reason or "loop.stop() was called"
         elif epochs and epochs_done >= epochs:
-            reason = f"all {epochs} epochs are done"
+            reason = _all_epochs(epochs)
         else:
             return None
         return {"reason": reason, "epochs": epochs, "max_steps": max_steps}
@@ -101,7 +101,7 @@ class RunEnd:
         if self.idle or not distributed.is_main():
             return
         why = (self.reason or "loop.stop() was called") if self.requested else \
-            f"all {state.epochs} epochs are done"
+            _all_epochs(state.epochs)
         print(f"hookloop: training ended at epoch {state.epoch + 1}/{state.epochs}, step "
               f"{state.step}: {why.rstrip('.')}.", flush=True)
 
@@ -138,6 +138,10 @@ def apply(loop: Loop, position: Position, end: RunEnd,
     state, source = pending
     restore(loop, position, end, state, source)
     return None if loop.fitting else pending
+
+
+def _all_epochs(epochs: int) -> str:
+    return "its 1 epoch is done" if epochs == 1 else f"all {epochs} epochs are done"
 
 
 def check_mapping(state: Any, source: str | None) -> Mapping[str, Any]:

@@ -76,6 +76,7 @@ class ProgressBar(Callback):
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...             callbacks=[ProgressBar(console=console)])
         >>> _ = loop.fit(2)
+        hookloop: training ended at epoch 2/2, step 8: all 2 epochs are done.
         >>> console.file.getvalue().splitlines()[1].startswith("epoch 2/2  step 8  train_loss")
         True
     """

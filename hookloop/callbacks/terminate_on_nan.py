@@ -67,7 +67,7 @@ class TerminateOnNaN(Callback):
         ...             loss_fn=torch.nn.functional.mse_loss, callbacks=[TerminateOnNaN()],
         ...             device="cpu")
         >>> loop.fit(3).step  # doctest: +ELLIPSIS
-        TerminateOnNaN: non-finite loss in epoch 0, batch 0...
+        hookloop: training ended at epoch 1/3, step 0: TerminateOnNaN: non-finite loss in epoch 1...
         0
     """
 

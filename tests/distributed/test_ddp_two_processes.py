@@ -258,7 +258,7 @@ def test_example_runs_in_one_process_and_under_torchrun(tmp_path: Path) -> None:
     assert "val_acc" in output
     assert len(list((tmp_path / "checkpoints").glob("epoch=*.pt"))) == 1
     # Why training ended: one line, from rank 0 only.
-    assert output.count("hookloop: training ended at epoch 1/1, step 12: all 1 epochs are "
+    assert output.count("hookloop: training ended at epoch 1/1, step 12: its 1 epoch is "
                         "done.") == 1
 
 
