@@ -83,16 +83,17 @@ def contains_shards(value: Any) -> bool:
     return False
 
 
-def _marked(value: Any, path: str, moved: dict[str, Any]) -> Any:
-    """``value`` with each DTensor moved into ``moved`` under a path, a marker in its place."""
+def _marked(value: Any, key: str, path: str, moved: dict[str, Any]) -> Any:
+    """``value`` with each DTensor moved into ``moved[path]``, a marker naming
+    ``key.path`` (its DCP key) in its place."""
     if is_sharded_tensor(value):
         moved[path] = value
-        return {_MARK: path}
+        return {_MARK: f"{key}.{path}"}
     if isinstance(value, Mapping):
-        return {key: _marked(item, f"{path}/{key}" if path else str(key), moved)
-                for key, item in value.items()}
+        return {name: _marked(item, key, f"{path}/{name}" if path else str(name), moved)
+                for name, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_marked(item, f"{path}/{index}" if path else str(index), moved)
+        return type(value)(_marked(item, key, f"{path}/{index}" if path else str(index), moved)
                            for index, item in enumerate(value))
     return value
 
@@ -101,27 +102,28 @@ def split_shards(payload: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, 
     """``(plain, tensors)``: what goes to ``hookloop.pt`` and what goes to DCP.
 
     The model's entries and the optimizer's state go to DCP whole (keyed by parameter
-    name, so DCP can re-shard them); the optimizer's param groups stay in ``plain``. The
-    DTensors of the callbacks' states go to DCP, each replaced by a marker in ``plain``.
+    name, so DCP can re-shard them); the optimizer's param groups stay in ``plain``. Every
+    other DTensor (in a callback's state, an EMA over shards) goes to DCP, a marker in its
+    place in ``plain``.
 
     Example:
         >>> plain, tensors = split_shards({"model": {"w": torch.ones(1)}, "epoch": 2})
         >>> plain, list(tensors["model"])
         ({'model': {}, 'epoch': 2}, ['w'])
     """
-    plain = dict(payload)
+    plain: dict[str, Any] = {}
     tensors: dict[str, Any] = {}
-    if "model" in payload:
-        tensors["model"], plain["model"] = dict(payload["model"]), {}
-    optimizer = payload.get("optimizer")
-    if isinstance(optimizer, Mapping):
-        tensors["optimizer"] = {"state": dict(optimizer.get("state", {}))}
-        plain["optimizer"] = {"state": {}, "param_groups": list(optimizer.get("param_groups", []))}
-    if "callbacks" in payload:
-        moved: dict[str, Any] = {}
-        plain["callbacks"] = _marked(payload["callbacks"], "", moved)
-        if moved:
-            tensors["callbacks"] = moved
+    for key, value in payload.items():
+        if key == "model":
+            tensors["model"], plain["model"] = dict(value), {}
+        elif key == "optimizer" and isinstance(value, Mapping):
+            tensors["optimizer"] = {"state": dict(value.get("state", {}))}
+            plain["optimizer"] = {"state": {}, "param_groups": list(value.get("param_groups", []))}
+        else:
+            moved: dict[str, Any] = {}
+            plain[key] = _marked(value, str(key), "", moved)
+            if moved:
+                tensors[str(key)] = moved
     return plain, tensors
 
 
@@ -300,8 +302,9 @@ class Shards:
                 "optimizer, or its files are damaged.") from None
 
     def resolve(self, value: Any) -> Any:
-        """``value`` (the callbacks' saved states) with each marker replaced by the whole
-        tensor it names, read from the directory (a callback places it as it needs)."""
+        """``value`` (the plain part) with each marker replaced by the whole tensor it
+        names, read from the directory (a callback places it as it needs: an EMA cuts its
+        shard of it)."""
         marks: list[str] = []
         self._find(value, marks)
         if not marks:
@@ -310,13 +313,16 @@ class Shards:
 
         entries = FileSystemReader(self.path).read_metadata().state_dict_metadata
         wholes: dict[str, torch.Tensor] = {}
+        targets: dict[str, dict[str, torch.Tensor]] = {}
         for mark in marks:
-            entry = entries.get(f"callbacks.{mark}")
+            entry = entries.get(mark)
             if entry is None or not hasattr(entry, "size"):
-                raise CheckpointError(f"{self.path}: the shards of callbacks/{mark} are "
-                                      "missing; the directory was edited or damaged.")
+                raise CheckpointError(f"{self.path}: the shards of {mark} are missing; the "
+                                      "directory was edited or damaged.")
             wholes[mark] = torch.empty(entry.size, dtype=entry.properties.dtype)
-        self.read_into({"callbacks": wholes})
+            key, _, path = mark.partition(".")
+            targets.setdefault(key, {})[path] = wholes[mark]
+        self.read_into(targets)
         return self._replaced(value, wholes)
 
     def _find(self, value: Any, marks: list[str]) -> None:
