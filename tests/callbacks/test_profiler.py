@@ -84,4 +84,5 @@ def test_prints_on_rank_zero_only_and_measures_on_every_rank(monkeypatch) -> Non
         Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.cross_entropy,
              device="cpu", callbacks=[GradClip(1.0), profiler]).fit(1)
         assert ("hookloop profile" in console.file.getvalue()) is prints, rank
-        assert [row["calls"] for row in profiler.report() if row["name"] == "GradClip"] == [4]
+        calls = {row["event"]: row["calls"] for row in profiler.report() if row["name"] == "GradClip"}
+        assert calls == {"before_step": 4, "on_fit_start": 1}, calls
