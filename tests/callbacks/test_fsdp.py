@@ -163,6 +163,19 @@ def test_one_rank_fsdp_trains_as_an_unsharded_loop(one_process_group: None) -> N
                                atol=0)
 
 
+def test_clipping_by_value_of_shards_clips_as_an_unsharded_loop(one_process_group: None
+                                                                 ) -> None:
+    sharded = _loop([FSDP(), GradClip(max_value=0.01)])
+    sharded.fit(1)
+    plain = _loop([GradClip(max_value=0.01)])
+    plain.fit(1)
+    for name, value in plain.model.state_dict().items():
+        torch.testing.assert_close(sharded.model.state_dict()[name].full_tensor(), value,
+                                   rtol=0, atol=1e-6, msg=name)
+    torch.testing.assert_close(sharded.state.grad_norm, plain.state.grad_norm, rtol=1e-6,
+                               atol=0)
+
+
 def test_an_optimizer_over_other_tensors_or_one_that_stepped_is_refused(
         one_process_group: None) -> None:
     model = _model()

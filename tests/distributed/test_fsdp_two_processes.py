@@ -98,15 +98,50 @@ def test_fsdp_training_equals_one_process_on_the_global_batch(
                 assert math.isclose(got[key], want[key], rel_tol=1e-5), (key, got, want)
 
 
+def test_ema_over_shards_validates_with_the_averaged_weights_of_one_process(
+        runs: dict[str, Any]) -> None:
+    """The oracle averages the whole weights by hand (EMA's warmup decay) and validates with
+    the average after each epoch."""
+    model = script.make_model(seed=3)
+    optimizer = script.make_optimizer(model)
+    inputs, targets = common.regression_data(48, seed=1).tensors
+    val_inputs, val_targets = common.regression_data(9, seed=2).tensors
+    shadow = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    updates, val_losses = 0, []
+    for _ in range(2):
+        for start in range(0, 48, 8):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(inputs[start:start + 8]),
+                                   targets[start:start + 8]).backward()
+            optimizer.step()
+            decay = min(0.5, (1 + updates) / (10 + updates))
+            for name, value in model.state_dict().items():
+                shadow[name].lerp_(value.detach(), 1 - decay)
+            updates += 1
+        averaged = script.make_model(seed=3)
+        averaged.load_state_dict(shadow)
+        with torch.no_grad():
+            val_losses.append(nn.functional.mse_loss(averaged(val_inputs), val_targets).item())
+    assert_close_weights(read(runs["out"], "ema-shadow", 0), shadow, atol=1e-5)
+    for rank in (0, 1):
+        got = [epoch["val_loss"] for epoch in read(runs["out"], "ema-metrics", rank)]
+        for value, expected in zip(got, val_losses, strict=True):
+            assert math.isclose(value, expected, rel_tol=1e-5), (got, val_losses)
+
+
 def test_accumulation_four_reduce_scatters_once_per_optimizer_step(runs: dict[str, Any]
                                                                     ) -> None:
     for rank in (0, 1):
         counted = read(runs["out"], "reduce-scatters", rank)
-        assert counted["groups"] == 3  # the three Linear blocks (the root holds no parameter)
-        assert counted["steps"] == 4  # 6 micro-batches an epoch: windows of 4 and 2
+        skipping, control = counted["skipping"], counted["control"]
+        assert skipping["groups"] == 3  # the three Linear blocks (the root holds no parameter)
+        assert skipping["steps"] == 4  # 6 micro-batches an epoch: windows of 4 and 2
         # One reduce-scatter per sharded group per optimizer step, none for the micro-batches
-        # inside a window (4x as many without set_requires_gradient_sync).
-        assert counted["per_step"] == [counted["groups"]] * counted["steps"]
+        # inside a window...
+        assert skipping["per_step"] == [skipping["groups"]] * skipping["steps"]
+        # ...where a run that never turns the sync off reduce-scatters at every backward,
+        # which the count sees (windows of 4 and 2 micro-batches, 3 groups).
+        assert control["per_step"] == [4 * 3, 2 * 3] * 2
 
 
 def test_a_full_checkpoint_loads_into_an_unsharded_model(runs: dict[str, Any]) -> None:

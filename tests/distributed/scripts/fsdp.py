@@ -5,7 +5,8 @@ Usage: torchrun --nproc_per_node=N fsdp.py OUT_DIR PHASE
 
 PHASE:
   train       the equivalence runs (accumulation 1 and 2 with clipping, validation sets
-              that split evenly and not), accumulation 4 with every reduce-scatter counted,
+              that split evenly and not; EMA over the shards validating with its weights),
+              accumulation 4 with every reduce-scatter counted,
               a full checkpoint loaded into an unsharded model, bf16 and fp16 precision,
               and the uninterrupted reference of the resume phases
   kill-full   a run with Checkpoint(state_dict="full") SIGKILLed by both ranks mid-epoch
@@ -91,40 +92,64 @@ def equivalence(accumulation: int, val_samples: int) -> None:
                                              "parameter": type(model[0].weight).__name__})
 
 
+def ema_validation() -> None:
+    """EMA over the shards, validating with its weights over 9 samples (5 + 4: the model is
+    gathered for the pass, after the EMA weights were swapped into the shards)."""
+    model = make_model(seed=3)
+    ema = EMA(0.5)
+    log = StepLog()
+    train = DataLoader(regression_data(48, seed=1), batch_size=4)
+    val = DataLoader(regression_data(9, seed=2), batch_size=4)
+    loop = Loop(model, make_optimizer(model), train, val_data=val,
+                loss_fn=nn.functional.mse_loss, device="cpu", callbacks=[FSDP(), ema, log])
+    loop.fit(2)
+    shadow = {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+              for name, value in ema.averaged_state_dict().items()}
+    if rank() == 0:
+        save("ema-shadow", shadow)
+    save("ema-metrics", log.metrics)
+
+
 def reduce_scatters() -> None:
     """Accumulation 4: reduce-scatters counted by wrapping torch.distributed's
-    reduce_scatter_single, which FSDP2's default reduce-scatter calls."""
-    calls = [0]
-    original = dist.reduce_scatter_single
+    reduce_scatter_single, which FSDP2's default reduce-scatter calls; and, as a control
+    that the count sees them all, the same run with the gradient sync left on."""
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return original(*args, **kwargs)
+    class SyncAlways(FSDP):
+        def train_step_context(self, loop: Loop) -> None:
+            return None  # never set_requires_gradient_sync(False): every backward reduces
 
-    class PerStep(Callback):
-        def __init__(self) -> None:
-            self.counts: list[int] = []
-            self.seen = 0
+    counts: dict[str, Any] = {}
+    for label, callback in (("skipping", FSDP()), ("control", SyncAlways())):
+        calls = [0]
+        original = dist.reduce_scatter_single
 
-        def after_step(self, loop: Loop) -> None:
-            self.counts.append(calls[0] - self.seen)
-            self.seen = calls[0]
+        def counted(*args: Any, _calls: list[int] = calls, _original: Any = original,
+                    **kwargs: Any) -> Any:
+            _calls[0] += 1
+            return _original(*args, **kwargs)
 
-    model = make_model(seed=3)
-    per_step = PerStep()
-    train = DataLoader(regression_data(48, seed=1), batch_size=4)  # 6 batches: windows 4, 2
-    loop = Loop(model, make_optimizer(model), train, loss_fn=nn.functional.mse_loss,
-                device="cpu", callbacks=[FSDP(), GradAccumulation(4), per_step])
-    dist.reduce_scatter_single = counted  # type: ignore[assignment]
-    try:
-        loop.fit(2)
-    finally:
-        dist.reduce_scatter_single = original  # type: ignore[assignment]
-    groups = sum(1 for module in model.modules()
-                 if type(module).__name__.startswith("FSDP") and any(
-                     True for _ in module.parameters(recurse=False)))
-    save("reduce-scatters", {"per_step": per_step.counts, "groups": groups,
-                             "steps": loop.state.step})
+        per_step: list[int] = []
+
+        class PerStep(Callback):
+            def after_step(self, loop: Loop, _calls: list[int] = calls,
+                           _steps: list[int] = per_step) -> None:
+                _steps.append(_calls[0] - sum(_steps))
+
+        model = make_model(seed=3)
+        train = DataLoader(regression_data(48, seed=1), batch_size=4)  # 6 batches: windows 4, 2
+        loop = Loop(model, make_optimizer(model), train, loss_fn=nn.functional.mse_loss,
+                    device="cpu", callbacks=[callback, GradAccumulation(4), PerStep()])
+        dist.reduce_scatter_single = counted  # type: ignore[assignment]
+        try:
+            loop.fit(2)
+        finally:
+            dist.reduce_scatter_single = original  # type: ignore[assignment]
+        groups = sum(1 for module in model.modules()
+                     if type(module).__name__.startswith("FSDP") and any(
+                         True for _ in module.parameters(recurse=False)))
+        counts[label] = {"per_step": per_step, "groups": groups, "steps": loop.state.step}
+    save("reduce-scatters", counts)
 
 
 def full_file_into_unsharded_model() -> None:
@@ -229,6 +254,7 @@ def main() -> None:
     if phase == "train":
         equivalence(accumulation=1, val_samples=9)   # 5 + 4 samples: the gathered path
         equivalence(accumulation=2, val_samples=8)   # 4 + 4 samples: the sharded path
+        ema_validation()
         reduce_scatters()
         full_file_into_unsharded_model()
         precision()
