@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.data import length_of
-from hookloop.errors import ConfigurationError
+from hookloop.errors import ConfigurationError, with_article
 from hookloop.ordering import check_callbacks
 
 __all__ = ["check_int", "check_optional_int", "check_flag", "check_number", "check_name",
@@ -285,7 +285,7 @@ def _check_data(data: Any, name: str) -> None:
             "torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True).")
     if isinstance(data, Dataset) and not isinstance(data, (IterableDataset, DataLoader)):
         raise ConfigurationError(
-            f"{name} is a {type(data).__name__}, a torch Dataset: iterating it gives one "
+            f"{name} is {with_article(type(data).__name__)}, a torch Dataset: iterating it gives one "
             "sample at a time, not batches, so training would see batches of one sample "
             f"without a batch dimension. Wrap it: {name}=DataLoader(dataset, batch_size=32"
             f"{', shuffle=True' if name == 'train_data' else ''}).")
@@ -419,7 +419,7 @@ def check_fit_data(train_data: Any, epochs_left: int, val_data: Any = None) -> N
     for data, name in ((train_data, "train_data"), (val_data, "val_data")):
         if data is not None and _one_shot(data) and epochs_left > 1:
             raise ConfigurationError(
-                f"{name} is a {type(data).__name__}, a one-shot iterator: it is used up after "
+                f"{name} is {with_article(type(data).__name__)}, a one-shot iterator: it is used up after "
                 f"one pass, but this fit runs {epochs_left} more epochs, and the next would "
                 f"find it empty. Pass something that can be iterated again: a list, a "
                 "DataLoader, or an object whose __iter__ returns a new generator "

@@ -9,7 +9,7 @@ import torch
 
 from hookloop.data import is_pair, move_to_device
 from hookloop.dispatch import Handlers, entered
-from hookloop.errors import ConfigurationError
+from hookloop.errors import ConfigurationError, with_article
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -46,7 +46,7 @@ def compute(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
         keys = f" (keys: {', '.join(map(str, outputs))})" if isinstance(outputs, Mapping) else ""
         raise ConfigurationError(
             f"The batch is a mapping, so the model was called as model(**batch), but its "
-            f"output, a {type(outputs).__name__}{keys}, has no 'loss'. Return the loss from "
+            f"output, {with_article(type(outputs).__name__)}{keys}, has no 'loss'. Return the loss from "
             "the model (outputs['loss'] or outputs.loss), or pass forward=fn(loop, batch) -> "
             "(outputs, loss) to the Loop.")
     if is_pair(batch):

@@ -18,7 +18,7 @@ import torch
 from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.dispatch import annotate
-from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.errors import CheckpointError, ConfigurationError, with_article
 from hookloop.ordering import overrides
 from hookloop.rng import rng_state_problem
 from hookloop.storage import expect_field, find_unplain, load_model_weights, load_optimizer_state
@@ -255,7 +255,7 @@ def check_optimizer_fits(optimizer: torch.optim.Optimizer, loop_part: Mapping[st
         raise CheckpointError(
             f"{source}: the run was trained with {theirs}, but this loop's optimizer is "
             f"{ours}; its state (momentum buffers, moments, hyper-parameters) cannot be "
-            f"loaded into another class. Create a {theirs} as in the saved run, or load only "
+            f"loaded into another class. Create {with_article(theirs)} as in the saved run, or load only "
             "the weights with hookloop.load_checkpoint(path, model) and start a new run.")
     layout = [len(group["params"]) for group in optimizer.param_groups]
     groups = saved.get("param_groups")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookloop.errors import CheckpointError, CheckpointWriteError, ConfigurationError
+from hookloop.errors import CheckpointError, CheckpointWriteError, ConfigurationError, with_article
 from hookloop.modules import unwrap
 
 __all__ = ["FORMAT", "TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "find_unplain", "write_atomic",
@@ -57,7 +57,7 @@ def find_unplain(value: Any, where: str) -> str | None:
             if found:
                 return found
         return None
-    return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
+    return f"{where} is {with_article(f'{type(value).__module__}.{type(value).__qualname__}')}"
 
 
 def fsync_directory(directory: str) -> None:
@@ -582,7 +582,7 @@ def read_payload(path: str | os.PathLike[str], map_location: Any) -> dict[str, A
                               f"({type(error).__name__}: {text}).") from None
     if not isinstance(payload, dict) or not isinstance(payload.get("hookloop"), dict):
         keys = (f"top-level keys: {', '.join(map(str, list(payload)[:8]))}"
-                if isinstance(payload, dict) else f"it holds a {type(payload).__name__}")
+                if isinstance(payload, dict) else f"it holds {with_article(type(payload).__name__)}")
         raise CheckpointError(
             f"{path}: not a hookloop checkpoint ({keys}; no 'hookloop' entry). Load it with "
             "torch.load, or use a file written by hookloop.callbacks.Checkpoint.")

@@ -26,7 +26,7 @@ from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_int, check_name
 from hookloop.data import length_of
-from hookloop.errors import ConfigurationError
+from hookloop.errors import ConfigurationError, with_article
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -190,7 +190,7 @@ def _shard(loader: Any, *, training: bool) -> Any:
     which = "training" if training else "validation"
     if not isinstance(loader, DataLoader):
         warnings.warn(
-            f"DDP: the {which} data is a {type(loader).__name__}, not a DataLoader, so every "
+            f"DDP: the {which} data is {with_article(type(loader).__name__)}, not a DataLoader, so every "
             "rank reads all of it. Pass a DataLoader to have it sharded across ranks.",
             stacklevel=5)
         return loader

@@ -12,7 +12,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from hookloop.callback import Callback
 from hookloop.checks import check_choice, check_name
-from hookloop.errors import ConfigurationError
+from hookloop.errors import ConfigurationError, with_article
 from hookloop.monitor import Monitor, infer_mode
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ class LRScheduler(Callback):
                     "LRScheduler(ReduceLROnPlateau(optimizer), monitor='val_loss').")
         elif self.monitor is not None:
             raise ConfigurationError(
-                f"LRScheduler monitor must be None for a {type(scheduler).__name__}, which "
+                f"LRScheduler monitor must be None for {with_article(type(scheduler).__name__)}, which "
                 f"does not read metrics, got {self.monitor!r}. monitor is only used by "
                 "ReduceLROnPlateau: remove monitor=.")
 
