@@ -315,12 +315,30 @@ class Metrics(Callback):
             return
         state = loop.state
         self._update(self._training, loop)
-        if state.step_boundary and self._training.functions:
-            # Tensors are replaced, never changed in place: keeping references is a snapshot.
-            self._boundaries[(state.epoch, state.batch_idx + 1)] = (
-                dict(self._training.sums), self._training.samples)
-            while len(self._boundaries) > 2:
-                del self._boundaries[next(iter(self._boundaries))]
+        if state.step_boundary:  # the boundary as known now: a callback may still move it
+            self._snapshot(loop)
+
+    def on_batch_end(self, loop: Loop) -> None:
+        # A boundary a callback drew after this batch's forward (in after_backward): the
+        # loop has recorded its position at this batch.
+        epoch, done, _ = loop.position
+        state = loop.state
+        if (self.on_train and (epoch, done) == (state.epoch, state.batch_idx + 1)
+                and (epoch, done) not in self._boundaries):
+            self._snapshot(loop)
+
+    def _snapshot(self, loop: Loop) -> None:
+        """Keep the training sums at this batch, and those at the loop's position (the last
+        boundary it recorded), for `state_dict`; drop any other."""
+        if not self._training.functions:
+            return
+        state = loop.state
+        epoch, done, _ = loop.position
+        self._boundaries = {key: value for key, value in self._boundaries.items()
+                            if key == (epoch, done)}
+        # Tensors are replaced, never changed in place: keeping references is a snapshot.
+        self._boundaries[(state.epoch, state.batch_idx + 1)] = (
+            dict(self._training.sums), self._training.samples)
 
     def _write_train(self, loop: Loop) -> None:
         # Every rank gets here at the same events: the reduction inside results() must not
