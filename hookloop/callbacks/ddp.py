@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import (
     BatchSampler,
@@ -31,7 +32,7 @@ from hookloop.errors import ConfigurationError, with_article
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["DDP", "UnpaddedDistributedSampler", "check_equal_batches"]
+__all__ = ["DDP", "UnpaddedDistributedSampler", "check_equal_batches", "sync_batchnorm"]
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _groups_created = 0  # process groups this module created in this process
@@ -263,6 +264,33 @@ def check_equal_batches(train_data: Any) -> None:
         "every rank the same number of batches (e.g. drop the remainder).")
 
 
+_PLAIN_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d,
+                    nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
+
+
+def sync_batchnorm(module: nn.Module) -> nn.Module:
+    """``module`` with its BatchNorm layers replaced by torch's ``SyncBatchNorm``.
+
+    torch's ``SyncBatchNorm.convert_sync_batchnorm``: each new layer holds the same
+    parameter and buffer tensors as the one it replaces (the optimizer keeps working and the
+    state dict keeps its keys), and the layers already synchronised are left as they are.
+    The conversion works anywhere; training with the converted layers needs CUDA (in train
+    mode under a process group of several ranks torch refuses CPU tensors), while in eval
+    mode, or without a process group, they compute what BatchNorm computes.
+
+    Returns:
+        The converted module: ``module`` itself unless it is a BatchNorm layer.
+
+    Example:
+        >>> from torch import nn
+        >>> model = sync_batchnorm(nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4)))
+        >>> type(model[1]).__name__
+        'SyncBatchNorm'
+    """
+    plain = any(isinstance(layer, _PLAIN_BATCHNORM) for layer in module.modules())
+    return nn.SyncBatchNorm.convert_sync_batchnorm(module) if plain else module
+
+
 def _set_epoch(loader: Any, epoch: int) -> None:
     sampler = getattr(loader, "sampler", None)
     batch_sampler = getattr(loader, "batch_sampler", None)
@@ -308,6 +336,16 @@ class DDP(Callback):
         backend: Process group backend; None means ``nccl`` on CUDA, else ``gloo``.
         find_unused_parameters: Passed to ``DistributedDataParallel``, for models whose
             forward does not use every parameter.
+        sync_batchnorm: Convert the model's BatchNorm layers to torch's ``SyncBatchNorm``
+            (`sync_batchnorm`) before wrapping, so that training normalises with the
+            statistics of the global batch. CUDA only: torch's SyncBatchNorm refuses CPU
+            tensors in training, so on CPU it is refused at setup, before the first batch.
+            Without it each rank normalises with its own batch's statistics
+            (docs/distributed.md says what that changes).
+
+    Raises:
+        ConfigurationError: under torchrun, ``sync_batchnorm=True`` on a device that is not
+            CUDA (at setup, on every rank, before any process group is created).
 
     Example:
         >>> import torch
@@ -325,13 +363,14 @@ class DDP(Callback):
     unique: ClassVar[bool] = True
     roles: ClassVar[tuple[str, ...]] = ("distributed",)
 
-    def __init__(self, *, backend: str | None = None, find_unused_parameters: bool = False
-                 ) -> None:
+    def __init__(self, *, backend: str | None = None, find_unused_parameters: bool = False,
+                 sync_batchnorm: bool = False) -> None:
         self.backend = check_name("DDP backend", backend,
                                   hint="A backend name is e.g. 'nccl' or 'gloo'; None picks "
                                        "nccl on CUDA, gloo on CPU.")
         self.find_unused_parameters = check_flag("DDP find_unused_parameters",
                                                  find_unused_parameters)
+        self.sync_batchnorm = check_flag("DDP sync_batchnorm", sync_batchnorm)
         self._active = False
         self._noted = False
         self._created_group = False
@@ -341,7 +380,8 @@ class DDP(Callback):
 
     def __repr__(self) -> str:
         return (f"DDP(backend={self.backend!r}, "
-                f"find_unused_parameters={self.find_unused_parameters!r})")
+                f"find_unused_parameters={self.find_unused_parameters!r}"
+                + (", sync_batchnorm=True)" if self.sync_batchnorm else ")"))
 
     # ------------------------------------------------------------------- setup
     def setup(self, loop: Loop) -> None:
@@ -366,12 +406,22 @@ class DDP(Callback):
             # threads can abort the process at exit).
             self._active = False
             return
+        if self.sync_batchnorm and loop.device.type != "cuda":
+            raise ConfigurationError(
+                f"DDP(sync_batchnorm=True) needs CUDA, but this run trains on {loop.device}: "
+                "torch's SyncBatchNorm synchronises batch statistics only for GPU tensors "
+                "(in training it raises 'SyncBatchNorm expected input tensor to be on GPU'), "
+                "and hookloop has no CPU replacement. Train on CUDA GPUs, or drop "
+                "sync_batchnorm=True: each rank's BatchNorm then normalises with its own "
+                "batch's statistics (see docs/distributed.md).")
         if not distributed.is_initialized():
             backend = self.backend or ("nccl" if loop.device.type == "cuda" else "gloo")
             _init_process_group(backend)
             self._created_group = True
         if not isinstance(loop.model, DistributedDataParallel):
             module = loop.model.to(loop.device)
+            if self.sync_batchnorm:  # before wrapping: DDP registers the layers it holds
+                module = sync_batchnorm(module)
             device_ids = [loop.device.index] if loop.device.type == "cuda" else None
             loop.model = DistributedDataParallel(
                 module, device_ids=device_ids,
