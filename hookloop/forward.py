@@ -46,9 +46,9 @@ def compute(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
         keys = f" (keys: {', '.join(map(str, outputs))})" if isinstance(outputs, Mapping) else ""
         raise ConfigurationError(
             f"The batch is a mapping, so the model was called as model(**batch), but its "
-            f"output, {with_article(type(outputs).__name__)}{keys}, has no 'loss'. Return the loss from "
-            "the model (outputs['loss'] or outputs.loss), or pass forward=fn(loop, batch) -> "
-            "(outputs, loss) to the Loop.")
+            f"output, {with_article(type(outputs).__name__)}{keys}, has no 'loss'. Return the "
+            "loss from the model (outputs['loss'] or outputs.loss), or pass "
+            "forward=fn(loop, batch) -> (outputs, loss) to the Loop.")
     if is_pair(batch):
         raise ConfigurationError(
             "The batch is an (inputs, targets) pair but the Loop has no loss_fn. Pass "

@@ -255,8 +255,8 @@ def check_optimizer_fits(optimizer: torch.optim.Optimizer, loop_part: Mapping[st
         raise CheckpointError(
             f"{source}: the run was trained with {theirs}, but this loop's optimizer is "
             f"{ours}; its state (momentum buffers, moments, hyper-parameters) cannot be "
-            f"loaded into another class. Create {with_article(theirs)} as in the saved run, or load only "
-            "the weights with hookloop.load_checkpoint(path, model) and start a new run.")
+            f"loaded into another class. Create {with_article(theirs)} as in the saved run, or "
+            "load only the weights with hookloop.load_checkpoint(path, model) and start a new run.")
     layout = [len(group["params"]) for group in optimizer.param_groups]
     groups = saved.get("param_groups")
     saved_layout = ([len(group.get("params", ())) for group in groups]

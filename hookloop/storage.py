@@ -601,7 +601,8 @@ def read_payload(path: str | os.PathLike[str], map_location: Any) -> dict[str, A
                               f"({type(error).__name__}: {text}).") from None
     if not isinstance(payload, dict) or not isinstance(payload.get("hookloop"), dict):
         keys = (f"top-level keys: {', '.join(map(str, list(payload)[:8]))}"
-                if isinstance(payload, dict) else f"it holds {with_article(type(payload).__name__)}")
+                if isinstance(payload, dict)
+                else f"it holds {with_article(type(payload).__name__)}")
         raise CheckpointError(
             f"{path}: not a hookloop checkpoint ({keys}; no 'hookloop' entry). Load it with "
             "torch.load, or use a file written by hookloop.callbacks.Checkpoint.")

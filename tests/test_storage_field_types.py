@@ -178,7 +178,8 @@ BEST_FIELDS = [
 def test_a_field_of_best_pt_of_the_wrong_type_is_refused_by_name(
         written: Path, tmp_path: Path, field: str, edit: Callable[[dict[str, Any]], None]) -> None:
     directory = edited(written, tmp_path, "best.pt", edit)
-    with pytest.raises(CheckpointError, match=f"the checkpoint's field {re.escape(repr(field))} is"):
+    pattern = f"the checkpoint's field {re.escape(repr(field))} is"
+    with pytest.raises(CheckpointError, match=pattern):
         hookloop.load_checkpoint(directory / "best.pt", make_model())
 
 

@@ -191,8 +191,8 @@ def _shard(loader: Any, *, training: bool) -> Any:
     which = "training" if training else "validation"
     if not isinstance(loader, DataLoader):
         warnings.warn(
-            f"DDP: the {which} data is {with_article(type(loader).__name__)}, not a DataLoader, so every "
-            "rank reads all of it. Pass a DataLoader to have it sharded across ranks.",
+            f"DDP: the {which} data is {with_article(type(loader).__name__)}, not a DataLoader, "
+            "so every rank reads all of it. Pass a DataLoader to have it sharded across ranks.",
             stacklevel=5)
         return loader
     if isinstance(loader.dataset, IterableDataset):

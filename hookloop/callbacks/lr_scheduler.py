@@ -148,9 +148,9 @@ class LRScheduler(Callback):
                     "LRScheduler(ReduceLROnPlateau(optimizer), monitor='val_loss').")
         elif self.monitor is not None:
             raise ConfigurationError(
-                f"LRScheduler monitor must be None for {with_article(type(scheduler).__name__)}, which "
-                f"does not read metrics, got {self.monitor!r}. monitor is only used by "
-                "ReduceLROnPlateau: remove monitor=.")
+                "LRScheduler monitor must be None for "
+                f"{with_article(type(scheduler).__name__)}, which does not read metrics, got "
+                f"{self.monitor!r}. monitor is only used by ReduceLROnPlateau: remove monitor=.")
 
     # ------------------------------------------------------------------ events
     def setup(self, loop: Loop) -> None:

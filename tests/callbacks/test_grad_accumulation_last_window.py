@@ -114,7 +114,8 @@ def test_drop_counts_only_whole_windows_for_the_schedule() -> None:
     data = make_data()
     totals: list[int] = []
 
-    def factory(optimizer: torch.optim.Optimizer, total: int) -> torch.optim.lr_scheduler.LRScheduler:
+    def factory(optimizer: torch.optim.Optimizer, total: int
+                ) -> torch.optim.lr_scheduler.LRScheduler:
         totals.append(total)
         return torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.0, total_iters=total)
 
