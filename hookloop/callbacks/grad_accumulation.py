@@ -75,6 +75,7 @@ class GradAccumulation(Callback):
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...             callbacks=[GradAccumulation(4)])
         >>> loop.fit(1).step
+        hookloop: training ended at epoch 1/1, step 3: its 1 epoch is done.
         3
         >>> loop.callbacks = [GradAccumulation(4, last_window="drop")]
         >>> loop.fit(2).step - 3

@@ -81,3 +81,17 @@ def test_a_tuple_batch_without_targets_points_at_its_last_item() -> None:
     message = str(caught.value)
     assert "a tuple of 3 item(s)" in message
     assert "Metrics(..., targets=lambda batch: batch[2])" in message
+
+
+def test_the_suggested_loop_rule_works() -> None:
+    """Loop(..., targets=key), the message's first option, gives Metrics the targets too."""
+    torch.manual_seed(0)
+    batches = [{"pixels": torch.randn(8, 4), "digit": torch.randint(0, 3, (8,))}]
+    model = DictModel("pixels", "digit")
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, val_data=batches,
+                device="cpu", targets="digit", sanity_val_batches=0,
+                callbacks=[Metrics(acc=accuracy, outputs=lambda outputs: outputs["logits"])])
+    state = loop.fit(1)
+    with torch.no_grad():
+        expected = accuracy(model.linear(batches[0]["pixels"]), batches[0]["digit"]).item()
+    assert state.metrics["val_acc"] == pytest.approx(expected)
