@@ -172,10 +172,9 @@ class EpochPass:
     ``step_boundary`` is True every ``window`` batches and on the batch that ends the data
     (a callback may change it: the loop steps where ``loop.state.step_boundary`` says). At a
     step boundary the loop took (`record`) where ``stop_due()`` is True, the pass ends: when
-    more data follows,
-    its iterator is kept by the `Position` for a later ``fit`` and `completed` is False.
-    The pass sums the training loss on the device (`losses`) and reads it once
-    (`train_loss`).
+    more data follows, its iterator is kept by the `Position` for a later ``fit`` and
+    `completed` is False. The pass sums the training loss on the device (`losses`) and
+    reads it once (`train_loss`).
     """
 
     __slots__ = ("_position", "epoch", "_iterator", "start", "_total", "_window", "_stop_due",

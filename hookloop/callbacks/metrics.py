@@ -321,10 +321,12 @@ class Metrics(Callback):
     def on_batch_end(self, loop: Loop) -> None:
         # A boundary a callback drew after this batch's forward (in after_backward): the
         # loop has recorded its position at this batch.
+        if not self.on_train:
+            return
         epoch, done, _ = loop.position
         state = loop.state
-        if (self.on_train and (epoch, done) == (state.epoch, state.batch_idx + 1)
-                and (epoch, done) not in self._boundaries):
+        if (epoch, done) == (state.epoch, state.batch_idx + 1) and (epoch, done) not in \
+                self._boundaries:
             self._snapshot(loop)
 
     def _snapshot(self, loop: Loop) -> None:
