@@ -1,14 +1,21 @@
 """Quickstart: a small CNN on scikit-learn's bundled digits, with the standard preset.
 
     python examples/quickstart.py                 # a new run in runs/quickstart/version_N
-    python examples/quickstart.py --resume        # continue the newest run
-    python examples/quickstart.py --epochs 20 --resume   # train the newest run longer
+    python examples/quickstart.py --resume        # continue the newest run (after a kill)
+    python examples/quickstart.py --epochs 20 --resume   # raise the newest run's total to 20
+    python examples/quickstart.py --epochs 20 --resume --restart-patience
     python examples/quickstart.py --max-steps 20  # a quick smoke run
     tensorboard --logdir runs/quickstart          # the curves of every run
 
 Each run gets its own directory (version_0, version_1, ...) holding its checkpoints and
 its TensorBoard logs, so running the script twice never mixes two runs. No download: the
 1,797 8x8 digit images ship inside scikit-learn.
+
+``--epochs 20 --resume`` continues the newest run up to 20 epochs in all, with two catches
+that it prints at the start: the warmup-cosine schedule is rebuilt for the longer run (the
+learning rate jumps to the longer schedule's), and after an early stop EarlyStopping's
+restored patience is used up, so the run stops again after its next validation that does
+not improve val_acc. ``--restart-patience`` gives it fresh patience (the best is kept).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from hookloop import Loop, presets
-from hookloop.callbacks import AMP, Metrics
+from hookloop.callbacks import AMP, EarlyStopping, Metrics
 
 
 def digits_loaders(batch_size: int = 64, seed: int = 0) -> tuple[DataLoader, DataLoader]:
@@ -84,6 +91,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--root", default="runs/quickstart",
                         help="where the version_N run directories go")
     parser.add_argument("--resume", action="store_true", help="continue the newest run in --root")
+    parser.add_argument("--restart-patience", action="store_true",
+                        help="with --resume: early stopping counts its patience from 0 again")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1... (default: CUDA if any)")
     parser.add_argument("--no-progress", action="store_true", help="no progress display")
     args = parser.parse_args(argv)
@@ -101,6 +110,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         metrics={"acc": accuracy}, monitor="val_acc",
         checkpoint_dir=directory / "checkpoints", tensorboard=directory / "tensorboard",
         resume=args.resume, progress=not args.no_progress)
+    for callback in callbacks:
+        if isinstance(callback, EarlyStopping):
+            callback.restart_patience_on_resume = args.restart_patience
     loop = Loop(model, optimizer, train_data, val_data=val_data, loss_fn=F.cross_entropy,
                 callbacks=callbacks, device=args.device)
     state = loop.fit(args.epochs, max_steps=args.max_steps)

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.data import length_of
-from hookloop.errors import ConfigurationError
+from hookloop.errors import ConfigurationError, with_article
 from hookloop.forward import check_batch_rule
 from hookloop.ordering import check_callbacks
 from hookloop.untouched import untouched
@@ -302,8 +302,8 @@ def _check_data(data: Any, name: str) -> None:
             "torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True).")
     if isinstance(data, Dataset) and not isinstance(data, (IterableDataset, DataLoader)):
         raise ConfigurationError(
-            f"{name} is a {type(data).__name__}, a torch Dataset: iterating it gives one "
-            "sample at a time, not batches, so training would see batches of one sample "
+            f"{name} is {with_article(type(data).__name__)}, a torch Dataset: iterating it gives "
+            "one sample at a time, not batches, so training would see batches of one sample "
             f"without a batch dimension. Wrap it: {name}=DataLoader(dataset, batch_size=32"
             f"{', shuffle=True' if name == 'train_data' else ''}).")
     if isinstance(data, (str, bytes, torch.Tensor)) or not (
@@ -503,9 +503,9 @@ def check_fit_data(train_data: Any, epochs_left: int, val_data: Any = None) -> N
     for data, name in ((train_data, "train_data"), (val_data, "val_data")):
         if data is not None and _one_shot(data) and epochs_left > 1:
             raise ConfigurationError(
-                f"{name} is a {type(data).__name__}, a one-shot iterator: it is used up after "
-                f"one pass, but this fit runs {epochs_left} more epochs, and the next would "
-                f"find it empty. Pass something that can be iterated again: a list, a "
+                f"{name} is {with_article(type(data).__name__)}, a one-shot iterator: it is used "
+                f"up after one pass, but this fit runs {epochs_left} more epochs, and the next "
+                f"would find it empty. Pass something that can be iterated again: a list, a "
                 "DataLoader, or an object whose __iter__ returns a new generator "
                 "(class Batches: def __iter__(self): yield from make_batches()).")
 

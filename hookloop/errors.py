@@ -1,10 +1,51 @@
-"""Exceptions hookloop raises. Each one is a class users can catch."""
+"""Exceptions hookloop raises (each one a class users can catch), and `with_article`, which
+every message naming a type or class uses."""
 
 from __future__ import annotations
 
+import re
+
 __all__ = ["HookloopError", "CallbackOrderError", "CheckpointError", "CheckpointWriteError",
            "NonFiniteError",
-           "ConfigurationError", "Terminated"]
+           "ConfigurationError", "Terminated", "with_article"]
+
+# Words spelt with a vowel that start with a consonant sound ("a unit", "a one-shot"), and
+# the reverse ("an hour").
+_VOWEL_SPELT_CONSONANT = re.compile(r"^([Uu](ni|se|su|sa|ti|re)|[Ee]u|[Oo]n(e|ce)(?![a-z]))")
+# ... and names read from a first letter that is not a vowel ("an hour", "an ndarray").
+_VOWEL_SOUND = re.compile(r"^([Hh](our|onest|onou?r|eir)|nd)")
+# Letters whose English name starts with a vowel sound: "an SGD", "an LBFGS", "an MSE".
+_VOWEL_NAMED_LETTERS = frozenset("AEFHILMNORSX")
+
+
+def with_article(word: str) -> str:
+    """``word`` after the indefinite article its sound takes: "an Adam", "a DataLoader".
+
+    Generated messages name classes and types they do not know in advance ("Create an Adam
+    as in the saved run"), so the article is chosen by the name's first sound. A name that
+    starts with two capitals (``SGD``, ``LBFGS``, ``RMSprop``, ``DDP``) is read letter by
+    letter; a dotted name by its first part.
+
+    Example:
+        >>> [with_article(name) for name in ("Adam", "SGD", "RMSprop", "DataLoader", "int")]
+        ['an Adam', 'an SGD', 'an RMSprop', 'a DataLoader', 'an int']
+        >>> [with_article(name) for name in ("OneCycleLR", "UnitNorm", "ndarray", "list")]
+        ['a OneCycleLR', 'a UnitNorm', 'an ndarray', 'a list']
+    """
+    head = word.lstrip("_'\"`(")
+    initialism = bool(head) and head[0].isupper() and (
+        len(head) == 1 or head[1].isupper() or head[1].isdigit())
+    if not head:
+        vowel = False
+    elif initialism:
+        vowel = head[0] in _VOWEL_NAMED_LETTERS
+    elif _VOWEL_SPELT_CONSONANT.match(head):
+        vowel = False
+    elif _VOWEL_SOUND.match(head):
+        vowel = True
+    else:
+        vowel = head[0].lower() in "aeiou"
+    return f"{'an' if vowel else 'a'} {word}"
 
 
 class HookloopError(Exception):

@@ -15,7 +15,7 @@ import torch
 
 from hookloop.data import find_targets, is_pair, move_to_device
 from hookloop.dispatch import Handlers, entered
-from hookloop.errors import ConfigurationError
+from hookloop.errors import ConfigurationError, with_article
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -45,7 +45,7 @@ def select(selector: Selector, batch: Any, what: str) -> Any:
         return batch[selector]
     except (KeyError, IndexError, TypeError):
         found = (f"its keys are {', '.join(repr(key) for key in batch)}"
-                 if isinstance(batch, Mapping) else f"it is a {type(batch).__name__}")
+                 if isinstance(batch, Mapping) else f"it is {with_article(type(batch).__name__)}")
         raise ConfigurationError(f"Loop {what}={selector!r}: the batch has no such key; "
                                  f"{found}.") from None
 
@@ -83,8 +83,9 @@ def _loss_of(outputs: Any, called: str) -> torch.Tensor:
         return outputs.loss
     keys = f" (keys: {', '.join(map(str, outputs))})" if isinstance(outputs, Mapping) else ""
     raise ConfigurationError(
-        f"The model was called as {called}, but its output, a {type(outputs).__name__}{keys}, "
-        "has no 'loss', and the Loop has no loss_fn. Return the loss from the model "
+        f"The model was called as {called}, but its output, "
+        f"{with_article(type(outputs).__name__)}{keys}, has no 'loss', and the Loop has no "
+        "loss_fn. Return the loss from the model "
         "(outputs['loss'] or outputs.loss), pass loss_fn=fn(outputs, targets) (with "
         "inputs=/targets= for mapping batches), or pass forward=fn(loop, batch) -> "
         "(outputs, loss) to the Loop.")

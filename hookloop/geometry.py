@@ -38,6 +38,9 @@ class Geometry:
     model: nn.Module
     train_data: Any
     accumulation_steps: int
+    #: Whether an epoch's last, partial window makes a step (``GradAccumulation(last_window=
+    #: "drop")`` sets False).
+    partial_window_steps: bool
     state: LoopState
 
     @property
@@ -52,9 +55,17 @@ class Geometry:
 
     @property
     def steps_per_epoch(self) -> int | None:
-        """Optimizer steps per epoch (accumulation and sharding accounted), or None."""
+        """Optimizer steps per epoch (accumulation and sharding accounted), or None.
+
+        ``ceil(batches / accumulation_steps)``, or ``batches // accumulation_steps`` when the
+        last, partial window makes no step (``partial_window_steps`` False).
+        """
         batches = self.batches_per_epoch
-        return None if batches is None else math.ceil(batches / self.accumulation_steps)
+        if batches is None:
+            return None
+        if not self.partial_window_steps:
+            return batches // self.accumulation_steps
+        return math.ceil(batches / self.accumulation_steps)
 
     @property
     def total_steps(self) -> int | None:

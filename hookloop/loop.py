@@ -116,6 +116,9 @@ class Loop(Geometry):
         self.state = LoopState()
         #: Micro-batches per optimizer step; set by ``GradAccumulation`` in ``setup``.
         self.accumulation_steps = 1
+        #: Whether an epoch's last, partial window of micro-batches makes a step (False:
+        #: ``GradAccumulation(last_window="drop")``); `steps_per_epoch` counts it.
+        self.partial_window_steps = True
         #: The ``torch.amp.GradScaler`` scaling the loss, set by ``AMP`` in ``setup`` (None
         #: without one): callbacks that read gradients or the scale find it here.
         self.scaler: torch.amp.GradScaler | None = None
@@ -414,6 +417,7 @@ class Loop(Geometry):
     def _setup(self) -> Table:
         """Run the setup hooks, check the data, move the model, restore, build the table."""
         self.accumulation_steps, self.scaler, self.handler_wrapper = 1, None, None
+        self.partial_window_steps = True
         for callback in self.callbacks:  # the step geometry is read afresh at every fit
             if overrides(callback, "setup"):
                 call(callback.setup, self)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hookloop.callback import Callback
 from hookloop.errors import CallbackOrderError, ConfigurationError
@@ -163,7 +163,10 @@ FOREIGN_EVENTS: dict[str, tuple[str, str]] = {
 
 
 def _event_name_problem(owner: str, attribute: str) -> str | None:
-    """The message for a method that looks like an event hookloop does not have, or None."""
+    """The message for a method that looks like an event hookloop does not have, or None.
+
+    Only attributes that could be called are asked about (`_could_be_called`).
+    """
     if attribute in EVENT_NAMES or attribute in HOOKS:
         return None
     foreign = FOREIGN_EVENTS.get(attribute)
@@ -182,11 +185,31 @@ def _event_name_problem(owner: str, attribute: str) -> str | None:
             f"{attribute!r}, so it would never be called.{hint} {events}")
 
 
+def _could_be_called(value: Any, owner: type) -> bool:
+    """True when a class attribute could be an event method: what it gives when read from
+    an instance is callable (a function, a static or class method, a callable object).
+
+    Data is never an event, whatever its name: a counter ``after_steps = 0``, a string, a
+    property (it gives a value) or a ``functools.cached_property``.
+    """
+    if isinstance(value, property):
+        return False
+    getter = getattr(type(value), "__get__", None)
+    if getter is not None:  # a descriptor: judge what it gives, not the descriptor itself
+        try:
+            value = getter(value, None, owner)
+        except Exception:  # noqa: BLE001 - a descriptor that cannot be read from the class
+            return False
+    return callable(value)
+
+
 def _check_event_names(callback: Callback, index: int) -> None:
     for cls in type(callback).__mro__:
         if cls is Callback or cls is object:
             break
-        for attribute in vars(cls):
+        for attribute, value in vars(cls).items():
+            if not _could_be_called(value, cls):
+                continue
             problem = _event_name_problem(cls.__name__, attribute)
             if problem is not None:
                 raise ConfigurationError(problem)

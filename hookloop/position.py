@@ -169,15 +169,16 @@ class Position:
 class EpochPass:
     """One epoch's training batches, as ``(batch_idx, batch, step_boundary)``.
 
-    ``step_boundary`` is True every ``window`` batches and on the batch that ends the data.
-    At a step boundary where ``stop_due()`` is True, the pass ends: when more data follows,
-    its iterator is kept by the `Position` for a later ``fit`` and `completed` is False.
-    The pass sums the training loss on the device (`losses`) and reads it once
-    (`train_loss`).
+    ``step_boundary`` is True every ``window`` batches and on the batch that ends the data
+    (a callback may change it: the loop steps where ``loop.state.step_boundary`` says). At a
+    step boundary the loop took (`record`) where ``stop_due()`` is True, the pass ends: when
+    more data follows, its iterator is kept by the `Position` for a later ``fit`` and
+    `completed` is False. The pass sums the training loss on the device (`losses`) and
+    reads it once (`train_loss`).
     """
 
     __slots__ = ("_position", "epoch", "_iterator", "start", "_total", "_window", "_stop_due",
-                 "losses", "batches_done", "completed")
+                 "losses", "batches_done", "completed", "_at_boundary")
 
     def __init__(self, position: Position, epoch: int, iterator: Iterator[Any], start: int,
                  total: int | None, window: int, stop_due: Callable[[], bool],
@@ -190,14 +191,16 @@ class EpochPass:
         self.batches_done = start
         #: False when a stop ended the pass before the data ran out.
         self.completed = True
+        self._at_boundary = True  # the weights match `batches_done`: a stop may end here
 
     def __iter__(self) -> Iterator[tuple[int, Any, bool]]:
         iterator, total, window = self._iterator, self._total, self._window
         lookahead = iterator if isinstance(iterator, Lookahead) else None
         boundary, batch_idx = True, self.start - 1
         while True:
-            # A stop takes effect at a step boundary, never inside an accumulation window.
-            stopping = boundary and self._stop_due()
+            # A stop takes effect at a step boundary the loop took (`record`), never inside
+            # a window, also one a callback drew with loop.state.step_boundary.
+            stopping = self._at_boundary and self._stop_due()
             # More data is known to follow: keep the iterator for a later fit. Without a
             # length (and no look-ahead), one more batch is fetched below to find out.
             more = (batch_idx + 1 < total if total is not None
@@ -217,6 +220,7 @@ class EpochPass:
                 ends_data = total is not None and batch_idx == total - 1
             boundary = window == 1 or (batch_idx + 1) % window == 0 or ends_data
             self.batches_done = batch_idx + 1
+            self._at_boundary = False
             yield batch_idx, batch, boundary
 
     def _suspend(self, iterator: Iterator[Any]) -> None:
@@ -231,6 +235,7 @@ class EpochPass:
         losses = self.losses
         position.record(self.epoch, self.batches_done, step, losses.total, losses.samples,
                         prefetch)
+        self._at_boundary = True
         if validated:
             position.validated = True
 

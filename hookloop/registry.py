@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hookloop.callback import Callback
-from hookloop.errors import ConfigurationError
+from hookloop.errors import ConfigurationError, with_article
 
 __all__ = ["ENTRY_POINT_GROUP", "Entry", "available", "entries", "get"]
 
@@ -124,8 +124,8 @@ def _load(name: str, entry_point: importlib.metadata.EntryPoint
             f"importing {entry_point.value} failed with {type(error).__name__}{detail}")), error
     if not callable(function):
         return Entry(name, package, problem=(
-            f"{entry_point.value} is a {type(function).__name__}, not a function returning a "
-            "list of callbacks")), None
+            f"{entry_point.value} is {with_article(type(function).__name__)}, not a function "
+            "returning a list of callbacks")), None
     return Entry(name, package, function), None
 
 

@@ -89,13 +89,43 @@ def rng_state_problem(state: Any) -> tuple[str, Any, str] | None:
     if not isinstance(state, Mapping):
         return "", state, "a dict"
     torch_state = state.get("torch")
-    if not isinstance(torch_state, torch.Tensor) or torch_state.dtype != torch.uint8:
+    if not _is_byte_tensor(torch_state):
         return "torch", torch_state, "a uint8 tensor"
-    generators = state.get("generators", [])
-    if not isinstance(generators, list) or not all(
-            isinstance(item, torch.Tensor) for item in generators):
-        return "generators", generators, "a list of tensors"
+    for field in ("generators", "cuda"):
+        states = state.get(field, [])
+        if not isinstance(states, list):
+            return field, states, "a list of uint8 tensors"
+        for index, item in enumerate(states):
+            if not _is_byte_tensor(item):
+                return f"{field}[{index}]", item, "a uint8 tensor"
     for field, size in (("python", 3), ("numpy", 5)):
         if field in state and (not isinstance(state[field], list) or len(state[field]) != size):
             return field, state[field], f"a list of {size} items"
+    if "python" in state:
+        version, words, gauss = state["python"]
+        if not _is_int(version):
+            return "python[0]", version, "an int (the generator's version)"
+        if not isinstance(words, list) or not all(_is_int(word) for word in words):
+            return "python[1]", words, "a list of ints"
+        if gauss is not None and not isinstance(gauss, float):
+            return "python[2]", gauss, "a float or None"
+    if "numpy" in state:
+        kind, keys, position, has_gauss, cached = state["numpy"]
+        for index, value, ok, expected in (
+                (0, kind, isinstance(kind, str), "a str"),
+                (1, keys, isinstance(keys, torch.Tensor) and keys.dtype == torch.int64,
+                 "an int64 tensor"),
+                (2, position, _is_int(position), "an int"),
+                (3, has_gauss, _is_int(has_gauss), "an int"),
+                (4, cached, isinstance(cached, float), "a float")):
+            if not ok:
+                return f"numpy[{index}]", value, expected
     return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_byte_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8

@@ -18,7 +18,7 @@ import torch
 from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.dispatch import annotate
-from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.errors import CheckpointError, ConfigurationError, with_article
 from hookloop.ordering import overrides
 from hookloop.rng import rng_state_problem
 from hookloop.sharded import gather_for_rank_zero, layout_of, model_state, optimizer_state
@@ -399,8 +399,8 @@ def check_optimizer_fits(optimizer: torch.optim.Optimizer, loop_part: Mapping[st
         raise CheckpointError(
             f"{source}: the run was trained with {theirs}, but this loop's optimizer is "
             f"{ours}; its state (momentum buffers, moments, hyper-parameters) cannot be "
-            f"loaded into another class. Create a {theirs} as in the saved run, or load only "
-            "the weights with hookloop.load_checkpoint(path, model) and start a new run.")
+            f"loaded into another class. Create {with_article(theirs)} as in the saved run, or "
+            "load only the weights with hookloop.load_checkpoint(path, model) and start a new run.")
     layout = [len(group["params"]) for group in optimizer.param_groups]
     groups = saved.get("param_groups")
     saved_layout = ([len(group.get("params", ())) for group in groups]
@@ -417,14 +417,55 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _expect_int(path: str, where: str, value: Any, minimum: int = 0, *,
+                optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    expect_field(path, where, value, _is_int(value) and value >= minimum,
+                 f"an int >= {minimum}" + (" or None" if optional else ""))
+
+
+def _check_history(path: str, history: Any) -> None:
+    """Each row: a dict of metric names to numbers, with int ``epoch`` and ``step``."""
+    expect_field(path, "loop.history", history, isinstance(history, list), "a list of dicts")
+    for index, row in enumerate(history):
+        where = f"loop.history[{index}]"
+        expect_field(path, where, row, isinstance(row, Mapping), "a dict")
+        for field in ("epoch", "step"):
+            if field not in row:
+                raise CheckpointError(f"{path}: the checkpoint's field '{where}.{field}' is "
+                                      "missing; it cannot be resumed.")
+            _expect_int(path, f"{where}.{field}", row[field])
+        for name, value in row.items():
+            expect_field(path, f"{where} (a key)", name, isinstance(name, str), "a str")
+            expect_field(path, f"{where}.{name}", value, _is_number(value), "a number")
+
+
+def _check_ended(path: str, ended: Any) -> None:
+    expect_field(path, "loop.ended", ended, isinstance(ended, Mapping),
+                 "None or a dict with 'reason' and 'epochs'")
+    expect_field(path, "loop.ended.reason", ended.get("reason"),
+                 isinstance(ended.get("reason"), str), "a str")
+    _expect_int(path, "loop.ended.epochs", ended.get("epochs"))
+    _expect_int(path, "loop.ended.max_steps", ended.get("max_steps"), 1, optional=True)
+
+
 def check_run_fields(path: str, payload: Mapping[str, Any]) -> None:
     """Check the loop's part of a training checkpoint (what `capture` writes); name the
     first wrong field.
 
-    ``loop`` is a dict with int ``epoch``, ``batch_idx`` and ``step`` >= 0, a list of dicts
-    ``history`` and an ``ended`` dict (both optional); each rank's part in ``ranks`` is a
-    dict whose loss sums and generator states (`hookloop.rng.rng_state_problem`) have
-    their types.
+    ``loop`` is a dict with int ``epoch``, ``batch_idx`` and ``step`` >= 0; where present,
+    a bool ``validated``, an int ``world_size`` >= 1, a str ``optimizer_class``, a list of
+    ints ``param_groups``, an int ``epochs`` >= 0, ``max_steps`` None or an int >= 1, a list
+    ``history`` of rows (dicts of numbers with int ``epoch`` and ``step``) and ``ended``
+    None or a dict (str ``reason``, int ``epochs``, ``max_steps`` None or an int). Each
+    rank's part in ``ranks`` is a dict whose loss sums and generator states
+    (`hookloop.rng.rng_state_problem`) have their types. A value of another type (a text
+    ``world_size``, a float ``step``) is refused rather than converted.
 
     Raises:
         CheckpointError: naming ``path`` and the field.
@@ -445,24 +486,32 @@ def check_run_fields(path: str, payload: Mapping[str, Any]) -> None:
         if field not in loop:
             raise CheckpointError(f"{path}: the checkpoint's field 'loop.{field}' is missing; "
                                   "it cannot be resumed.")
-        value = loop[field]
-        expect_field(path, f"loop.{field}", value, _is_int(value) and value >= 0, "an int >= 0")
+        _expect_int(path, f"loop.{field}", loop[field])
+    if "validated" in loop:
+        expect_field(path, "loop.validated", loop["validated"],
+                     isinstance(loop["validated"], bool), "a bool")
+    if "world_size" in loop:
+        _expect_int(path, "loop.world_size", loop["world_size"], 1)
+    if loop.get("optimizer_class") is not None:
+        expect_field(path, "loop.optimizer_class", loop["optimizer_class"],
+                     isinstance(loop["optimizer_class"], str), "a str (the class name)")
+    if loop.get("param_groups") is not None:
+        groups = loop["param_groups"]
+        expect_field(path, "loop.param_groups", groups, isinstance(groups, list) and all(
+            _is_int(size) and size >= 0 for size in groups), "a list of ints >= 0")
+    if "epochs" in loop:
+        _expect_int(path, "loop.epochs", loop["epochs"])
+    if "max_steps" in loop:
+        _expect_int(path, "loop.max_steps", loop["max_steps"], 1, optional=True)
     if loop.get("history") is not None:
-        expect_field(path, "loop.history", loop["history"], isinstance(loop["history"], list)
-                     and all(isinstance(row, Mapping) for row in loop["history"]),
-                     "a list of dicts")
+        _check_history(path, loop["history"])
     if loop.get("ended") is not None:
-        ended = loop["ended"]
-        expect_field(path, "loop.ended", ended, isinstance(ended, Mapping) and _is_int(
-            ended.get("epochs")) and isinstance(ended.get("reason"), str),
-            "None or a dict with 'reason' and 'epochs'")
+        _check_ended(path, loop["ended"])
     for index, part in enumerate(payload.get("ranks") or []):
         where = f"ranks[{index}]"
         expect_field(path, where, part, isinstance(part, Mapping), "a dict")
         if "train_samples" in part:
-            value = part["train_samples"]
-            expect_field(path, f"{where}.train_samples", value, _is_int(value) and value >= 0,
-                         "an int >= 0")
+            _expect_int(path, f"{where}.train_samples", part["train_samples"])
         if part.get("train_loss_sum") is not None:
             value = part["train_loss_sum"]
             expect_field(path, f"{where}.train_loss_sum", value,

@@ -27,7 +27,7 @@ from torch.utils.data.distributed import DistributedSampler
 from hookloop import distributed
 from hookloop.checks import check_int
 from hookloop.data import length_of
-from hookloop.errors import ConfigurationError
+from hookloop.errors import ConfigurationError, with_article
 
 __all__ = ["UnpaddedDistributedSampler", "check_equal_batches", "set_epoch", "shard_loader"]
 
@@ -178,8 +178,8 @@ def shard_loader(loader: Any, *, training: bool, owner: str = "DDP") -> Any:
     which = "training" if training else "validation"
     if not isinstance(loader, DataLoader):
         warnings.warn(
-            f"{owner}: the {which} data is a {type(loader).__name__}, not a DataLoader, so every "
-            "rank reads all of it. Pass a DataLoader to have it sharded across ranks.",
+            f"{owner}: the {which} data is {with_article(type(loader).__name__)}, not a "
+            "DataLoader, so every rank reads all of it. Pass a DataLoader to have it sharded across ranks.",
             stacklevel=6)
         return loader
     if isinstance(loader.dataset, IterableDataset):

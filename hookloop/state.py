@@ -37,8 +37,15 @@ class LoopState:
         metrics: This epoch's metrics as floats: ``train_loss``, ``val_loss`` and what
             callbacks add (``val_acc``...).
         grad_norm: The pre-clip total gradient norm as a tensor, when ``GradClip`` runs.
-        step_boundary: True when the current training batch ends an optimizer step
-            (always True without gradient accumulation).
+        step_boundary: True when the current training batch ends an optimizer step. The
+            loop sets it before ``on_batch_start`` from ``loop.accumulation_steps`` (every
+            ``k`` batches and on the batch that ends the data; always True without
+            accumulation). A callback may set it itself, for a step condition of its own:
+            in ``on_batch_start`` (before forward, so ``train_step_context`` hooks such as
+            DDP's ``no_sync`` see it) or in ``after_backward`` (before the step). The loop
+            reads it after ``after_backward``: True takes the step, records the position
+            there (what a checkpoint resumes from) and lets a requested stop take effect;
+            False accumulates. See docs/concepts.md, "Who sets the step boundary".
         epochs: Total number of epochs of the current ``fit``.
         max_steps: Step budget of the current ``fit``, or None.
         history: The metrics of the whole run, one row per validation (and one per epoch

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hookloop import distributed
-from hookloop.errors import CheckpointError, CheckpointWriteError, ConfigurationError
+from hookloop.errors import CheckpointError, CheckpointWriteError, ConfigurationError, with_article
 from hookloop.modules import unwrap
 from hookloop.sharded import (
     is_sharded_module,
@@ -33,7 +33,7 @@ __all__ = ["FORMAT", "TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "find_unplain
            "read_payload", "load_model_weights", "load_optimizer_state", "load_checkpoint",
            "load_weights", "SHARDS_KEY",
            "all_finite", "describe_os_error", "prepare_directory", "regular_checkpoint_files",
-           "verify_archive", "check_payload", "expect_field"]
+           "verify_archive", "check_payload", "expect_field", "check_weight_dtypes"]
 
 #: Version of the file layout written by `Checkpoint`.
 FORMAT = 2
@@ -68,7 +68,7 @@ def find_unplain(value: Any, where: str) -> str | None:
             if found:
                 return found
         return None
-    return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
+    return f"{where} is {with_article(f'{type(value).__module__}.{type(value).__qualname__}')}"
 
 
 def fsync_directory(directory: str) -> None:
@@ -489,7 +489,9 @@ def check_payload(path: str, payload: Mapping[str, Any]) -> None:
     KeyError/TypeError deep inside the resume.
 
     Rules checked here, for the fields this module writes: ``hookloop`` is a dict with an
-    int ``format`` (1 up to `FORMAT`) and a ``kind`` of ``"resume"`` or ``"best"``;
+    int ``format`` (1 up to `FORMAT`) and a ``kind`` of ``"resume"`` or ``"best"``, and
+    where present an int ``world_size`` >= 1, ints ``epoch`` and ``step`` >= 0 (also at the
+    top level), str ``monitor`` and ``version``, and a number ``value``;
     ``model`` is a mapping of names to tensors; optional ``callbacks`` and ``metrics`` are
     dicts and ``ranks`` a list; a ``"resume"`` file also has ``optimizer`` (with ``state``
     and ``param_groups``). The loop's part (``loop``, each rank's part) is checked by its
@@ -516,6 +518,23 @@ def check_payload(path: str, payload: Mapping[str, Any]) -> None:
         raise CheckpointError(f"{path}: unknown checkpoint format {version} (valid: 1 to {FORMAT}).")
     kind = meta.get("kind")
     expect_field(path, "hookloop.kind", kind, kind in ("resume", "best"), "'resume' or 'best'")
+    for where, holder, field in (("hookloop.epoch", meta, "epoch"), ("hookloop.step", meta, "step"),
+                                 ("epoch", payload, "epoch"), ("step", payload, "step")):
+        if holder.get(field) is not None:
+            value = holder[field]
+            expect_field(path, where, value, _is_int(value) and value >= 0, "an int >= 0")
+    world = meta.get("world_size")
+    if world is not None:
+        expect_field(path, "hookloop.world_size", world, _is_int(world) and world >= 1,
+                     "an int >= 1")
+    for field in ("monitor", "version"):
+        if meta.get(field) is not None:
+            expect_field(path, f"hookloop.{field}", meta[field], isinstance(meta[field], str),
+                         "a str or None")
+    if meta.get("value") is not None:
+        value = meta["value"]
+        expect_field(path, "hookloop.value", value, isinstance(value, (int, float))
+                     and not isinstance(value, bool), "a number or None")
     model = payload.get("model")
     expect_field(path, "model", model, isinstance(model, Mapping), "a mapping of weights")
     for name, value in model.items():
@@ -593,7 +612,8 @@ def read_payload(path: str | os.PathLike[str], map_location: Any) -> dict[str, A
                               f"({type(error).__name__}: {text}).") from None
     if not isinstance(payload, dict) or not isinstance(payload.get("hookloop"), dict):
         keys = (f"top-level keys: {', '.join(map(str, list(payload)[:8]))}"
-                if isinstance(payload, dict) else f"it holds a {type(payload).__name__}")
+                if isinstance(payload, dict)
+                else f"it holds {with_article(type(payload).__name__)}")
         raise CheckpointError(
             f"{path}: not a hookloop checkpoint ({keys}; no 'hookloop' entry). Load it with "
             "torch.load, or use a file written by hookloop.callbacks.Checkpoint.")
@@ -603,7 +623,70 @@ def read_payload(path: str | os.PathLike[str], map_location: Any) -> dict[str, A
     return payload
 
 
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "floating-point" if dtype.is_floating_point else "integer"
+
+
+def check_weight_dtypes(path: str, model: nn.Module, weights: Mapping[str, Any]) -> None:
+    """Refuse saved weights of another kind than the model's; say when floats are converted.
+
+    ``load_state_dict`` copies whatever it is given into the model's tensors, converting
+    silently: int64 weights (an edited file) load into a float model as rounded values,
+    and a float ``num_batches_tracked`` into an int buffer. A saved tensor whose kind
+    (bool, integer, floating-point, complex) differs from the model's entry is refused.
+
+    Another floating-point dtype of the same entry (float64 or bfloat16 saved, a float32
+    model; float32 saved into a half model for inference) is converted, as torch does, with
+    a `RuntimeWarning` naming the entries: each value keeps its meaning and only its
+    precision changes, and loading full-precision weights into a half or bfloat16 model is
+    a common, deliberate use. A resumed run with converted weights does not continue bit
+    for bit, which the warning says.
+
+    Raises:
+        CheckpointError: naming ``path``, the field and both dtypes.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> check_weight_dtypes("x.pt", model, {"weight": torch.ones(1, 2, dtype=torch.int64)})
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.CheckpointError: x.pt: the checkpoint's field 'model.weight' holds torch.int64 values, but the model's weight is torch.float32: an integer tensor does not load into a floating-point one without changing what it holds (torch would convert it silently). The file was edited or written for another model; resume from another file.
+    """
+    entries = model.state_dict()
+    converted: list[str] = []
+    for name, saved in weights.items():
+        ours = entries.get(name)
+        if not isinstance(saved, torch.Tensor) or not isinstance(ours, torch.Tensor) \
+                or saved.dtype == ours.dtype:
+            continue
+        theirs, kind = _dtype_kind(saved.dtype), _dtype_kind(ours.dtype)
+        if theirs != kind:
+            raise CheckpointError(
+                f"{path}: the checkpoint's field 'model.{name}' holds {saved.dtype} values, but "
+                f"the model's {name} is {ours.dtype}: {with_article(theirs)} tensor does not "
+                f"load into {with_article(kind)} one without changing what it holds (torch "
+                "would convert it silently). The file was edited or written for another "
+                "model; resume from another file.")
+        converted.append(f"'model.{name}' ({saved.dtype} into {ours.dtype})")
+    if converted:
+        more = f" and {len(converted) - 3} more" if len(converted) > 3 else ""
+        warnings.warn(
+            f"{path}: {len(converted)} weight(s) were saved in another floating-point dtype than "
+            f"the model's and are converted to the model's: {', '.join(converted[:3])}{more}. "
+            "Values lose precision where the model's dtype is narrower, and a resumed run "
+            "does not continue bit for bit; cast the model to the saved dtype first to load "
+            "them as they are.", RuntimeWarning, stacklevel=3)
+
+
 def load_model_weights(path: str, model: nn.Module, weights: Mapping[str, Any]) -> None:
+    """``model.load_state_dict(weights)``, refusing another kind of dtype
+    (`check_weight_dtypes`) and naming ``path`` when the weights do not fit."""
+    check_weight_dtypes(path, model, weights)
     try:
         model.load_state_dict(weights)
     except (RuntimeError, KeyError, ValueError, TypeError) as error:

@@ -35,6 +35,7 @@ __all__ = [
     "MLP",
     "BatchCounter",
     "Crash",
+    "DrawnBoundary",
     "EventRecorder",
     "Net",
     "RaiseAfterStep",
@@ -574,6 +575,33 @@ class StepRecorder(Callback):
 
     def on_validation_end(self, loop: Loop) -> None:
         self.validations.append((loop.state.step, dict(loop.state.metrics)))
+
+
+class DrawnBoundary(Callback):
+    """A step condition of a callback's own, as a port of a script that steps on its own:
+    ``loop.state.step_boundary = condition(batch_idx)`` set in ``at`` (``"on_batch_start"``
+    or ``"after_backward"``), the loss divided by ``divide_by`` for backward. ``steps_at``
+    records the batch index of every step taken."""
+
+    def __init__(self, condition: Callable[[int], bool], *, at: str = "on_batch_start",
+                 divide_by: int = 1) -> None:
+        assert at in ("on_batch_start", "after_backward"), at
+        self.condition, self.at, self.divide_by = condition, at, divide_by
+        self.steps_at: list[int] = []
+
+    def scale_loss(self, loop: Loop, loss: torch.Tensor) -> torch.Tensor:
+        return loss / self.divide_by
+
+    def on_batch_start(self, loop: Loop) -> None:
+        if self.at == "on_batch_start":
+            loop.state.step_boundary = self.condition(loop.state.batch_idx)
+
+    def after_backward(self, loop: Loop) -> None:
+        if self.at == "after_backward":
+            loop.state.step_boundary = self.condition(loop.state.batch_idx)
+
+    def after_step(self, loop: Loop) -> None:
+        self.steps_at.append(loop.state.batch_idx)
 
 
 class ValidationSteps(Callback):

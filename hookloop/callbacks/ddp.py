@@ -7,18 +7,47 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_name
-from hookloop.launcher import Launch
+from hookloop.errors import ConfigurationError
+from hookloop.launcher import Launch, launched_by_torchrun
 from hookloop.samplers import UnpaddedDistributedSampler, check_equal_batches
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
 # The samplers live in the core (FSDP shards data the same way); they stay importable here.
-__all__ = ["DDP", "UnpaddedDistributedSampler", "check_equal_batches"]
+__all__ = ["DDP", "UnpaddedDistributedSampler", "check_equal_batches", "sync_batchnorm"]
+
+_PLAIN_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d,
+                    nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
+
+
+def sync_batchnorm(module: nn.Module) -> nn.Module:
+    """``module`` with its BatchNorm layers replaced by torch's ``SyncBatchNorm``.
+
+    torch's ``SyncBatchNorm.convert_sync_batchnorm``: each new layer holds the same
+    parameter and buffer tensors as the one it replaces (the optimizer keeps working and the
+    state dict keeps its keys), and the layers already synchronised are left as they are.
+    The conversion works anywhere; training with the converted layers needs CUDA (in train
+    mode under a process group of several ranks torch refuses CPU tensors), while in eval
+    mode, or without a process group, they compute what BatchNorm computes.
+
+    Returns:
+        The converted module: ``module`` itself unless it is a BatchNorm layer.
+
+    Example:
+        >>> from torch import nn
+        >>> model = sync_batchnorm(nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4)))
+        >>> type(model[1]).__name__
+        'SyncBatchNorm'
+    """
+    plain = any(isinstance(layer, _PLAIN_BATCHNORM) for layer in module.modules())
+    return nn.SyncBatchNorm.convert_sync_batchnorm(module) if plain else module
 
 
 class DDP(Callback):
@@ -57,6 +86,16 @@ class DDP(Callback):
         backend: Process group backend; None means ``nccl`` on CUDA, else ``gloo``.
         find_unused_parameters: Passed to ``DistributedDataParallel``, for models whose
             forward does not use every parameter.
+        sync_batchnorm: Convert the model's BatchNorm layers to torch's ``SyncBatchNorm``
+            (`sync_batchnorm`) before wrapping, so that training normalises with the
+            statistics of the global batch. CUDA only: torch's SyncBatchNorm refuses CPU
+            tensors in training, so on CPU it is refused at setup, before the first batch.
+            Without it each rank normalises with its own batch's statistics
+            (docs/distributed.md says what that changes).
+
+    Raises:
+        ConfigurationError: under torchrun, ``sync_batchnorm=True`` on a device that is not
+            CUDA (at setup, on every rank, before any process group is created).
 
     Example:
         >>> import torch
@@ -74,25 +113,38 @@ class DDP(Callback):
     unique: ClassVar[bool] = True
     roles: ClassVar[tuple[str, ...]] = ("distributed",)
 
-    def __init__(self, *, backend: str | None = None, find_unused_parameters: bool = False
-                 ) -> None:
+    def __init__(self, *, backend: str | None = None, find_unused_parameters: bool = False,
+                 sync_batchnorm: bool = False) -> None:
         self.backend = check_name("DDP backend", backend,
                                   hint="A backend name is e.g. 'nccl' or 'gloo'; None picks "
                                        "nccl on CUDA, gloo on CPU.")
         self.find_unused_parameters = check_flag("DDP find_unused_parameters",
                                                  find_unused_parameters)
+        self.sync_batchnorm = check_flag("DDP sync_batchnorm", sync_batchnorm)
         self._launch = Launch("DDP")
 
     def __repr__(self) -> str:
         return (f"DDP(backend={self.backend!r}, "
-                f"find_unused_parameters={self.find_unused_parameters!r})")
+                f"find_unused_parameters={self.find_unused_parameters!r}"
+                + (", sync_batchnorm=True)" if self.sync_batchnorm else ")"))
 
     # ------------------------------------------------------------------- setup
     def setup(self, loop: Loop) -> None:
+        distributed_run = distributed.is_initialized() or launched_by_torchrun()
+        if self.sync_batchnorm and distributed_run and loop.device.type != "cuda":
+            raise ConfigurationError(
+                f"DDP(sync_batchnorm=True) needs CUDA, but this run trains on {loop.device}: "
+                "torch's SyncBatchNorm synchronises batch statistics only for GPU tensors "
+                "(in training it raises 'SyncBatchNorm expected input tensor to be on GPU'), "
+                "and hookloop has no CPU replacement. Train on CUDA GPUs, or drop "
+                "sync_batchnorm=True: each rank's BatchNorm then normalises with its own "
+                "batch's statistics (see docs/distributed.md).")
         if not self._launch.start(loop, self.backend):
             return
         if not isinstance(loop.model, DistributedDataParallel):
             module = loop.model.to(loop.device)
+            if self.sync_batchnorm:  # before wrapping: DDP registers the layers it holds
+                module = sync_batchnorm(module)
             device_ids = [loop.device.index] if loop.device.type == "cuda" else None
             loop.model = DistributedDataParallel(
                 module, device_ids=device_ids,

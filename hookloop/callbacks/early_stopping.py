@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_int, check_name, check_number
 from hookloop.monitor import Monitor
@@ -45,6 +46,15 @@ class EarlyStopping(Callback):
     weights with ``restore_best_weights``) are checkpointed and carry over to a later
     ``fit`` of the same loop.
 
+    A run resumed from a checkpoint keeps counting where it was: after an early stop, a
+    relaunch with a larger ``epochs`` has no patience left and stops again after its next
+    validation that does not improve. At such a resume rank 0 prints what the restored
+    patience will do (how many validations without improvement are left) and how to train
+    on anyway: a larger ``patience``, or ``restart_patience_on_resume=True``, which counts
+    the patience from 0 again at every resume (the best value is kept, so only a real
+    improvement resets it later). Use that for a relaunch meant to train longer, not for a
+    job that requeues itself, whose patience would then never run out.
+
     Args:
         monitor: The metric to watch, e.g. ``"val_loss"`` or ``"val_acc"`` (must be produced
             by the loop or a callback before this one; checked at fit start).
@@ -65,6 +75,8 @@ class EarlyStopping(Callback):
             is kept on the device the weights are on. Not done after an exception, so that
             a later ``fit`` continues from where it was.
         name: State key in checkpoints (set it to use two ``EarlyStopping`` callbacks).
+        restart_patience_on_resume: When a run is resumed from a checkpoint, count the
+            patience from 0 again (``wait = 0``), keeping the best value and its epoch.
 
     Raises:
         ConfigurationError: for a bad argument, when the callback is created; at fit start,
@@ -85,7 +97,8 @@ class EarlyStopping(Callback):
                  min_delta: float = 0.0, *, baseline: float | None = None,
                  start_from_epoch: int = 0, stopping_threshold: float | None = None,
                  divergence_threshold: float | None = None, check_finite: bool = True,
-                 restore_best_weights: bool = False, name: str | None = None) -> None:
+                 restore_best_weights: bool = False, name: str | None = None,
+                 restart_patience_on_resume: bool = False) -> None:
         self._monitor = Monitor(monitor, mode, owner="EarlyStopping", min_delta=min_delta)
         self.monitor = monitor
         self.mode = mode
@@ -104,6 +117,8 @@ class EarlyStopping(Callback):
         self.restore_best_weights = check_flag("EarlyStopping restore_best_weights",
                                                restore_best_weights)
         self.name = check_name("EarlyStopping name", name)
+        self.restart_patience_on_resume = check_flag("EarlyStopping restart_patience_on_resume",
+                                                     restart_patience_on_resume)
         #: The best value so far (+inf/-inf before the first; None while ``mode="auto"``
         #: has not been resolved from an unclear name).
         self.best: float | None = self._monitor.worst if self._monitor.mode else None
@@ -114,6 +129,7 @@ class EarlyStopping(Callback):
         self.stopped_reason: str | None = None
         self._best_weights: dict[str, torch.Tensor] | None = None
         self._failed = False
+        self._resumed_wait: int | None = None  # the wait a loaded state brought, until said
 
     def __repr__(self) -> str:
         return (f"EarlyStopping(monitor={self.monitor!r}, mode={self.mode!r}, "
@@ -160,6 +176,39 @@ class EarlyStopping(Callback):
             return True
         return False
 
+    def resume_note(self, saved_wait: int) -> str:
+        """What the patience restored from a checkpoint will do, in one line (printed by
+        rank 0 at the start of a resumed fit).
+
+        Example:
+            >>> stopper = EarlyStopping(monitor="val_acc", patience=3)
+            >>> stopper.load_state_dict({"best": 0.9, "wait": 3, "best_epoch": 5})
+            >>> print(stopper.resume_note(3))  # doctest: +NORMALIZE_WHITESPACE
+            EarlyStopping: resumed with val_acc not improved for 3 validation(s) (best 0.9 at
+            epoch 6), patience 3: none left, so this run stops after its next validation
+            unless val_acc improves. To train on anyway, give EarlyStopping a larger
+            patience= or restart_patience_on_resume=True (the patience counts from 0 again;
+            the best is kept).
+        """
+        owner = f"EarlyStopping({self.name!r})" if self.name else "EarlyStopping"
+        best = ("no best yet" if self.best is None or math.isinf(self.best) else
+                f"best {self.best:.6g}" + (f" at epoch {self.best_epoch + 1}"
+                                          if self.best_epoch >= 0 else ""))
+        counted = (f"resumed with {self.monitor} not improved for {saved_wait} validation(s) "
+                   f"({best})")
+        if self.restart_patience_on_resume:
+            return (f"{owner}: {counted}; restart_patience_on_resume=True: the patience counts "
+                    f"from 0 again, {self.patience} validation(s) without improvement.")
+        left = self.patience - self.wait
+        if left > 1:
+            return (f"{owner}: {counted}, patience {self.patience}: it stops after {left} more "
+                    f"validations without improvement.")
+        what = "none left" if left <= 0 else "1 left"
+        return (f"{owner}: {counted}, patience {self.patience}: {what}, so this run stops after "
+                f"its next validation unless {self.monitor} improves. To train on anyway, give "
+                "EarlyStopping a larger patience= or restart_patience_on_resume=True (the "
+                "patience counts from 0 again; the best is kept).")
+
     # ------------------------------------------------------------------ events
     def setup(self, loop: Loop) -> None:
         self._monitor.resolve()  # mode="auto" with an unclear name fails before training
@@ -174,6 +223,9 @@ class EarlyStopping(Callback):
 
     def on_fit_start(self, loop: Loop) -> None:
         self._failed = False
+        resumed, self._resumed_wait = self._resumed_wait, None
+        if resumed is not None and not loop.stop_requested and distributed.is_main():
+            print(self.resume_note(resumed), flush=True)  # stop_requested: nothing to train
         if self._best_weights is not None:  # loaded from a file: back to the weights' device
             entries = loop.unwrapped_model.state_dict()
             self._best_weights = {key: value.to(entries[key].device) if key in entries else value
@@ -210,10 +262,12 @@ class EarlyStopping(Callback):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the counters of `state_dict` (and the best weights)."""
+        """Restore the counters of `state_dict` (and the best weights); with
+        ``restart_patience_on_resume``, ``wait`` starts at 0 again."""
         best = state.get("best")
         self.best = None if best is None else float(best)
-        self.wait = int(state["wait"])
+        self._resumed_wait = int(state["wait"])
+        self.wait = 0 if self.restart_patience_on_resume else self._resumed_wait
         self.best_epoch = int(state.get("best_epoch", -1))
         self.best_step = int(state.get("best_step", -1))
         weights = state.get("best_weights")

@@ -7,13 +7,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from hookloop.callback import Callback
-from hookloop.checks import check_int
+from hookloop.checks import check_choice, check_int
 from hookloop.compat import foreach_mul_
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["GradAccumulation"]
+__all__ = ["GradAccumulation", "LAST_WINDOW"]
+
+#: What `GradAccumulation` does with an epoch's last window when the data does not fill it.
+LAST_WINDOW = ("mean", "as_full", "drop")
 
 
 class GradAccumulation(Callback):
@@ -23,28 +26,45 @@ class GradAccumulation(Callback):
     ``loop.state.step_boundary`` (True every ``steps`` micro-batches and on the last batch
     of the epoch), which decides when ``before_step``, the optimizer step and ``after_step``
     run, and which `DDP` reads to skip the gradient all-reduce (``no_sync``) inside a
-    window. Each micro-batch's loss is divided by the real size of its window, so every
-    step averages the gradients of exactly the batches in it: with 10 batches and
-    ``steps=4`` an epoch makes 3 steps, averaging 4, 4 and 2 batches. Gradients never leak
-    into the next epoch. ``loop.state.loss`` keeps the undivided loss.
+    window. ``loop.state.loss`` keeps the undivided loss. Gradients never leak into the
+    next epoch.
+
+    When the data does not fill the epoch's last window (10 batches, ``steps=4``: windows
+    of 4, 4 and 2), ``last_window`` says what that window does, as real training loops do:
+
+    * ``"mean"`` (default): each of its micro-batches is divided by the window's real size,
+      so every step averages the gradients of exactly the batches in it (the 2 of the last
+      window are divided by 2). 3 steps per epoch. timm's train.py does this.
+    * ``"as_full"``: divided by ``steps`` as if the window were full, so its step is
+      smaller in proportion to the batches it holds (the 2 are divided by 4): the
+      ``loss / accumulation_steps`` of a hand-written loop, and accelerate's
+      ``accumulate`` (the transformers example scripts built on it). 3 steps per epoch.
+    * ``"drop"``: it makes no step; its gradients are dropped at its last batch, as a hand
+      loop that steps on ``(i + 1) % k == 0`` and zeroes the gradients at each epoch start.
+      ``loop.steps_per_epoch`` is ``batches // steps`` (2 here), and an epoch shorter than
+      one window makes no step. Its micro-batches still run forward and backward, and
+      their losses count in ``train_loss``.
 
     The loss division is a per-micro-batch mean (each micro-batch weighs the same), as the
-    usual ``loss / accumulation_steps`` of a hand-written loop.
-
-    Data without a length (an ``IterableDataset``, a generator) works too: the loop looks
-    one batch ahead to find where the data ends, and the last, partial window is stepped
-    there. Its micro-batches were divided by ``steps`` before its size was known, so its
-    gradients are multiplied by ``steps / size`` after its last backward: the same step
-    as dividing by the real size.
+    usual ``loss / accumulation_steps``. Data without a length (an ``IterableDataset``, a
+    generator) works too: the loop looks one batch ahead to find where the data ends. With
+    ``"mean"``, the micro-batches of the last window were divided by ``steps`` before its
+    size was known, so its gradients are multiplied by ``steps / size`` after its last
+    backward: the same step as dividing by the real size.
 
     The window is the loop's geometry: ``loop.accumulation_steps`` is reset to 1 at every
     fit and set again by this callback's ``setup``, so removing the callback removes it.
+    A loop that steps on a condition of its own sets ``loop.state.step_boundary`` from a
+    callback instead (docs/concepts.md, "One optimizer step, in detail").
 
     Args:
         steps: Micro-batches per optimizer step (1 means no accumulation).
+        last_window: ``"mean"``, ``"as_full"`` or ``"drop"``: the epoch's last, partial
+            window, above.
 
     Raises:
-        ConfigurationError: ``steps`` is not an int >= 1.
+        ConfigurationError: ``steps`` is not an int >= 1, or ``last_window`` is not one of
+            the three.
 
     Example:
         >>> import torch
@@ -57,22 +77,33 @@ class GradAccumulation(Callback):
         >>> loop.fit(1).step
         hookloop: training ended at epoch 1/1, step 3: its 1 epoch is done.
         3
+        >>> loop.callbacks = [GradAccumulation(4, last_window="drop")]
+        >>> loop.fit(2).step - 3
+        2
     """
 
     unique = True
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, *, last_window: str = "mean") -> None:
         self.steps = check_int("GradAccumulation steps", steps,
                                hint="It counts the micro-batches per optimizer step; 1 means "
                                     "no accumulation.")
+        self.last_window = check_choice(
+            "GradAccumulation last_window", last_window, LAST_WINDOW,
+            hint="'mean' divides the epoch's last, partial window by its real size, "
+                 "'as_full' by steps, 'drop' makes no step for it.")
         self._batches: int | None = 0
+        self._dropping = False
 
     def __repr__(self) -> str:
-        return f"GradAccumulation({self.steps})"
+        extra = "" if self.last_window == "mean" else f", last_window={self.last_window!r}"
+        return f"GradAccumulation({self.steps}{extra})"
 
     def setup(self, loop: Loop) -> None:
-        """Set ``loop.accumulation_steps``."""
+        """Set ``loop.accumulation_steps`` (and, with ``"drop"``, that the partial window
+        makes no step, for ``loop.steps_per_epoch``)."""
         loop.accumulation_steps = self.steps
+        loop.partial_window_steps = self.last_window != "drop"
 
     def on_fit_start(self, loop: Loop) -> None:
         # Read after every setup ran: DDP may have re-sharded train_data.
@@ -86,16 +117,33 @@ class GradAccumulation(Callback):
         start = batch_idx - batch_idx % self.steps
         return max(1, min(self.steps, self._batches - start))
 
+    def on_batch_start(self, loop: Loop) -> None:
+        """With ``"drop"``: the batch that ends the data inside a window is no boundary.
+
+        Cleared before forward, so `DDP` runs it under ``no_sync`` like the window's others.
+        """
+        state = loop.state
+        self._dropping = (self.last_window == "drop" and state.step_boundary
+                          and (state.batch_idx + 1) % self.steps != 0)
+        if self._dropping:
+            state.step_boundary = False
+
     def scale_loss(self, loop: Loop, loss: torch.Tensor) -> torch.Tensor:
-        """The loss divided by the real size of the current window."""
-        size = self.window_size(loop.state.batch_idx)
+        """The loss divided by the real size of the current window (``"mean"``) or by
+        ``steps``."""
+        size = self.window_size(loop.state.batch_idx) if self.last_window == "mean" else self.steps
         return loss if size == 1 else loss / size
 
     @torch.no_grad()
     def after_backward(self, loop: Loop) -> None:
-        """Data without a length: rescale the gradients of a window the data cut short."""
+        """Drop the gradients of a dropped window; with ``"mean"`` and data without a
+        length, rescale those of a window the data cut short."""
         state = loop.state
-        if self._batches is not None or not state.step_boundary:
+        if self._dropping:
+            self._dropping = False
+            loop.optimizer.zero_grad(set_to_none=True)
+            return
+        if self.last_window != "mean" or self._batches is not None or not state.step_boundary:
             return
         size = state.batch_idx % self.steps + 1
         if size == self.steps:

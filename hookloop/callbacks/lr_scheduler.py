@@ -10,9 +10,10 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler as TorchScheduler
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.checks import check_choice, check_name
-from hookloop.errors import ConfigurationError
+from hookloop.errors import ConfigurationError, with_article
 from hookloop.monitor import Monitor, infer_mode
 
 if TYPE_CHECKING:
@@ -41,7 +42,10 @@ class LRScheduler(Callback):
 
     A factory is called again whenever that total changes (``fit(2)`` then ``fit(4)``, or
     a run resumed with a larger ``epochs``), and the new scheduler is advanced to the step
-    the run is at, so it continues on the new schedule. The scheduler is built at
+    the run is at, so it continues on the new schedule: a stretched schedule, whose learning
+    rate at this step differs from the old one's. Rank 0 says so at the fit's start (the old
+    and the new total steps, the learning rates before and after); the total a schedule was
+    built for is kept in the callback's state, so a relaunch knows it too. The scheduler is built at
     ``setup`` (after `GradAccumulation` and `DDP` set the geometry; the stack check enforces
     their order), so a resumed run's state is loaded into it before ``on_fit_start``. A
     hand-built fixed-length scheduler too short for the fit is an error before the first
@@ -108,6 +112,7 @@ class LRScheduler(Callback):
         self._factory: SchedulerFactory | None = None
         self._scheduler: Any = None
         self._built_total: int | None = None
+        self._stretched: str | None = None  # said at on_fit_start
         if _is_scheduler(scheduler):
             self._scheduler = scheduler
             self._check_monitor(scheduler)
@@ -144,9 +149,9 @@ class LRScheduler(Callback):
                     "LRScheduler(ReduceLROnPlateau(optimizer), monitor='val_loss').")
         elif self.monitor is not None:
             raise ConfigurationError(
-                f"LRScheduler monitor must be None for a {type(scheduler).__name__}, which "
-                f"does not read metrics, got {self.monitor!r}. monitor is only used by "
-                "ReduceLROnPlateau: remove monitor=.")
+                "LRScheduler monitor must be None for "
+                f"{with_article(type(scheduler).__name__)}, which does not read metrics, got "
+                f"{self.monitor!r}. monitor is only used by ReduceLROnPlateau: remove monitor=.")
 
     # ------------------------------------------------------------------ events
     def setup(self, loop: Loop) -> None:
@@ -171,6 +176,7 @@ class LRScheduler(Callback):
         if total == 0:  # fit(0): no step will need a scheduler
             return
         if self._scheduler is None or (self._built_total != total and not self.is_plateau):
+            old_total, rates = self._built_total, _rates(loop.optimizer)
             if self._scheduler is not None:
                 done = int(getattr(self._scheduler, "last_epoch", 0))
             else:  # where the run is: its steps (or whole epochs) so far
@@ -178,10 +184,32 @@ class LRScheduler(Callback):
             self._build(loop.optimizer, total)
             if not self.is_plateau:  # a plateau schedule has no position to advance to
                 self._advance(done)
+                if old_total is not None and done:
+                    self._note_stretch(old_total, rates, done)
 
     def on_fit_start(self, loop: Loop) -> None:
-        """Check that a fixed-length scheduler lasts for what is left of the run."""
+        """Check that a fixed-length scheduler lasts for what is left of the run; on rank 0,
+        say when a factory's schedule was stretched (nothing is said when nothing trains)."""
+        stretched, self._stretched = self._stretched, None
+        if stretched is not None and not loop.stop_requested and distributed.is_main():
+            print(stretched, flush=True)
         self._check_length(loop)
+
+    def _note_stretch(self, old_total: int, rates: list[float], done: int) -> None:
+        """Remember, for on_fit_start, that the factory's schedule now has another length."""
+        unit = "steps" if self.interval == "step" else "epochs"
+        after = _rates(self._scheduler.optimizer)
+        if rates == after:
+            change = f"the learning rate stays {_listed(after)} here"
+        else:
+            change = f"the learning rate goes from {_listed(rates)} to {_listed(after)}"
+        self._stretched = (
+            f"LRScheduler: the factory's schedule was built for {old_total} optimizer steps in "
+            f"all, and this fit's total is {self._built_total}: it is rebuilt for "
+            f"{self._built_total} and continues where the run is ({done} {unit} in), so "
+            f"{change}. The schedule is stretched, not continued as it was; to keep the old "
+            "one, relaunch with the old epochs and max_steps, or give LRScheduler a scheduler "
+            "built by hand.")
 
     def _check_length(self, loop: Loop) -> None:
         """Raise if a fixed-length scheduler (``total_steps``) would run out during this fit.
@@ -296,8 +324,14 @@ class LRScheduler(Callback):
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """The scheduler's own ``state_dict()`` (empty before it is built)."""
-        return self._scheduler.state_dict() if self._scheduler is not None else {}
+        """The scheduler's own ``state_dict()`` (empty before it is built); for a factory's
+        schedule also ``factory_total_steps``, the total it was built for."""
+        if self._scheduler is None:
+            return {}
+        state = self._scheduler.state_dict()
+        if self._factory is not None and self._built_total is not None:
+            state = {**state, _TOTAL_KEY: self._built_total}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved schedule (the loop calls it after ``setup``).
@@ -308,6 +342,8 @@ class LRScheduler(Callback):
         """
         if not state:
             return
+        state = dict(state)
+        old_total = state.pop(_TOTAL_KEY, None)
         if self._scheduler is None:
             # A factory's scheduler is built at the next fit (not in validate() alone), and
             # then advanced to the run's step: nothing to load into yet.
@@ -316,6 +352,21 @@ class LRScheduler(Callback):
             self._scheduler.load_state_dict(state)
             return
         saved = int(state.get("last_epoch", 0))
+        rates = _rates(self._scheduler.optimizer)  # the saved run's (its optimizer is loaded)
         if int(getattr(self._scheduler, "last_epoch", 0)) > saved:  # a rollback: start over
             self._build(self._scheduler.optimizer, self._built_total)  # type: ignore[arg-type]
         self._advance(saved)
+        if isinstance(old_total, int) and old_total != self._built_total and saved:
+            self._note_stretch(old_total, rates, saved)
+
+
+_TOTAL_KEY = "factory_total_steps"  # in state_dict: the total a factory's schedule was built for
+
+
+def _rates(optimizer: torch.optim.Optimizer) -> list[float]:
+    return [float(group["lr"]) for group in optimizer.param_groups]
+
+
+def _listed(rates: list[float]) -> str:
+    shown = sorted(set(rates), key=rates.index)
+    return ", ".join(f"{rate:.3g}" for rate in shown)

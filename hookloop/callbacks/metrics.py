@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import copy
 import numbers
+import re
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_name
-from hookloop.errors import ConfigurationError
+from hookloop.errors import ConfigurationError, with_article
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -33,6 +34,51 @@ def synchronises_itself(metric: Any) -> bool:
     """
     return (callable(getattr(metric, "sync", None)) or hasattr(metric, "dist_sync_on_step")
             or hasattr(metric, "_to_sync"))
+
+
+_TARGET_LIKE = re.compile(r"^(y|gt)$|label|target|class|answer|categor|score|rating", re.I)
+
+
+def _targets_key(batch: Mapping[Any, Any]) -> Any:
+    """The key of ``batch`` that most likely holds the targets (for the error's example)."""
+    keys = list(batch)
+    return next((key for key in keys if _TARGET_LIKE.search(str(key))), keys[-1])
+
+
+def _missing_targets(metrics: Metrics, error: Exception, batch: Any, outputs: Any) -> str:
+    """The error of a metric that failed on a batch without targets: the batch's real keys
+    and both places to say where the targets are (the loop's rule, or these metrics')."""
+    if isinstance(batch, Mapping) and batch:
+        key = _targets_key(batch)
+        what = (f"{with_article(type(batch).__name__)} with the keys "
+                f"{', '.join(repr(name) for name in batch)}")
+        rule, function = f"targets={key!r}", f"lambda batch: batch[{key!r}]"
+    elif isinstance(batch, (tuple, list)) and batch:
+        what = f"{with_article(type(batch).__name__)} of {len(batch)} item(s)"
+        function = f"lambda batch: batch[{len(batch) - 1}]"
+        rule = f"targets={function}"
+    else:
+        what = with_article(type(batch).__name__)
+        rule = function = None
+    if isinstance(outputs, Mapping):
+        pick = next((name for name in outputs if str(name) == "logits"), next(iter(outputs), 0))
+        shape = f"lambda outputs: outputs[{pick!r}]"
+    elif hasattr(outputs, "logits"):
+        shape = "lambda outputs: outputs.logits"
+    else:
+        shape = "fn(outputs) -> what the metric takes"
+    where = (f"Say where they are: Loop(..., {rule}) for the whole loop (the loss, Metrics and "
+             f"predict), or Metrics(..., targets={function}) for these metrics only. "
+             if rule is not None else
+             "This batch holds no targets to point at: give the loop batches that hold them "
+             "(an (inputs, targets) pair, or a mapping with a 'labels' key), or a forward= that "
+             "returns them with the outputs. ")
+    return (f"{metrics!r}: a metric failed with {type(error).__name__}: {error}, and the batch, "
+            f"{what}, has no targets the loop could find: it finds them only as the second "
+            "item of an (inputs, targets) pair or under a 'labels'/'targets' key, so the "
+            f"metrics got targets=None. {where}If the metric needs something other than the "
+            f"model's outputs ({with_article(type(outputs).__name__)}), also pass "
+            f"Metrics(..., outputs={shape}).")
 
 
 class _Pass:
@@ -261,27 +307,40 @@ class Metrics(Callback):
         except Exception as error:
             if targets is not None:
                 raise
-            kind = type(state.batch).__name__
-            keys = (f" (its keys: {', '.join(map(str, state.batch))})"
-                    if isinstance(state.batch, dict) else "")
-            raise ConfigurationError(
-                f"{self!r}: a metric failed with {type(error).__name__}: {error}, and the batch, "
-                f"a {kind}{keys}, has no targets: they are found only as the second item of an "
-                "(inputs, targets) pair or under a 'labels'/'targets' key, so the metrics got "
-                "targets=None. Say where they are: Metrics(..., targets=lambda batch: "
-                "batch['label']).") from error
+            raise ConfigurationError(_missing_targets(self, error, state.batch,
+                                                      state.outputs)) from error
 
     def after_forward(self, loop: Loop) -> None:
         if not self.on_train:
             return
         state = loop.state
         self._update(self._training, loop)
-        if state.step_boundary and self._training.functions:
-            # Tensors are replaced, never changed in place: keeping references is a snapshot.
-            self._boundaries[(state.epoch, state.batch_idx + 1)] = (
-                dict(self._training.sums), self._training.samples)
-            while len(self._boundaries) > 2:
-                del self._boundaries[next(iter(self._boundaries))]
+        if state.step_boundary:  # the boundary as known now: a callback may still move it
+            self._snapshot(loop)
+
+    def on_batch_end(self, loop: Loop) -> None:
+        # A boundary a callback drew after this batch's forward (in after_backward): the
+        # loop has recorded its position at this batch.
+        if not self.on_train:
+            return
+        epoch, done, _ = loop.position
+        state = loop.state
+        if (epoch, done) == (state.epoch, state.batch_idx + 1) and (epoch, done) not in \
+                self._boundaries:
+            self._snapshot(loop)
+
+    def _snapshot(self, loop: Loop) -> None:
+        """Keep the training sums at this batch, and those at the loop's position (the last
+        boundary it recorded), for `state_dict`; drop any other."""
+        if not self._training.functions:
+            return
+        state = loop.state
+        epoch, done, _ = loop.position
+        self._boundaries = {key: value for key, value in self._boundaries.items()
+                            if key == (epoch, done)}
+        # Tensors are replaced, never changed in place: keeping references is a snapshot.
+        self._boundaries[(state.epoch, state.batch_idx + 1)] = (
+            dict(self._training.sums), self._training.samples)
 
     def _write_train(self, loop: Loop) -> None:
         # Every rank gets here at the same events: the reduction inside results() must not
