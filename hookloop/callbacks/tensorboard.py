@@ -561,7 +561,7 @@ class TensorBoard(Callback):
 
     def _add_graph(self, loop: Loop) -> None:
         model = loop.unwrapped_model
-        inputs = model_inputs(loop.state.batch)
+        inputs = model_inputs(loop.state.batch, loop.inputs)
         if inputs is None or inputs[1]:
             warnings.warn("TensorBoard(graph=True): the graph is traced from positional "
                           "inputs only; this batch is a mapping or an unknown type, so no "

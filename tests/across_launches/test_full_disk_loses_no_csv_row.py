@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import ROOT, subprocess_env
 
 SCRIPT = ROOT / "tests" / "scripts" / "full_log_disk.py"

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, subprocess_env
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from builders import same_weights
+from conftest import ROOT, subprocess_env
 
 SCRIPT = ROOT / "tests" / "scripts" / "full_log_disk.py"
 TIMEOUT = 240
@@ -50,9 +52,8 @@ def logged_steps(log_dir: Path) -> list[int]:
     return [event.step for event in events.Scalars("step/loss")]
 
 
-def same_weights(a: Path, b: Path) -> bool:
-    first, second = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
-    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+def saved_weights_equal(a: Path, b: Path) -> bool:
+    return same_weights(torch.load(a, weights_only=True), torch.load(b, weights_only=True))
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def test_tensorboard_on_a_full_disk(tmp_path: Path, uninterrupted: Path) -> None
     assert 0 < first["step"] < STEPS
     again = launch(out, logs, "--views", "tensorboard", "--resume")
     assert "error" not in again and again["step"] == STEPS
-    assert same_weights(out / "weights.pt", uninterrupted)
+    assert saved_weights_equal(out / "weights.pt", uninterrupted)
     steps = logged_steps(logs / "tb")
     assert steps == sorted(set(steps))  # each step once
     # From the step the relaunch resumed at, nothing is missing; what the failed writer still
@@ -123,4 +124,4 @@ def test_tensorboard_on_a_real_full_tmpfs(tmp_path: Path, uninterrupted: Path) -
     check_stopped_and_saved(first, (out / "first-checkpoints.txt").read_text().split(),
                             "TensorBoard", str(logs / "tb" / "events.out.tfevents."))
     assert "error" not in json.loads((out / "result.json").read_text())
-    assert same_weights(out / "weights.pt", uninterrupted)
+    assert saved_weights_equal(out / "weights.pt", uninterrupted)

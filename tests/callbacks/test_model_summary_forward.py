@@ -109,3 +109,16 @@ def test_a_model_torchinfo_cannot_run_is_named_with_its_inputs_and_cause() -> No
                                             r"multiplied .*input_size="):
         run([summary], forward=wrong_width)
     assert summary.summary is None
+
+
+def test_the_inputs_rule_of_the_loop_is_the_summary_s_too() -> None:
+    """``Loop(inputs="image", targets="label")``: pair-style training of dict batches, and
+    the summary takes the same input."""
+    torch.manual_seed(0)
+    model = Classifier()
+    summary = ModelSummary(print_summary=False)
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), dict_batches(),
+         loss_fn=F.cross_entropy, inputs="image", targets="label", callbacks=[summary],
+         device="cpu").fit(1)
+    assert summary.summary.total_params == parameters()
+    assert summary.summary.summary_list[0].input_size == [4, 6]

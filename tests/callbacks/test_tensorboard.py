@@ -252,3 +252,14 @@ def test_histograms_of_the_resumed_step_survive_its_purge(tmp_path: Path) -> Non
         for w, g in zip(want, got):
             assert g.histogram_value == w.histogram_value, (tag, w.step)
     assert [s for s, _ in scalars(resumed, "step/loss")] == [7, 14, 21]
+
+
+def test_graph_of_dict_batches_with_the_inputs_rule(tmp_path: Path) -> None:
+    """``Loop(inputs="x", targets="y")``: the graph is traced from the input that rule picks."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    batches = [{"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))} for _ in range(2)]
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, loss_fn=F.cross_entropy,
+         inputs="x", targets="y", device="cpu",
+         callbacks=[TensorBoard(tmp_path, graph=True)]).fit(1)
+    assert events(tmp_path).Tags()["graph"] is True

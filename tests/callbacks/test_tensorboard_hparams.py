@@ -33,18 +33,7 @@ from hookloop.callbacks import (
     TensorBoard,
 )
 
-
-class Crash(Exception):
-    pass
-
-
-class CrashAtStep(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_batch_end(self, loop: Loop) -> None:
-        if loop.state.step == self.step and loop.state.step_boundary:
-            raise Crash()
+from builders import Crash, RaiseAfterStep
 
 
 def make_loop(tmp_path: Path, name: str, lr: float, max_norm: float,
@@ -127,7 +116,7 @@ def test_two_runs_show_their_settings_and_final_metrics(tmp_path: Path) -> None:
 
 def test_a_run_that_dies_still_shows_its_settings(tmp_path: Path) -> None:
     with pytest.raises(Crash):
-        make_loop(tmp_path, "dead", 0.1, 1.0, extra=(CrashAtStep(5),)).fit(3)
+        make_loop(tmp_path, "dead", 0.1, 1.0, extra=(RaiseAfterStep(5, boundary=True),)).fit(3)
     group = session_groups(tmp_path / "runs")["dead"]
     assert group["hparams"]["optimizer/lr"] == pytest.approx(0.1)
     assert metric_values(group)["step/loss"][1] == 5  # what it logged, to the step it died at
