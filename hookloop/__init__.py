@@ -15,6 +15,7 @@ from hookloop.errors import (
     CheckpointWriteError,
     ConfigurationError,
     HookloopError,
+    LogWriteError,
     NonFiniteError,
     Terminated,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "Event",
     "HookloopError",
     "LRFindResult",
+    "LogWriteError",
     "Loop",
     "LoopState",
     "NonFiniteError",

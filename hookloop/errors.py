@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["HookloopError", "CallbackOrderError", "CheckpointError", "CheckpointWriteError",
+           "LogWriteError",
            "NonFiniteError",
            "ConfigurationError", "Terminated", "with_article"]
 
@@ -76,6 +77,48 @@ class CheckpointWriteError(CheckpointError, OSError):
     file-system errors keeps working. Nothing was written under the target name and the
     earlier files are intact.
     """
+
+
+class LogWriteError(HookloopError, OSError):
+    """A view (``TensorBoard``, ``CSVLogger``) could not write its file: a full disk, a
+    directory that is gone, no permission.
+
+    The message names the view, the file and the cause in words; ``errno`` is the operating
+    system's error number and ``filename`` the file. It is also an `OSError`. Training stops
+    there (the views are part of the run's record): ``on_exception`` still runs, so a
+    ``Checkpoint`` in the stack writes the last completed step, and a relaunch with
+    ``resume=True`` continues. The rows ``CSVLogger`` could not write are kept in that
+    checkpoint and written by the relaunch.
+
+    Example:
+        >>> import errno
+        >>> error = LogWriteError.of("CSVLogger", "logs/run.csv",
+        ...                          OSError(errno.ENOSPC, "No space left on device"))
+        >>> str(error).split(". ")[0]
+        'CSVLogger could not write logs/run.csv: no space left on the device (the disk is full) [errno 28]'
+        >>> error.errno, isinstance(error, OSError)
+        (28, True)
+    """
+
+    @classmethod
+    def of(cls, view: str, path: str, error: BaseException) -> LogWriteError:
+        """The error for ``view`` failing to write ``path`` because of ``error``."""
+        from hookloop.storage import describe_os_error  # storage imports this module
+
+        cause = describe_os_error(error) if isinstance(error, OSError) else (
+            f"{type(error).__name__}: {error}")
+        failure = cls(
+            f"{view} could not write {path}: {cause}. Training stops here; a Checkpoint in "
+            "the stack saves the last completed step on the way out. Free space (or fix the "
+            "directory) and run again: with Checkpoint(..., resume=True) the run continues "
+            "where it stopped.")
+        failure.errno = getattr(error, "errno", None)
+        failure.filename = path
+        return failure
+
+    def __str__(self) -> str:
+        # OSError would show "[Errno 28] None: 'path'" once errno and filename are set.
+        return str(self.args[0]) if self.args else super().__str__()
 
 
 class NonFiniteError(HookloopError, ArithmeticError):

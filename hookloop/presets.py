@@ -248,7 +248,8 @@ def debug(
         steps: Optimizer steps of the run; None runs the whole fit.
         anomaly_steps: Steps with anomaly detection (slow); None: off.
         summary: Print the model summary.
-        input_size: Input shape for the summary; None takes it from the first batch.
+        input_size: Input shape for the summary; None takes the model's inputs from the
+            first batch, through the loop's own forward (``forward=``, dict batches).
         depth: Depth of nested modules in the summary.
         profile: Time callbacks and phases.
 

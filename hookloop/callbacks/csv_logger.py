@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import os
@@ -11,6 +12,7 @@ import torch
 
 from hookloop.callback import Callback
 from hookloop.checks import check_optional_int, check_path
+from hookloop.errors import LogWriteError
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -56,12 +58,21 @@ class CSVLogger(Callback):
     the checkpoint, drops those the interrupted run wrote after it, and appends: no row
     appears twice.
 
+    A row is kept until it is in the file: a write that fails (a full disk) raises
+    `hookloop.LogWriteError` naming the file and the cause, and the rows it held stay
+    owed: in this callback's state (so in the checkpoint written on the way out) and for
+    the next write of this loop. A relaunch with ``Checkpoint(..., resume=True)`` writes
+    them, in order, each once: step rows are keyed by ``(epoch, step)``, and history rows
+    come from the restored ``loop.state.history``. A line the failed write left half
+    written is cut off.
+
     Args:
         path: The CSV file (its folder is created if missing).
         every_n_steps: Interval of the ``"step"`` rows; None for history rows only.
 
     Raises:
         ConfigurationError: a bad interval.
+        LogWriteError: during fit, the file could not be written.
 
     Example:
         >>> import os, tempfile, torch
@@ -91,6 +102,8 @@ class CSVLogger(Callback):
         self._loop: Loop | None = None
         self._restored = False
         self._opened = False
+        self._damaged = False  # a failed write may have left part of a row after _rows
+        self._failed = False  # a write of this fit failed (the fit is ending because of it)
 
     def __repr__(self) -> str:
         every = "" if self.every_n_steps is None else f", every_n_steps={self.every_n_steps}"
@@ -99,7 +112,7 @@ class CSVLogger(Callback):
     # ------------------------------------------------------------------ events
     def on_fit_start(self, loop: Loop) -> None:
         """Note whether this fit continues the previous one of the same loop."""
-        self._opened = False
+        self._opened = self._failed = False
         if self._loop is not loop and not self._restored:
             self._columns, self._rows, self._pending, self._steps = list(FIXED), 0, [], []
             self._last_history = None
@@ -122,8 +135,14 @@ class CSVLogger(Callback):
         self._flush(loop)
 
     def on_fit_end(self, loop: Loop) -> None:
-        """Write what is left (a history row recorded after on_epoch_end)."""
-        if self._opened or self._steps or self._new_history(loop):
+        """Write what is left (a history row recorded after on_epoch_end).
+
+        Not after a failed write of this fit: the disk failed moments ago, and the rows are
+        owed to the next fit or relaunch (a checkpoint taken on the way out holds them).
+        """
+        if self._failed:
+            return
+        if self._opened or self._steps or self._pending or self._new_history(loop):
             self._flush(loop)
 
     # ------------------------------------------------------------------ state
@@ -132,7 +151,7 @@ class CSVLogger(Callback):
 
         Step losses kept on the device are read here (once per checkpoint).
         """
-        self._pending = self._pending + self._read_steps()
+        self._pending = self._keyed(self._pending + self._read_steps())
         last = self._last_history
         return {"rows": self._rows, "pending": [dict(row) for row in self._pending],
                 "columns": list(self._columns),
@@ -166,48 +185,75 @@ class CSVLogger(Callback):
                 if last is None or (int(row["epoch"]), int(row["step"])) > last]
 
     def _flush(self, loop: Loop) -> None:
+        """Write the pending step rows and the new history rows, in step order.
+
+        A row stays owed (pending, or after ``_last_history``) until the write that holds
+        it has returned: a write that fails (a full disk) loses nothing, and the rows it
+        may have left half written are cut off at the next write, which starts again from
+        the ``_rows`` complete rows before it.
+        """
         if not self._opened:
             self._open(loop)
-        rows = self._pending + self._read_steps()
-        self._pending = []
+        self._pending = self._keyed(self._pending + self._read_steps())
         history = self._new_history(loop)
-        for row in history:
-            rows.append({"kind": "history", **row})
-        if history:
-            self._last_history = (int(history[-1]["epoch"]), int(history[-1]["step"]))
+        rows = self._pending + [{"kind": "history", **row} for row in history]
         if not rows:
             return
         rows.sort(key=lambda row: (row["step"], row["kind"] == "history"))
-        new = [key for row in rows for key in row if key not in self._columns]
-        for key in dict.fromkeys(new):
-            self._columns.append(key)
-        if new:
-            self._rewrite(self._read_file())
-        with open(self.path, "a", newline="", encoding="utf-8") as handle:
-            writer = csv.DictWriter(handle, self._columns, restval="")
-            writer.writerows(rows)
+        columns = list(self._columns)
+        for key in (key for row in rows for key in row):
+            if key not in columns:
+                columns.append(key)
+        try:
+            if columns != self._columns or self._damaged:
+                # a wider header, or a failed append that may have left a partial line
+                self._rewrite(self._read_file()[:self._rows], columns)
+            with open(self.path, "a", newline="", encoding="utf-8") as handle:
+                self._damaged = True  # until the rows are all in the file
+                csv.DictWriter(handle, columns, restval="").writerows(rows)
+        except OSError as error:
+            self._failed = True
+            raise LogWriteError.of("CSVLogger", self.path, error) from error
+        self._damaged = False
+        self._columns = columns
         self._rows += len(rows)
+        self._pending = []
+        if history:
+            self._last_history = (int(history[-1]["epoch"]), int(history[-1]["step"]))
+
+    @staticmethod
+    def _keyed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Step rows once per ``(epoch, step)``: the latest kept, in order."""
+        return list({(row["epoch"], row["step"]): row for row in rows}.values())
 
     def _open(self, loop: Loop) -> None:
         """A new run starts the file; a continued one trims it to the rows of the run."""
-        self._opened = True
         directory = os.path.dirname(self.path)
-        if directory:
-            os.makedirs(directory, exist_ok=True)
-        existing = self._read_file()
+        try:
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            existing = self._read_file()
+        except OSError as error:
+            self._failed = True
+            raise LogWriteError.of("CSVLogger", self.path, error) from error
+        columns = list(self._columns)
         if self._restored or (loop is self._loop and self._rows):
             kept = existing[:self._rows]  # what the interrupted run wrote after its checkpoint goes
         elif loop.state.step > 0:  # resumed without this callback's state: trim by step
             kept = [row for row in existing if _step_of(row) <= loop.state.step]
         else:  # a new run
-            kept, self._columns = [], list(FIXED)
-        self._restored = False
+            kept, columns = [], list(FIXED)
         for row in kept:
             for key in row:
-                if key not in self._columns:
-                    self._columns.append(key)
-        self._rows = len(kept)
-        self._rewrite(kept)
+                if key not in columns:
+                    columns.append(key)
+        try:
+            self._rewrite(kept, columns)
+        except OSError as error:  # nothing changed: the next write tries again
+            self._failed = True
+            raise LogWriteError.of("CSVLogger", self.path, error) from error
+        self._columns, self._rows, self._damaged = columns, len(kept), False
+        self._opened, self._restored = True, False
 
     def _read_file(self) -> list[dict[str, str]]:
         try:
@@ -216,10 +262,16 @@ class CSVLogger(Callback):
         except FileNotFoundError:
             return []
 
-    def _rewrite(self, rows: list[dict[str, Any]]) -> None:
+    def _rewrite(self, rows: list[dict[str, Any]], columns: list[str]) -> None:
+        """The file holds ``rows`` under the header ``columns``, replaced atomically."""
         temporary = self.path + ".tmp"
-        with open(temporary, "w", newline="", encoding="utf-8") as handle:
-            writer = csv.DictWriter(handle, self._columns, restval="")
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(temporary, self.path)
+        try:
+            with open(temporary, "w", newline="", encoding="utf-8") as handle:
+                writer = csv.DictWriter(handle, columns, restval="")
+                writer.writeheader()
+                writer.writerows(rows)
+            os.replace(temporary, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+            raise

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,7 +11,7 @@ import torch
 from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_int
 from hookloop.errors import ConfigurationError
-from hookloop.forward import model_inputs
+from hookloop.forward import compute
 from hookloop.untouched import untouched
 
 if TYPE_CHECKING:
@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from hookloop.loop import Loop
 
 __all__ = ["ModelSummary"]
+
+_HOW = ("Pass ModelSummary(input_size=(batch, ...)) (presets.debug(input_size=...)) to "
+        "summarize from a random input of that shape instead.")
 
 
 def _check_input_size(input_size: Any) -> list[Any]:
@@ -37,21 +40,103 @@ def _check_input_size(input_size: Any) -> list[Any]:
         f"{input_size!r}.")
 
 
+class _Captured(Exception):
+    """Raised by the probe's hook at the model's first call: its inputs are known."""
+
+
+class _Probe:
+    """The loop as the probing forward sees it: everything of the loop, but ``model`` is the
+    unwrapped module (a DDP wrapper would sync buffers, a collective on rank 0 alone; a
+    compiled one would compile again)."""
+
+    def __init__(self, loop: Loop) -> None:
+        self._real = loop
+        self.model = loop.unwrapped_model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _describe(value: Any) -> str:
+    """A short text of an input: ``Tensor[4, 5]``, ``dict(image=Tensor[4, 3])``..."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor[{', '.join(map(str, value.shape))}]"
+    if isinstance(value, Mapping):
+        return "dict(" + ", ".join(f"{key}={_describe(item)}" for key, item in value.items()) + ")"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}(" + ", ".join(_describe(item) for item in value) + ")"
+    return type(value).__name__
+
+
+def _call_text(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    parts = [_describe(arg) for arg in args] + [f"{key}={_describe(value)}"
+                                                 for key, value in kwargs.items()]
+    return f"model({', '.join(parts)})"
+
+
+def _model_call(loop: Loop, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments the loop's own forward gives the model for ``batch``.
+
+    Runs the loss rules (``forward=``, a pair with ``loss_fn``, a mapping...) as a training
+    batch would, with the unwrapped model, up to the model's first call, which is stopped
+    there: the model itself does not run, and neither does the rest of the forward. Without
+    gradients, inside `untouched` (random streams, modes and buffers are put back).
+
+    Raises:
+        ConfigurationError: the forward raised before calling the model, or returned
+            without calling it (it may call a submodule or another model); the message
+            says so and that ``ModelSummary(input_size=...)`` works without a batch.
+    """
+    probe = _Probe(loop)
+    captured: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def stop(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        captured.append((args, dict(kwargs)))
+        raise _Captured
+
+    handle = probe.model.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with untouched(probe.model, tensors="buffers"), torch.no_grad():
+            compute(probe, batch)  # type: ignore[arg-type]
+    except _Captured:
+        pass
+    except Exception as error:
+        cause = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ConfigurationError(
+            f"the loop's forward raised {type(error).__name__}: {cause} before it called the "
+            "model, so the model's inputs are unknown") from error
+    finally:
+        handle.remove()
+    if not captured:
+        raise ConfigurationError(
+            "the loop's forward returned without calling loop.model (it may call a submodule "
+            "or another model), so the model's inputs are unknown")
+    return captured[0]
+
+
 class ModelSummary(Callback):
     """Print a ``torchinfo`` summary of the model (rank 0 only), once per fit.
 
     With ``input_size`` the summary runs at fit start on a random input of that size.
-    Without it, the input is the first training batch (in ``on_batch_start``, already on
-    the device), taken the way the loop would feed the model: the ``inputs`` of an
-    ``(inputs, targets)`` pair, the keyword arguments of a mapping batch, or a lone
-    tensor. Reading the batch from the loop means the data is never iterated an extra time
+    Without it, the input is what the loop's own forward gives the model for the first
+    training batch (in ``on_batch_start``, already on the device): the loss rules run as
+    for training (``forward=``, the ``inputs`` of an ``(inputs, targets)`` pair, the
+    keyword arguments of a mapping batch) up to the model's first call, which is stopped
+    there and recorded; torchinfo then runs the model on exactly those arguments. So a
+    ``forward=`` that picks ``batch["image"]`` out of a dict, or adds a mask, is summarized
+    as it trains. The probe uses the unwrapped model (no DDP collective, no recompilation).
+    Reading the batch from the loop means the data is never iterated an extra time
     (which would shift a shuffled loader's order).
+
+    When that cannot work (the forward raises before calling the model, or calls a
+    submodule instead of ``loop.model``, or torchinfo cannot run the model), a
+    ``RuntimeWarning`` says which, with the call it tried (``model(Tensor[4, 5])``) and
+    the cause, and that ``input_size=`` summarizes without a batch; training goes on.
 
     The probing forward runs in eval mode, without gradients, with the RNG streams forked;
     afterwards every module's train/eval mode and every buffer (BatchNorm running
-    statistics) are restored, so the run is bitwise the same with or without the summary.
-    If torchinfo fails (a model it cannot trace), a ``RuntimeWarning`` says why and
-    training goes on.
+    statistics) are restored, so the run is bitwise the same with or without the summary
+    (also the random numbers a ``forward=`` draws before calling the model).
 
     The result (``torchinfo.ModelStatistics``) is kept in ``self.summary``:
     ``summary.total_params``, ``summary.trainable_params``, ``summary.total_mult_adds``...
@@ -100,23 +185,26 @@ class ModelSummary(Callback):
         self.summary = None
         self._pending = self.input_size is None
         if not self._pending:
-            self._summarize(loop, input_size=self.input_size)
+            self._summarize(loop, f"a random input of size {tuple(self.input_size)}",
+                            input_size=self.input_size)
 
     def on_batch_start(self, loop: Loop) -> None:
-        """At the first batch of the fit, summarize with its inputs."""
+        """At the first batch of the fit, summarize with the inputs the loop gives the model."""
         if not self._pending:
             return
         self._pending = False
-        inputs = model_inputs(loop.state.batch)
-        if inputs is None:
-            warnings.warn(f"ModelSummary: cannot take the model's inputs from a batch of type "
-                          f"{type(loop.state.batch).__name__}; pass ModelSummary(input_size=...). "
-                          "No summary.", RuntimeWarning, stacklevel=2)
+        try:
+            args, kwargs = _model_call(loop, loop.state.batch)
+        except ConfigurationError as error:
+            warnings.warn(f"ModelSummary: no summary: {error}. {_HOW}", RuntimeWarning,
+                          stacklevel=2)
             return
-        args, kwargs = inputs
-        self._summarize(loop, input_data=kwargs if kwargs else list(args))
+        if kwargs and not args:
+            self._summarize(loop, _call_text(args, kwargs), input_data=kwargs)
+        else:
+            self._summarize(loop, _call_text(args, kwargs), input_data=list(args), **kwargs)
 
-    def _summarize(self, loop: Loop, **inputs: Any) -> None:
+    def _summarize(self, loop: Loop, call: str, **inputs: Any) -> None:
         try:
             import torchinfo
 
@@ -124,9 +212,14 @@ class ModelSummary(Callback):
             with untouched(model, tensors="buffers"), torch.no_grad():
                 self.summary = torchinfo.summary(model, depth=self.depth, device=loop.device,
                                                  mode="eval", verbose=0, **inputs)
-        except Exception as error:  # a summary never stops training
-            warnings.warn(f"ModelSummary: torchinfo failed ({error!r}); training goes on "
-                          "without a summary.", RuntimeWarning, stacklevel=3)
+        except Exception as error:  # noqa: BLE001 - a summary never stops training
+            cause = error.__cause__ or error  # torchinfo wraps the model's own error
+            text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+            how = ("Check input_size: it is the shape of one input, batch included."
+                   if self.input_size is not None else _HOW)
+            warnings.warn(f"ModelSummary: torchinfo failed on {call}: "
+                          f"{type(cause).__name__}: {text}. Training goes on without a summary. "
+                          f"{how}", RuntimeWarning, stacklevel=3)
             return
         if self.print_summary:
             print(self.summary)

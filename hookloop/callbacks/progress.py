@@ -19,6 +19,57 @@ if TYPE_CHECKING:
 
 __all__ = ["ProgressBar", "format_number"]
 
+#: The bars' width range: they take what the shown columns leave, within these bounds.
+BAR_WIDTH = (20, 40)
+
+
+def _display(console: Console, refresh_per_second: float) -> Progress:
+    """A rich ``Progress`` whose columns fit the console's width at every refresh.
+
+    Columns are dropped, least useful first (the learning rate, the speed, the elapsed time,
+    the ETA, the loss), until the row fits with a bar of at least ``BAR_WIDTH[0]``
+    characters; the bar then takes the room left, up to ``BAR_WIDTH[1]``. A narrow terminal
+    shows fewer columns, never a squeezed bar or cut times (``0:00:…``).
+    """
+    from rich.measure import Measurement
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    bar = BarColumn(bar_width=BAR_WIDTH[0])
+    head = (TextColumn("[bold]{task.description}"), bar, MofNCompleteColumn())
+    elapsed, eta = (TimeElapsedColumn(),), (TextColumn("eta"), TimeRemainingColumn())
+    loss, lr, speed = (TextColumn(f"{{task.fields[{name}]}}") for name in ("loss", "lr", "speed"))
+    layouts = [head + elapsed + eta + (loss, lr, speed), head + elapsed + eta + (loss, speed),
+               head + elapsed + eta + (loss,), head + eta + (loss,), head + (loss,), head]
+
+    class Display(Progress):
+        def make_tasks_table(self, tasks: Any) -> Any:
+            tasks = list(tasks)
+            width = console.width  # (self.console does not exist yet when Live first renders)
+            unbounded = console.options.update(max_width=10_000)  # measure, don't clamp
+            bar.bar_width = BAR_WIDTH[0]
+            for columns in layouts:
+                self.columns = columns
+                needed = Measurement.get(console, unbounded,
+                                         super().make_tasks_table(tasks)).maximum
+                if needed <= width:
+                    break
+            bar.bar_width = max(BAR_WIDTH[0], min(BAR_WIDTH[1], BAR_WIDTH[0] + width - needed))
+            return super().make_tasks_table(tasks)
+
+        def add_task(self, description: str, *args: Any, **fields: Any) -> TaskID:
+            for name in ("loss", "lr", "speed"):
+                fields.setdefault(name, "")
+            return super().add_task(description, *args, **fields)
+
+    return Display(*layouts[0], console=console, refresh_per_second=refresh_per_second)
+
 
 def format_number(value: float) -> str:
     """A metric as people read it: 4 decimals, or scientific notation when far from 1.
@@ -40,7 +91,10 @@ class ProgressBar(Callback):
     In a terminal (or a notebook): an epoch bar, a batch bar with the loss of the latest
     batch, the learning rate, speed (samples/s) and ETA, a validation bar during
     validation, and one row of a metrics table per epoch, printed above the bars. Data
-    without a length shows a counter instead of a bar.
+    without a length shows a counter instead of a bar. The bars fit the console's width:
+    on a narrow one (80 columns) the columns that do not fit are dropped (the learning
+    rate, the speed, then the elapsed time...), never the bar (at least 20 characters) or
+    part of a time; a metrics table too wide is printed as a plain line.
 
     When the output is not a terminal (CI, a log file, SLURM): one plain line per epoch,
     without carriage returns or colours, plus a progress line every ``plain_every_s``
@@ -123,24 +177,11 @@ class ProgressBar(Callback):
         self._tasks = {}
         self._validated_step, self._after_validation = -1, False
         if self._bars:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-
-            self._progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"),
-                console=self.console, refresh_per_second=self.refresh_per_second)
+            self._progress = _display(self.console, self.refresh_per_second)
             self._progress.start()
             state = loop.state
             self._tasks["epoch"] = self._progress.add_task(
-                "epochs", total=state.epochs, completed=state.epoch, info="")
+                "epochs", total=state.epochs, completed=state.epoch)
 
     def on_epoch_start(self, loop: Loop) -> None:
         """Reset the batch bar and the speed clock."""
@@ -176,13 +217,14 @@ class ProgressBar(Callback):
         if self._progress is not None:
             self._next_refresh = now + 1.0 / self.refresh_per_second
             self._progress.update(self._tasks["train"], completed=self._batches,
-                                  info=self._batch_info(loop, now))
+                                  **self._batch_info(loop, now))
         else:
             self._next_refresh = now + self.plain_every_s
             total = loop.batches_per_epoch
             state = loop.state
+            info = "  ".join(part for part in self._batch_info(loop, now).values() if part)
             self._print(f"epoch {state.epoch + 1}/{state.epochs}  batch {batch_idx + 1}/"
-                        f"{'?' if total is None else total}  {self._batch_info(loop, now)}")
+                        f"{'?' if total is None else total}  {info}")
 
     def on_validation_start(self, loop: Loop) -> None:
         """Show the validation bar."""
@@ -250,19 +292,20 @@ class ProgressBar(Callback):
         assert self._progress is not None
         if key in self._tasks:
             self._progress.reset(self._tasks[key], total=total, completed=0,
-                                 description=description, visible=True, info="")
+                                 description=description, visible=True, loss="", lr="",
+                                 speed="")
         else:
-            self._tasks[key] = self._progress.add_task(description, total=total, info="")
+            self._tasks[key] = self._progress.add_task(description, total=total)
 
-    def _batch_info(self, loop: Loop, now: float) -> str:
+    def _batch_info(self, loop: Loop, now: float) -> dict[str, str]:
+        """The batch bar's fields: ``loss``, ``lr`` and ``speed`` (each may be empty)."""
         state = loop.state
-        parts = []
-        if state.loss is not None:
-            parts.append(f"loss {format_number(float(state.loss.detach()))}")  # the one read
-        if loop.optimizer.param_groups:
-            parts.append(f"lr {float(loop.optimizer.param_groups[0]['lr']):.2e}")
-        parts.append(f"{self._samples / max(now - self._epoch_start, 1e-9):.0f} samples/s")
-        return "  ".join(parts)
+        loss = "" if state.loss is None else (
+            f"loss {format_number(float(state.loss.detach()))}")  # the one read
+        groups = loop.optimizer.param_groups
+        lr = f"lr {float(groups[0]['lr']):.2e}" if groups else ""
+        speed = f"{self._samples / max(now - self._epoch_start, 1e-9):.0f} samples/s"
+        return {"loss": loss, "lr": lr, "speed": speed}
 
     def _print_validation(self, loop: Loop, step: int) -> None:
         state = loop.state
@@ -274,11 +317,13 @@ class ProgressBar(Callback):
 
     def _print(self, line: str) -> None:
         assert self.console is not None
-        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        # Plain lines stay one line each (a log); above the bars, rich wraps at the width.
+        self.console.print(line, markup=False, highlight=False, soft_wrap=not self._bars)
 
     def _print_row(self, epoch: int, epochs: int, step: int, metrics: dict[str, Any],
                    seconds: float) -> None:
         from rich import box
+        from rich.measure import Measurement
         from rich.table import Table
 
         names = list(metrics)
@@ -294,7 +339,16 @@ class ProgressBar(Callback):
         table.add_row(f"{epoch}/{epochs}", str(step),
                       *(format_number(float(metrics[name])) for name in names), f"{seconds:.1f}s")
         assert self._progress is not None
-        self._progress.console.print(table)
+        console = self._progress.console
+        unbounded = console.options.update(max_width=10_000)
+        if Measurement.get(console, unbounded, table).maximum > console.width:
+            # Too many metrics for a row: a squeezed table cuts the numbers, a line does not.
+            self._columns = None
+            self._print("  ".join([f"epoch {epoch}/{epochs}", f"step {step}",
+                                   *(f"{name} {format_number(float(metrics[name]))}"
+                                     for name in names), f"{seconds:.1f}s"]))
+            return
+        console.print(table)
 
     def _stop(self) -> None:
         progress, self._progress = self._progress, None

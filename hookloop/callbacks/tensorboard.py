@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import math
+import contextlib
+import enum
+import functools
+import inspect
 import os
+import re
+import types
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,7 +19,7 @@ import torch
 from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_int, check_optional_int, check_path
 from hookloop.compat import loss_scale, summary_file_writer
-from hookloop.errors import ConfigurationError
+from hookloop.errors import ConfigurationError, LogWriteError
 from hookloop.forward import model_inputs
 from hookloop.phase import Phase
 from hookloop.untouched import untouched
@@ -26,49 +32,138 @@ if TYPE_CHECKING:
 __all__ = ["TensorBoard", "gather_hparams"]
 
 _Scalar = (int, float, str, bool)
+_Hparam = int | float | str | bool
+#: Argument names that say the value is a file (where the run writes), not a setting.
+_FILE_ARGUMENT = re.compile(r"(^|_)(path|file|filename)$")
 
 
-def gather_hparams(loop: Loop) -> dict[str, Any]:
-    """The run's hyper-parameters as TensorBoard takes them (numbers, strings, booleans).
+def _hparam(value: Any) -> _Hparam | None:
+    """A setting as the HPARAMS tab shows it (a number, a string, a boolean), or None to
+    leave it out (None itself, and values without a short meaningful form)."""
+    if value is None:
+        return None
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, _Scalar):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else None
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, (tuple, list, torch.Size)):
+        items = [_hparam(item) for item in value]
+        return repr(tuple(items)) if all(item is not None for item in items) else None
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType,
+                          types.MethodType, functools.partial)):
+        function = value.func if isinstance(value, functools.partial) else value
+        return getattr(function, "__qualname__", None) or getattr(function, "__name__", None)
+    if isinstance(value, Mapping):
+        return None  # flattened by the caller
+    return type(value).__name__  # an object (a built scheduler, a metric): its class
 
-    The optimizer's class and its first param group's settings (``lr``, ``weight_decay``,
-    ``momentum``...), the batch size when ``train_data`` has one, the number of epochs,
-    and every callback's ``repr`` and public settings (``1.GradClip.max_norm``...).
+
+def _names_a_file(argument: str, value: Any) -> bool:
+    """A path the run writes or reads as a file (``CSVLogger(path)``, ``resume="x.pt"``),
+    which is not a setting; a directory given to a constructor is kept."""
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, bool):
+        return False
+    path = os.fspath(value)
+    if os.path.isdir(path):
+        return False
+    return os.path.isfile(path) or bool(_FILE_ARGUMENT.search(argument))
+
+
+def _constructor_arguments(callback: Callback) -> dict[str, Any]:
+    """The arguments of ``type(callback).__init__``, read back from the same-named
+    attributes (how every built-in keeps them); ``name`` (the key) and ``*args`` and
+    ``**kwargs`` are left out."""
+    try:
+        parameters = inspect.signature(type(callback).__init__).parameters
+    except (TypeError, ValueError):
+        return {}
+    found: dict[str, Any] = {}
+    for argument, parameter in list(parameters.items())[1:]:
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) \
+                or argument == "name" or not hasattr(callback, argument):
+            continue
+        found[argument] = getattr(callback, argument)
+    return found
+
+
+def gather_hparams(loop: Loop) -> dict[str, _Hparam]:
+    """The run's hyper-parameters, for TensorBoard's HPARAMS tab: settings only, no run state.
+
+    * ``optimizer`` (its class) and each param group's settings: ``optimizer/lr``,
+      ``optimizer/momentum``..., or ``optimizer/group1/lr`` with several groups; ``lr`` is
+      the configured rate (``initial_lr`` once a scheduler has moved it), a tuple setting
+      gives one entry per item (``optimizer/betas_0``, ``optimizer/betas_1``).
+    * ``batch_size`` (when ``train_data`` has one), ``epochs``, ``max_steps`` (when
+      set) and ``accumulation_steps``.
+    * each callback's constructor arguments under its name (``state_key``):
+      ``GradClip/max_norm``, ``EarlyStopping/patience``, ``Checkpoint/dirpath``; a second
+      callback of the same name gets ``#2``. Arguments left at None are left out, a mapping
+      gives one entry per key (``AMP/scaler/init_scale``), a dtype, function or class its
+      name, another object its class name. File paths are left out (``CSVLogger/path``, a
+      ``resume`` file): they say where the run writes, not how it trains; a directory is
+      kept.
 
     Example:
         >>> import torch
         >>> from hookloop import Loop
+        >>> from hookloop.callbacks import GradClip
         >>> model = torch.nn.Linear(2, 1)
-        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [])
-        >>> gather_hparams(loop)["optimizer"], gather_hparams(loop)["lr"]
-        ('SGD', 0.1)
+        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [],
+        ...             callbacks=[GradClip(1.0)])
+        >>> params = gather_hparams(loop)
+        >>> params["optimizer"], params["optimizer/lr"], params["GradClip/max_norm"]
+        ('SGD', 0.1, 1.0)
     """
+    params: dict[str, _Hparam] = {}
+
+    def put(key: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for inner, item in value.items():
+                put(f"{key}/{inner}", item)
+            return
+        converted = _hparam(value)
+        if converted is not None:
+            params[key] = converted
+
     optimizer = loop.optimizer
-    params: dict[str, Any] = {"optimizer": type(optimizer).__name__}
-    group = optimizer.param_groups[0] if optimizer.param_groups else {}
-    for key, value in group.items():
-        if key in ("params", "initial_lr"):
-            continue
-        if key == "lr":  # the configured rate, not where a scheduler has moved it
-            value = group.get("initial_lr", value)
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, (tuple, list)) and all(isinstance(v, (int, float)) for v in value):
-            for index, item in enumerate(value):
-                params[f"{key}_{index}"] = item
-        elif isinstance(value, _Scalar):
-            params[key] = value
+    params["optimizer"] = type(optimizer).__name__
+    groups = optimizer.param_groups
+    for index, group in enumerate(groups):
+        prefix = "optimizer" if len(groups) == 1 else f"optimizer/group{index}"
+        for key, value in group.items():
+            if key in ("params", "initial_lr", "name"):
+                continue
+            if key == "lr":  # the configured rate, not where a scheduler has moved it
+                value = group.get("initial_lr", value)
+            if isinstance(value, (tuple, list)) and all(
+                    isinstance(item, (int, float)) for item in value):
+                for position, item in enumerate(value):
+                    params[f"{prefix}/{key}_{position}"] = item
+            elif isinstance(value, (*_Scalar, torch.Tensor)):
+                put(f"{prefix}/{key}", value)
     batch_size = getattr(loop.train_data, "batch_size", None)
     if isinstance(batch_size, int):
         params["batch_size"] = batch_size
     if loop.state.epochs:
         params["epochs"] = loop.state.epochs
-    for index, callback in enumerate(loop.callbacks):
-        prefix = f"{index}.{type(callback).__name__}"
-        params[prefix] = repr(callback)
-        for key, value in vars(callback).items():
-            if not key.startswith("_") and isinstance(value, _Scalar):
-                params[f"{prefix}.{key}"] = value
+    if loop.state.max_steps is not None:
+        params["max_steps"] = loop.state.max_steps
+    params["accumulation_steps"] = loop.accumulation_steps
+    seen: dict[str, int] = {}
+    for callback in loop.callbacks:
+        key = callback.state_key
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] > 1:
+            key = f"{key}#{seen[key]}"
+        for argument, value in _constructor_arguments(callback).items():
+            if not _names_a_file(argument, value):
+                put(f"{key}/{argument}", value)
     return params
 
 
@@ -94,14 +189,29 @@ class TensorBoard(Callback):
     * with ``graph=True``: the model graph, traced from the first training batch in eval
       mode without gradients (modes, BatchNorm statistics and RNG streams are restored).
       A model that cannot be traced gives a warning, never an error.
-    * at fit end (not after an exception): hyper-parameters with the final metrics, for
-      the HPARAMS tab: ``hparams`` if given, else `gather_hparams` (optimizer, its
-      settings, batch size, epochs, callbacks' settings).
+    * when the writer opens, before the first batch (so a run that dies still shows
+      them): the hyper-parameters, for the HPARAMS tab: ``hparams`` if given, else
+      `gather_hparams` (the optimizer's settings per group, batch size, epochs,
+      accumulation, each callback's constructor arguments by callback name). They are
+      written as the hparams plugin's session start, and the ``metrics/*`` (and
+      ``step/*``) scalars of the same directory are the metrics the tab links them to: it
+      shows each one's latest value. At a normal fit end the session is marked finished.
+      Each run directory holds its own session, so ``tensorboard --logdir runs`` compares
+      the runs under ``runs/``; TensorBoard keeps the first launch's values of a resumed run.
 
     The writer (``torch.utils.tensorboard.SummaryWriter``) is ``self.writer``; other
     callbacks may log through it (images, text...). It is opened at the first epoch of a
     fit (or when ``writer`` is first read), flushed at every epoch end and whenever a
     checkpoint takes this callback's state, and closed at fit end, also after an exception.
+
+    A write that fails (a full disk, a directory that is gone) raises
+    `hookloop.LogWriteError` naming the event file and the cause, at the event that
+    wrote: training stops there, as it would for a failed checkpoint, because the run's
+    record would go on with a hole nobody sees. After it nothing is written to that
+    writer again, and the checkpoint taken on the way out (``Checkpoint.on_exception``)
+    does not flush it, so the checkpoint is still written; a relaunch with
+    ``Checkpoint(..., resume=True)`` continues in the same ``log_dir``. What the writer
+    held since its last successful write is lost.
 
     Resume: a run resumed from a checkpoint appends to the same ``log_dir``; the writer
     starts with ``purge_step`` at the resumed step, so TensorBoard drops what the killed
@@ -120,12 +230,13 @@ class TensorBoard(Callback):
         histograms_every_n_epochs: Epoch interval of weight and gradient histograms;
             None (default) for none.
         graph: Log the model graph from the first batch.
-        hparams: Hyper-parameters to log at fit end (numbers, strings, booleans); None
-            gathers them from the loop.
+        hparams: Hyper-parameters to log (numbers, strings, booleans); None gathers them
+            from the loop (`gather_hparams`).
         flush_secs: How often the writer flushes by itself, in seconds.
 
     Raises:
         ConfigurationError: a bad interval or a non-mapping ``hparams``.
+        LogWriteError: during fit, the event file could not be written.
 
     Example:
         >>> import tempfile, torch
@@ -174,6 +285,10 @@ class TensorBoard(Callback):
         self._gradient_histograms: dict[str, bytes] = {}
         self._epoch_ran = False
         self._failed = False
+        self._file: str | None = None  # this writer's event file, named in errors
+        self._files_before: set[str] = set()  # the event files log_dir held before it
+        self._failure: LogWriteError | None = None  # the first failed write of this writer
+        self._failure_raised = False
 
     def __repr__(self) -> str:
         return f"TensorBoard({self.log_dir!r}, every_n_steps={self.every_n_steps})"
@@ -186,6 +301,9 @@ class TensorBoard(Callback):
         Raises:
             RuntimeError: read outside ``fit`` (the writer exists from fit start to fit end).
         """
+        if self._failure is not None:
+            self._failure_raised = True
+            raise self._failure
         if self._writer is None:
             loop = self._loop
             if loop is None or not loop.fitting:
@@ -196,10 +314,44 @@ class TensorBoard(Callback):
         assert self._writer is not None
         return self._writer
 
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Around every write to the event file: a failure is a `LogWriteError` naming the
+        file and the cause; after it the writer is not touched again (its background thread
+        would raise the same error at every call)."""
+        if self._failure is not None:
+            self._failure_raised = True
+            raise self._failure
+        try:
+            yield
+        except LogWriteError:
+            raise
+        except OSError as error:
+            self._failure = LogWriteError.of("TensorBoard", self._event_file(), error)
+            self._failure_raised = True
+            raise self._failure from error
+
+    def _event_file(self) -> str:
+        """The event file of this writer (named in errors): the one its opening created."""
+        if self._file is None:
+            with contextlib.suppress(OSError):
+                created = sorted(_event_files(self.log_dir) - self._files_before)
+                if created:
+                    self._file = os.path.join(self.log_dir, created[-1])
+        return self._file or self.log_dir
+
     def _open(self, loop: Loop) -> None:
+        self._file, self._files_before = None, set()
+        with self._writing():
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._files_before = _event_files(self.log_dir)
+        self._open_writer(loop, bool(self._files_before))
+        self._event_file()
+        if self._epoch_ran:  # the fit trains: its settings, before the first batch
+            self._add_session_start(loop)
+
+    def _open_writer(self, loop: Loop, earlier: bool) -> None:
         step = loop.state.step
-        os.makedirs(self.log_dir, exist_ok=True)
-        earlier = any(name.startswith("events.out.tfevents") for name in os.listdir(self.log_dir))
         purge_step: int | None = None
         replay: dict[str, float] = {}
         if earlier:
@@ -214,8 +366,9 @@ class TensorBoard(Callback):
                     "starts at step 0, so TensorBoard will hide the earlier events (purge_step=0)."
                     " Give each experiment its own log_dir, e.g. runs/<name>.",
                     RuntimeWarning, stacklevel=3)
-        self._writer = self._writer_class(self.log_dir, purge_step=purge_step,
-                                          flush_secs=self.flush_secs)
+        with self._writing():  # the writer writes and flushes its first event here
+            self._writer = self._writer_class(self.log_dir, purge_step=purge_step,
+                                              flush_secs=self.flush_secs)
         if replay:
             self._latest = {}
             for tag, value in replay.items():
@@ -225,15 +378,28 @@ class TensorBoard(Callback):
 
     def _close(self) -> None:
         writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.flush()
-            writer.close()
+        if writer is None:
+            return
+        try:
+            if self._failure is None:
+                with self._writing():
+                    writer.flush()
+        finally:
+            with contextlib.suppress(OSError):  # a failed writer: stop its thread, close the file
+                writer.close()
+
+    def _flush(self) -> None:
+        if self._writer is not None:
+            with self._writing():
+                self._writer.flush()
 
     def _scalar(self, tag: str, value: float, step: int) -> None:
         if step != self._latest_step:
             self._latest_step, self._latest = step, {}
         self._latest[tag] = value
-        self.writer.add_scalar(tag, value, step)
+        writer = self.writer
+        with self._writing():
+            writer.add_scalar(tag, value, step)
 
     # ------------------------------------------------------------------ events
     def setup(self, loop: Loop) -> None:
@@ -247,15 +413,19 @@ class TensorBoard(Callback):
     def on_fit_start(self, loop: Loop) -> None:
         """Reset the per-fit bookkeeping; the writer opens at the first epoch."""
         self._epoch_ran = self._failed = self._graph_done = False
+        self._failure, self._failure_raised = None, False  # a new writer is tried
         self._metrics_step = {}
         self._validated_step = -1
         self._histogram_epoch = -1
 
     def on_epoch_start(self, loop: Loop) -> None:
-        """Open the writer (after a checkpoint restored the step, for purge_step)."""
-        self._epoch_ran = True
+        """Open the writer (after a checkpoint restored the step, for purge_step); at the
+        fit's first epoch, write the hyper-parameters."""
+        first, self._epoch_ran = not self._epoch_ran, True
         if self._writer is None:
             self._open(loop)
+        elif first:  # another callback opened the writer before training
+            self._add_session_start(loop)
 
     def on_batch_start(self, loop: Loop) -> None:
         """Trace the graph from the first batch, once, when asked."""
@@ -306,28 +476,39 @@ class TensorBoard(Callback):
         """
         self._metrics(loop, only_new=True,
                       stale_val=self._validated_step != loop.state.step)
-        if self._writer is not None:
-            self._writer.flush()
+        self._flush()
 
     def on_exception(self, loop: Loop, exc: BaseException) -> None:
-        """Remember the failure: no hyper-parameters for a run that did not finish."""
+        """Remember the failure: the hparams session is not marked finished."""
         self._failed = True
 
     def on_fit_end(self, loop: Loop) -> None:
-        """Hyper-parameters with the final metrics (after a normal end), flush and close."""
+        """Mark the hparams session finished (after a normal end), flush and close.
+
+        A failed write nobody was told of yet (a flush for a checkpoint) is raised here.
+        """
         try:
-            if self._epoch_ran and not self._failed:
-                self._add_hparams(loop)
+            if self._epoch_ran and not self._failed and self._writer is not None:
+                self._add_session_end()
         finally:
             self._close()
+        if self._failure is not None and not self._failure_raised:
+            self._failure_raised = True
+            raise self._failure
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """What was logged at the latest step, to write again after a resume purges it: its
-        scalars and, when histograms were logged there, the gradient histograms. Flushes
-        the writer (a checkpoint is taken)."""
-        if self._writer is not None:
-            self._writer.flush()
+        scalars and, when histograms were logged there, the gradient histograms.
+
+        Flushes the writer (a checkpoint is taken). A failed flush is not raised here, where
+        it would fail the checkpoint too, but at this callback's next write or at fit end.
+        """
+        if self._failure is None:
+            try:
+                self._flush()
+            except LogWriteError:
+                self._failure_raised = False
         latest = self._histogram_step == self._latest_step
         return {"step": self._latest_step, "scalars": dict(self._latest),
                 "histogram_step": self._histogram_step if latest else -1,
@@ -365,52 +546,65 @@ class TensorBoard(Callback):
         writer, step = self.writer, loop.state.step
         file_writer, bins = summary_file_writer(writer), writer.default_bins
         kept: dict[str, bytes] = {}
-        for name, param in loop.unwrapped_model.named_parameters():
-            file_writer.add_summary(histogram(f"weights/{name}", param.detach(), bins), step)
-            if gradients is not None:
-                if name in gradients:
-                    file_writer.add_summary(Summary.FromString(gradients[name]), step)
-            elif param.grad is not None:
-                summary = histogram(f"gradients/{name}", param.grad.detach(), bins)
-                file_writer.add_summary(summary, step)
-                kept[name] = summary.SerializeToString()
+        with self._writing():
+            for name, param in loop.unwrapped_model.named_parameters():
+                file_writer.add_summary(histogram(f"weights/{name}", param.detach(), bins), step)
+                if gradients is not None:
+                    if name in gradients:
+                        file_writer.add_summary(Summary.FromString(gradients[name]), step)
+                elif param.grad is not None:
+                    summary = histogram(f"gradients/{name}", param.grad.detach(), bins)
+                    file_writer.add_summary(summary, step)
+                    kept[name] = summary.SerializeToString()
         if gradients is None:
             self._histogram_step, self._gradient_histograms = step, kept
 
     def _add_graph(self, loop: Loop) -> None:
         model = loop.unwrapped_model
-        inputs = model_inputs(loop.state.batch)
+        inputs = model_inputs(loop.state.batch, loop.inputs)
         if inputs is None or inputs[1]:
             warnings.warn("TensorBoard(graph=True): the graph is traced from positional "
                           "inputs only; this batch is a mapping or an unknown type, so no "
                           "graph is logged.", RuntimeWarning, stacklevel=2)
             return
+        writer = self.writer
         try:
-            with untouched(model, tensors="buffers"), torch.no_grad(), \
+            with self._writing(), untouched(model, tensors="buffers"), torch.no_grad(), \
                     warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # tracer chatter
                 model.eval()
-                self.writer.add_graph(model, inputs[0][0])
-        except Exception as error:  # best effort: a graph never stops training
+                writer.add_graph(model, inputs[0][0])
+        except LogWriteError:  # the trace worked; writing it did not
+            raise
+        except Exception as error:  # noqa: BLE001 - an untraceable model never stops training
             warnings.warn(f"TensorBoard(graph=True): could not trace the model ({error!r}); "
                           "no graph is logged.", RuntimeWarning, stacklevel=2)
 
-    def _add_hparams(self, loop: Loop) -> None:
+    def _add_session_start(self, loop: Loop) -> None:
+        """The hparams plugin's session start: this run's settings, flushed at once."""
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-        metrics = {f"metrics/{name}": float(value) for name, value in loop.state.metrics.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool)
-                   and math.isfinite(value)}
-        if not metrics:  # an HPARAMS entry without metrics shows nothing useful
-            return
         params = self.hparams if self.hparams is not None else gather_hparams(loop)
         params = {str(key): value if isinstance(value, _Scalar) else repr(value)
                   for key, value in params.items()}
+        # Only the session start: an experiment summary in every run directory would make
+        # the tab show one run's columns for all (it takes the first it finds); without it
+        # the tab gathers the settings of every run and takes the scalars as the metrics.
+        _, session_start, _ = hparams_summary(params, {})
         writer = self.writer
-        for tag, value in metrics.items():  # the metric tags must hold values in this run
-            # (a val_* value logged at its validation's step is not logged again here)
-            if tag[len("metrics/"):] not in self._metrics_step:
-                self._scalar(tag, value, loop.state.step)
-        file_writer = summary_file_writer(writer)
-        for summary in hparams_summary(params, metrics):
-            file_writer.add_summary(summary)
+        with self._writing():
+            summary_file_writer(writer).add_summary(session_start)
+            writer.flush()
+
+    def _add_session_end(self) -> None:
+        """The hparams plugin's session end: the run finished (status: success)."""
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+        _, _, session_end = hparams_summary({}, {})
+        writer = self.writer
+        with self._writing():
+            summary_file_writer(writer).add_summary(session_end)
+
+
+def _event_files(directory: str) -> set[str]:
+    return {name for name in os.listdir(directory) if name.startswith("events.out.tfevents")}

@@ -73,13 +73,12 @@ def test_validation_metrics_once_per_validation_and_hparams(tmp_path: Path) -> N
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
     params = start.session_start_info.hparams
     assert params["optimizer"].string_value == "SGD"
-    assert params["lr"].number_value == pytest.approx(0.1)
+    assert params["optimizer/lr"].number_value == pytest.approx(0.1)
     assert params["epochs"].number_value == EPOCHS
-    assert params["0.Metrics"].string_value == "Metrics(acc)"
-    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
-    metric_tags = {info.name.tag for info in experiment.experiment.metric_infos}
-    assert {"metrics/val_loss", "metrics/val_acc", "metrics/train_loss"} <= metric_tags
-    # the metric tags hold the final values at the final step (a real number, not -1)
+    assert params["Metrics(acc)/on_train"].bool_value is False
+    # The metrics the HPARAMS tab links them to: tests/callbacks/test_tensorboard_hparams.py
+    # reads them through the plugin. The metric tags hold the final values at the final step
+    # (a real number, not -1).
     assert scalars(accumulator, "metrics/val_loss")[-1] == (
         state.step, pytest.approx(state.metrics["val_loss"], rel=1e-6))
 
@@ -149,7 +148,7 @@ def test_amp_loss_scale_is_logged(tmp_path: Path) -> None:
     assert len(scales) == loop.state.step and scales[-1][1] == amp.scaler.get_scale()
 
 
-def test_closed_on_exception_and_no_hparams(tmp_path: Path) -> None:
+def test_closed_on_exception_with_hparams_but_no_session_end(tmp_path: Path) -> None:
     class Fail(Callback):
         def after_step(self, loop: Loop) -> None:
             if loop.state.step == 5:
@@ -161,8 +160,8 @@ def test_closed_on_exception_and_no_hparams(tmp_path: Path) -> None:
     assert board._writer is None  # closed
     accumulator = events(tmp_path)
     assert [step for step, _ in scalars(accumulator, "step/loss")] == [1, 2, 3, 4, 5]
-    with pytest.raises(KeyError):  # an unfinished run has no final metrics: no HPARAMS entry
-        accumulator.PluginTagToContent("hparams")
+    # The settings were written before the first batch; an unfinished run is not marked ended.
+    assert set(accumulator.PluginTagToContent("hparams")) == {"_hparams_/session_start_info"}
 
 
 def test_writer_is_reachable_by_other_callbacks(tmp_path: Path) -> None:
@@ -253,3 +252,14 @@ def test_histograms_of_the_resumed_step_survive_its_purge(tmp_path: Path) -> Non
         for w, g in zip(want, got):
             assert g.histogram_value == w.histogram_value, (tag, w.step)
     assert [s for s, _ in scalars(resumed, "step/loss")] == [7, 14, 21]
+
+
+def test_graph_of_dict_batches_with_the_inputs_rule(tmp_path: Path) -> None:
+    """``Loop(inputs="x", targets="y")``: the graph is traced from the input that rule picks."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    batches = [{"x": torch.randn(4, 5), "y": torch.randint(0, 3, (4,))} for _ in range(2)]
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, loss_fn=F.cross_entropy,
+         inputs="x", targets="y", device="cpu",
+         callbacks=[TensorBoard(tmp_path, graph=True)]).fit(1)
+    assert events(tmp_path).Tags()["graph"] is True
