@@ -11,7 +11,7 @@ from hookloop import distributed
 from hookloop.errors import ConfigurationError
 
 __all__ = ["move_to_device", "find_targets", "batch_size_of", "is_pair", "length_of", "Lookahead",
-           "LossSum"]
+           "LossSum", "LossMark"]
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -131,11 +131,59 @@ class Lookahead:
         return item
 
 
+def _folded(total: torch.Tensor, losses: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """``total + sizes[0] * losses[0] + sizes[1] * losses[1] + ...``, added in that order.
+
+    One sequential sum (``cumsum``) on the device: on the CPU every partial sum is rounded
+    as a per-batch ``torch.add(total, loss, alpha=size)`` would round it (each product of a
+    float32 loss and an int size is exact in float64), so the result does not depend on
+    how the losses were grouped. Consecutive equal sizes are weighted by one multiply (no
+    host-to-device copy of the sizes).
+    """
+    if not losses:
+        return total
+    runs, start = [], 0
+    for index in range(1, len(sizes) + 1):
+        if index == len(sizes) or sizes[index] != sizes[start]:
+            values = torch.stack(losses[start:index]).to(total.dtype)
+            runs.append(values * sizes[start])
+            start = index
+    return torch.cat([total.reshape(1), *runs]).cumsum(0)[-1]
+
+
+class LossMark:
+    """A `LossSum` as it was at one moment (a step boundary), resolved only when read.
+
+    Taking one costs no device operation; `total` folds the losses added up to that moment.
+    """
+
+    __slots__ = ("_total", "_losses", "_sizes", "_count", "samples")
+
+    def __init__(self, total: torch.Tensor, losses: list[torch.Tensor], sizes: list[int],
+                 samples: int) -> None:
+        # The lists are only appended to after this (a fold starts new ones): the first
+        # ``count`` items are those of this moment.
+        self._total, self._losses, self._sizes = total, losses, sizes
+        self._count, self.samples = len(losses), samples
+
+    @property
+    def total(self) -> torch.Tensor:
+        """The sample-weighted sum at that moment, on the device."""
+        if self._count:
+            count = self._count
+            self._total = _folded(self._total, self._losses[:count], self._sizes[:count])
+            self._losses, self._sizes, self._count = [], [], 0
+        return self._total
+
+
 class LossSum:
     """A sample-weighted sum of batch losses, kept on the device and read once.
 
-    Adding costs one device operation and no host sync; `mean` reduces over all ranks
-    with one all-reduce and reads the result once.
+    Adding keeps the detached loss and costs no device operation; every `FOLD` losses (and
+    whenever the total is read) they are summed into a float64 total on the device, in
+    their order (`_folded`): the same total as adding each loss as it comes. `mean`
+    reduces over all ranks with one all-reduce and reads the result once; `mark` is the sum
+    as it is now, for the position of a step boundary.
 
     Example:
         >>> losses = LossSum(torch.device("cpu"))
@@ -144,19 +192,43 @@ class LossSum:
         2.0
     """
 
-    __slots__ = ("total", "samples")
+    __slots__ = ("_total", "_losses", "_sizes", "samples")
+
+    #: Losses kept before they are summed: one fold of a few device operations per this
+    #: many batches, and as many scalar tensors alive at most.
+    FOLD = 64
 
     def __init__(self, device: torch.device, total: torch.Tensor | None = None,
                  samples: int = 0) -> None:
         if total is None:
             dtype = torch.float32 if device.type == "mps" else torch.float64
             total = torch.zeros((), dtype=dtype, device=device)
-        self.total, self.samples = total, samples
+        self._total, self.samples = total, samples
+        self._losses: list[torch.Tensor] = []
+        self._sizes: list[int] = []
 
     def add(self, loss: torch.Tensor, batch_size: int) -> None:
         """Add a batch's loss weighted by its size."""
-        self.total = torch.add(self.total, loss.detach(), alpha=batch_size)
+        losses = self._losses
+        losses.append(loss.detach())
+        self._sizes.append(batch_size)
         self.samples += batch_size
+        if len(losses) >= self.FOLD:
+            self._fold()
+
+    def _fold(self) -> None:
+        self._total = _folded(self._total, self._losses, self._sizes)
+        self._losses, self._sizes = [], []  # new lists: a LossMark keeps the old ones
+
+    @property
+    def total(self) -> torch.Tensor:
+        """The sample-weighted sum so far, on the device."""
+        self._fold()
+        return self._total
+
+    def mark(self) -> LossMark:
+        """The sum as it is now, resolved when read (a step boundary's position)."""
+        return LossMark(self._total, self._losses, self._sizes, self.samples)
 
     def mean(self, *, empty: str = "the data") -> float:
         """The mean over every rank's samples: one all-reduce, one host read.
@@ -164,9 +236,9 @@ class LossSum:
         Raises:
             ConfigurationError: no rank saw a sample (``empty`` names the data).
         """
-        totals = distributed.all_reduce_sum(
-            torch.stack([self.total, self.total.new_tensor(self.samples)]))
-        total, samples = totals.tolist()
+        total = self.total
+        totals = distributed.all_reduce_sum(torch.stack([total, total.new_tensor(self.samples)]))
+        total_value, samples = totals.tolist()
         if samples == 0:
             raise ConfigurationError(f"{empty} yielded no batches: it is empty.")
-        return total / samples
+        return total_value / samples
