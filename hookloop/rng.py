@@ -41,7 +41,8 @@ def capture_rng(generators: Iterable[torch.Generator] = (), *, full: bool = True
         "torch": torch.get_rng_state(),
         "generators": [generator.get_state() for generator in generators],
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # is_initialized first: it is a flag, is_available asks the driver (microseconds).
+    if torch.cuda.is_initialized() and torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if not full:
         return state
