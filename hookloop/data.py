@@ -24,7 +24,12 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
         tensor([1., 1.])
     """
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        # Comparing devices is cheaper than .to(), which returns the same tensor anyway.
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
+    kind = type(batch)
+    if kind is tuple or kind is list:  # the usual (inputs, targets): no namedtuple test
+        moved = [move_to_device(value, device) for value in batch]
+        return moved if kind is list else tuple(moved)
     if isinstance(batch, Mapping):
         moved = {key: move_to_device(value, device) for key, value in batch.items()}
         if type(batch) is dict:
