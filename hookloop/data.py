@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -156,29 +156,25 @@ def _folded(total: torch.Tensor, losses: list[torch.Tensor], sizes: list[int]) -
     return torch.cat([total.reshape(1), *runs]).cumsum(0)[-1]
 
 
-class LossMark:
+class LossMark(NamedTuple):
     """A `LossSum` as it was at one moment (a step boundary), resolved only when read.
 
-    Taking one costs no device operation; `total` folds the losses added up to that moment.
+    The lists are only appended to after that moment (a fold starts new ones), so their
+    first ``count`` items are that moment's. Taking one costs no device operation.
     """
 
-    __slots__ = ("_total", "_losses", "_sizes", "_count", "samples")
+    total: torch.Tensor
+    losses: list[torch.Tensor]
+    sizes: list[int]
+    count: int
 
-    def __init__(self, total: torch.Tensor, losses: list[torch.Tensor], sizes: list[int],
-                 samples: int) -> None:
-        # The lists are only appended to after this (a fold starts new ones): the first
-        # ``count`` items are those of this moment.
-        self._total, self._losses, self._sizes = total, losses, sizes
-        self._count, self.samples = len(losses), samples
-
-    @property
-    def total(self) -> torch.Tensor:
+    def resolved(self) -> torch.Tensor:
         """The sample-weighted sum at that moment, on the device."""
-        if self._count:
-            count = self._count
-            self._total = _folded(self._total, self._losses[:count], self._sizes[:count])
-            self._losses, self._sizes, self._count = [], [], 0
-        return self._total
+        count = self.count
+        return _folded(self.total, self.losses[:count], self.sizes[:count])
+
+
+_new_tuple = tuple.__new__  # LossMark(...) without the Python-level __new__ of a NamedTuple
 
 
 class LossSum:
@@ -233,7 +229,8 @@ class LossSum:
 
     def mark(self) -> LossMark:
         """The sum as it is now, resolved when read (a step boundary's position)."""
-        return LossMark(self._total, self._losses, self._sizes, self.samples)
+        losses = self._losses
+        return _new_tuple(LossMark, (self._total, losses, self._sizes, len(losses)))
 
     def mean(self, *, empty: str = "the data") -> float:
         """The mean over every rank's samples: one all-reduce, one host read.

@@ -91,7 +91,7 @@ class Position:
 
     def _loss_total(self) -> torch.Tensor | None:
         loss_sum = self.loss_sum
-        return loss_sum.total if isinstance(loss_sum, LossMark) else loss_sum
+        return loss_sum.resolved() if isinstance(loss_sum, LossMark) else loss_sum
 
     def rewind(self) -> None:
         """After an exception: the next epoch start continues from the recorded position."""
@@ -233,13 +233,12 @@ class EpochPass:
     def record(self, step: int, *, validated: bool = False) -> None:
         """At a step boundary: the weights are those after `batches_done` batches."""
         iterator = self._iterator
-        prefetch = iterator.pending_snapshot if isinstance(iterator, Lookahead) else None
-        position = self._position
+        prefetch = iterator.pending_snapshot if type(iterator) is Lookahead else None
         losses = self.losses
-        position.record(self.epoch, self.batches_done, step, losses.mark(), losses.samples,
-                        prefetch)
+        self._position.record(self.epoch, self.batches_done, step, losses.mark(),
+                              losses.samples, prefetch)
         if validated:
-            position.validated = True
+            self._position.validated = True
 
     def train_loss(self) -> float | None:
         """The epoch's sample-weighted mean training loss over all ranks: one host sync.

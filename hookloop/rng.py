@@ -38,7 +38,7 @@ def capture_rng(generators: Iterable[torch.Generator] = (), *, full: bool = True
     """Snapshot the torch CPU and CUDA generators and ``generators``; with ``full``, also
     Python's and NumPy's global generators (about 30 microseconds more)."""
     state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
+        "torch": torch.default_generator.get_state(),  # torch.get_rng_state(), one call less
         "generators": [generator.get_state() for generator in generators],
     }
     # is_initialized first: it is a flag, is_available asks the driver (microseconds).
