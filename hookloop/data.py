@@ -28,7 +28,8 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
         return batch if batch.device == device else batch.to(device, non_blocking=True)
     kind = type(batch)
     if kind is tuple or kind is list:  # the usual (inputs, targets): no namedtuple test
-        moved = [move_to_device(value, device) for value in batch]
+        moved = [value if isinstance(value, torch.Tensor) and value.device == device
+                 else move_to_device(value, device) for value in batch]
         return moved if kind is list else tuple(moved)
     if isinstance(batch, Mapping):
         moved = {key: move_to_device(value, device) for key, value in batch.items()}

@@ -39,7 +39,7 @@ def capture_rng(generators: Iterable[torch.Generator] = (), *, full: bool = True
     Python's and NumPy's global generators (about 30 microseconds more)."""
     state: dict[str, Any] = {
         "torch": torch.default_generator.get_state(),  # torch.get_rng_state(), one call less
-        "generators": [generator.get_state() for generator in generators],
+        "generators": [generator.get_state() for generator in generators] if generators else [],
     }
     # is_initialized first: it is a flag, is_available asks the driver (microseconds).
     if torch.cuda.is_initialized() and torch.cuda.is_available():

@@ -65,8 +65,15 @@ class LoopState:
     def set_batch(self, batch: Any, batch_idx: int) -> Any:
         """Make ``batch`` (already on the device) the current one, with its targets and size."""
         self.batch_idx, self.batch = batch_idx, batch
-        self.targets = find_targets(batch)
-        self.batch_size = batch_size_of(batch, self.targets)
+        kind = type(batch)
+        if (kind is tuple or kind is list) and len(batch) == 2:  # a pair: what find_targets
+            targets = self.targets = batch[1]                     # and batch_size_of say
+            if isinstance(targets, torch.Tensor) and targets.dim() > 0:
+                self.batch_size = targets.shape[0]
+                return batch
+        else:
+            targets = self.targets = find_targets(batch)
+        self.batch_size = batch_size_of(batch, targets)
         return batch
 
     def record_validation(self) -> None:
