@@ -20,6 +20,8 @@ from hookloop.callbacks import (
     AMP,
     CSVLogger,
     Checkpoint,
+    Compile,
+    CudaSpeedups,
     DDP,
     EMA,
     DetectAnomaly,
@@ -27,6 +29,7 @@ from hookloop.callbacks import (
     GradAccumulation,
     GradClip,
     LRScheduler,
+    MemoryMonitor,
     Metrics,
     ModelSummary,
     Profiler,
@@ -34,13 +37,16 @@ from hookloop.callbacks import (
     ShortRun,
     TensorBoard,
     TerminateOnNaN,
+    ThroughputMonitor,
 )
 from hookloop.schedules import warmup_cosine
 
 # DDP outside torchrun is a no-op that says so; here that is expected.
 pytestmark = [pytest.mark.filterwarnings("ignore:DDP. not launched by torchrun"),
               # the same TensorBoard twice in a row writes into one log_dir: it says so
-              pytest.mark.filterwarnings("ignore:TensorBoard. .* already holds event files")]
+              pytest.mark.filterwarnings("ignore:TensorBoard. .* already holds event files"),
+              # CudaSpeedups on CPU says it has nothing to switch
+              pytest.mark.filterwarnings("ignore:CudaSpeedups. the loop runs on cpu")]
 
 
 def accuracy(outputs, targets):
@@ -72,6 +78,13 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
     "Profiler": lambda tmp: Profiler(print_table=False),
     "DetectAnomaly": lambda tmp: DetectAnomaly(steps=3),
     "ShortRun": lambda tmp: ShortRun(steps=14),
+    # "eager": dynamo captures and guards, no C++ kernels to build (seconds, not minutes)
+    "Compile": lambda tmp: Compile(backend="eager"),
+    "Compile-optimizer": lambda tmp: Compile(backend="eager", optimizer=True),
+    "CudaSpeedups": lambda tmp: CudaSpeedups(),
+    "ThroughputMonitor": lambda tmp: ThroughputMonitor(every_n_steps=2, flops_per_sample="measure",
+                                                       peak_flops=1e12),
+    "MemoryMonitor": lambda tmp: MemoryMonitor(),
 }
 
 
