@@ -143,23 +143,6 @@ def test_given_flops_per_sample_are_used_as_they_are(clock: Clock) -> None:
     assert metrics["mfu"] == pytest.approx(1000.0 * (8 / 2.0) / 4000.0)
 
 
-READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
-
-
-@pytest.fixture
-def count_reads(monkeypatch):
-    counts = {"n": 0}
-    for name in READS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, **kwargs):
-            counts["n"] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return counts
-
-
 def test_no_host_read_per_batch(count_reads) -> None:
     def reads(n: int) -> int:
         monitor = ThroughputMonitor(every_n_steps=1000, tokens=lambda batch: (batch[1] >= 0).sum())
