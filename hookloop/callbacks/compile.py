@@ -61,8 +61,10 @@ class Compile(Callback):
     recompile the step at every step (torch before 2.6 specializes floats; later ones
     lift them into inputs unless ``torch._dynamo.config.specialize_float`` is set). The
     learning rates are therefore turned into 0-dim CPU tensors for the fit (torch's
-    schedulers then fill them in place) and back into floats at fit end, and checkpoints
-    hold them as floats. ``fullgraph`` is not applied to the optimizer step.
+    schedulers then fill them in place; one set as a float since, as `LRScheduler` does
+    when it rewinds a schedule, is turned again before the next step) and back into
+    floats at fit end, and checkpoints hold them as floats. ``fullgraph`` is not applied
+    to the optimizer step.
 
     Args:
         optimizer: Also compile the optimizer step.
@@ -134,6 +136,12 @@ class Compile(Callback):
         if self.optimizer:
             self._compile_step(loop.optimizer)
 
+    def before_step(self, loop: Loop) -> None:
+        """With the step compiled: learning rates set as floats since (a schedule rewound
+        after the sanity check, a callback) become tensors again before the step."""
+        if self._step is not None:
+            self._tensor_learning_rates(loop.optimizer)
+
     def forward_context(self, loop: Loop) -> AbstractContextManager[Any]:
         """Put the compiled module in ``loop.model`` for the forward, then the module back."""
         return self._swapped(loop)
@@ -159,15 +167,19 @@ class Compile(Callback):
         finally:
             loop.model = module
 
-    def _compile_step(self, optimizer: Any) -> None:
-        # Tensor learning rates: the compiled step reads them as inputs, not constants.
-        self._tensor_lrs = []
+    def _tensor_learning_rates(self, optimizer: Any) -> None:
+        """Tensor learning rates: the compiled step reads them as inputs, not constants."""
         for group in optimizer.param_groups:
             if not isinstance(group.get("lr"), torch.Tensor):
                 group["lr"] = torch.tensor(float(group["lr"]))
-                self._tensor_lrs.append(group)
+                if all(group is not seen for seen in self._tensor_lrs):
+                    self._tensor_lrs.append(group)
         if self._tensor_lrs and self._hook is None:
             self._hook = optimizer.register_state_dict_post_hook(self._float_lrs)
+
+    def _compile_step(self, optimizer: Any) -> None:
+        self._tensor_lrs = []
+        self._tensor_learning_rates(optimizer)
         own = vars(optimizer).get("step")  # a scheduler's tracking wrapper, or nothing
         step = optimizer.step
         arguments = {key: value for key, value in self.torch_compile_kwargs.items()
