@@ -91,10 +91,11 @@ class GradAccumulation(Callback):
         size = self.window_size(loop.state.batch_idx)
         return loss if size == 1 else loss / size
 
-    @torch.no_grad()
     def after_backward(self, loop: Loop) -> None:
         """Data without a length: rescale the gradients of a window the data cut short."""
         state = loop.state
+        # Tested before any grad-mode context: this runs after every backward, and
+        # entering torch.no_grad() costs more than the rest of the call.
         if self._batches is not None or not state.step_boundary:
             return
         size = state.batch_idx % self.steps + 1
@@ -103,4 +104,5 @@ class GradAccumulation(Callback):
         grads = [param.grad for group in loop.optimizer.param_groups for param in group["params"]
                  if param.grad is not None]
         if grads:
-            foreach_mul_(grads, self.steps / size)
+            with torch.no_grad():
+                foreach_mul_(grads, self.steps / size)
