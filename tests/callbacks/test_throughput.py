@@ -13,10 +13,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rich.console import Console
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import hookloop.callbacks.throughput as throughput
 from hookloop import Callback, ConfigurationError, Loop
-from hookloop.callbacks import CSVLogger, GradAccumulation, ProgressBar, ThroughputMonitor
+from hookloop.callbacks import (
+    CSVLogger,
+    GradAccumulation,
+    ProgressBar,
+    TensorBoard,
+    ThroughputMonitor,
+)
 
 
 class Clock:
@@ -159,13 +166,19 @@ def test_the_views_show_the_values(tmp_path: Path) -> None:
     console = Console(file=io.StringIO(), force_terminal=False, width=300)
     loop = make_loop(batches([8] * 6), [ThroughputMonitor(every_n_steps=2),
                                         ProgressBar(console=console),
-                                        CSVLogger(tmp_path / "log.csv")],
+                                        CSVLogger(tmp_path / "log.csv"),
+                                        TensorBoard(tmp_path / "tb")],
                      val_data=batches([8]))
     state = loop.fit(2)
-    assert "samples_per_s" in state.history[-1] and "batches_per_s" in state.history[-1]
+    rows = [(row["step"], row["samples_per_s"]) for row in state.history]
+    assert [step for step, _ in rows] == [6, 12] and all(value > 0 for _, value in rows)
     assert "samples_per_s" in console.file.getvalue()
     frame = pd.read_csv(tmp_path / "log.csv")
-    assert frame[frame.kind == "history"]["samples_per_s"].notna().all()
+    assert list(frame[frame.kind == "history"]["samples_per_s"]) == [value for _, value in rows]
+    accumulator = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    logged = [(event.step, event.value) for event in accumulator.Scalars("metrics/samples_per_s")]
+    assert logged == [(step, pytest.approx(value)) for step, value in rows]
 
 
 def test_bad_arguments_are_refused() -> None:
