@@ -202,14 +202,14 @@ class EpochPass:
         iterator, total, window = self._iterator, self._total, self._window
         lookahead = iterator if isinstance(iterator, Lookahead) else None
         boundary, batch_idx = True, self.start - 1
+        stop_due = self._stop_due
         while True:
             # A stop takes effect at a step boundary, never inside an accumulation window.
-            stopping = boundary and self._stop_due()
+            stopping = boundary and stop_due()
             # More data is known to follow: keep the iterator for a later fit. Without a
             # length (and no look-ahead), one more batch is fetched below to find out.
-            more = (batch_idx + 1 < total if total is not None
-                    else lookahead is not None and not lookahead.exhausted)
-            if stopping and more:
+            if stopping and (batch_idx + 1 < total if total is not None
+                             else lookahead is not None and not lookahead.exhausted):
                 return self._suspend(iterator)
             try:
                 batch = next(iterator)
@@ -218,11 +218,11 @@ class EpochPass:
             if stopping:  # the data outlived its len(): keep it for a later fit
                 return self._suspend(itertools.chain([batch], iterator))
             batch_idx += 1
-            if lookahead is not None:
-                ends_data = lookahead.exhausted
-            else:
-                ends_data = total is not None and batch_idx == total - 1
-            boundary = window == 1 or (batch_idx + 1) % window == 0 or ends_data
+            # Every batch ends a step without accumulation; else every window-th batch
+            # and the one that ends the data.
+            boundary = window == 1 or (batch_idx + 1) % window == 0 or (
+                lookahead.exhausted if lookahead is not None
+                else total is not None and batch_idx == total - 1)
             self.batches_done = batch_idx + 1
             yield batch_idx, batch, boundary
 
