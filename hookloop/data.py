@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -11,7 +11,7 @@ from hookloop import distributed
 from hookloop.errors import ConfigurationError
 
 __all__ = ["move_to_device", "find_targets", "batch_size_of", "is_pair", "length_of", "Lookahead",
-           "LossSum"]
+           "LossSum", "LossMark"]
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -24,7 +24,13 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
         tensor([1., 1.])
     """
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        # Comparing devices is cheaper than .to(), which returns the same tensor anyway.
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
+    kind = type(batch)
+    if kind is tuple or kind is list:  # the usual (inputs, targets): no namedtuple test
+        moved = [value if isinstance(value, torch.Tensor) and value.device == device
+                 else move_to_device(value, device) for value in batch]
+        return moved if kind is list else tuple(moved)
     if isinstance(batch, Mapping):
         moved = {key: move_to_device(value, device) for key, value in batch.items()}
         if type(batch) is dict:
@@ -131,11 +137,55 @@ class Lookahead:
         return item
 
 
+def _folded(total: torch.Tensor, losses: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """``total + sizes[0] * losses[0] + sizes[1] * losses[1] + ...``, added in that order.
+
+    One sequential sum (``cumsum``) on the device: on the CPU every partial sum is rounded
+    as a per-batch ``torch.add(total, loss, alpha=size)`` would round it (each product of a
+    float32 loss and an int size is exact in float64), so the result does not depend on
+    how the losses were grouped. Consecutive equal sizes are weighted by one multiply (no
+    host-to-device copy of the sizes).
+    """
+    if not losses:
+        return total
+    runs, start = [], 0
+    for index in range(1, len(sizes) + 1):
+        if index == len(sizes) or sizes[index] != sizes[start]:
+            values = torch.stack(losses[start:index]).to(total.dtype)
+            runs.append(values * sizes[start])
+            start = index
+    return torch.cat([total.reshape(1), *runs]).cumsum(0)[-1]
+
+
+class LossMark(NamedTuple):
+    """A `LossSum` as it was at one moment (a step boundary), resolved only when read.
+
+    The lists are only appended to after that moment (a fold starts new ones), so their
+    first ``count`` items are that moment's. Taking one costs no device operation.
+    """
+
+    total: torch.Tensor
+    losses: list[torch.Tensor]
+    sizes: list[int]
+    count: int
+
+    def resolved(self) -> torch.Tensor:
+        """The sample-weighted sum at that moment, on the device."""
+        count = self.count
+        return _folded(self.total, self.losses[:count], self.sizes[:count])
+
+
+_new_tuple = tuple.__new__  # LossMark(...) without the Python-level __new__ of a NamedTuple
+
+
 class LossSum:
     """A sample-weighted sum of batch losses, kept on the device and read once.
 
-    Adding costs one device operation and no host sync; `mean` reduces over all ranks
-    with one all-reduce and reads the result once.
+    Adding keeps the detached loss and costs no device operation; every `FOLD` losses (and
+    whenever the total is read) they are summed into a float64 total on the device, in
+    their order (`_folded`): the same total as adding each loss as it comes. `mean`
+    reduces over all ranks with one all-reduce and reads the result once; `mark` is the sum
+    as it is now, for the position of a step boundary.
 
     Example:
         >>> losses = LossSum(torch.device("cpu"))
@@ -144,19 +194,44 @@ class LossSum:
         2.0
     """
 
-    __slots__ = ("total", "samples")
+    __slots__ = ("_total", "_losses", "_sizes", "samples")
+
+    #: Losses kept before they are summed: one fold of a few device operations per this
+    #: many batches, and as many scalar tensors alive at most.
+    FOLD = 64
 
     def __init__(self, device: torch.device, total: torch.Tensor | None = None,
                  samples: int = 0) -> None:
         if total is None:
             dtype = torch.float32 if device.type == "mps" else torch.float64
             total = torch.zeros((), dtype=dtype, device=device)
-        self.total, self.samples = total, samples
+        self._total, self.samples = total, samples
+        self._losses: list[torch.Tensor] = []
+        self._sizes: list[int] = []
 
     def add(self, loss: torch.Tensor, batch_size: int) -> None:
         """Add a batch's loss weighted by its size."""
-        self.total = torch.add(self.total, loss.detach(), alpha=batch_size)
+        losses = self._losses
+        losses.append(loss.detach())
+        self._sizes.append(batch_size)
         self.samples += batch_size
+        if len(losses) >= self.FOLD:
+            self._fold()
+
+    def _fold(self) -> None:
+        self._total = _folded(self._total, self._losses, self._sizes)
+        self._losses, self._sizes = [], []  # new lists: a LossMark keeps the old ones
+
+    @property
+    def total(self) -> torch.Tensor:
+        """The sample-weighted sum so far, on the device."""
+        self._fold()
+        return self._total
+
+    def mark(self) -> LossMark:
+        """The sum as it is now, resolved when read (a step boundary's position)."""
+        losses = self._losses
+        return _new_tuple(LossMark, (self._total, losses, self._sizes, len(losses)))
 
     def mean(self, *, empty: str = "the data") -> float:
         """The mean over every rank's samples: one all-reduce, one host read.
@@ -164,9 +239,9 @@ class LossSum:
         Raises:
             ConfigurationError: no rank saw a sample (``empty`` names the data).
         """
-        totals = distributed.all_reduce_sum(
-            torch.stack([self.total, self.total.new_tensor(self.samples)]))
-        total, samples = totals.tolist()
+        total = self.total
+        totals = distributed.all_reduce_sum(torch.stack([total, total.new_tensor(self.samples)]))
+        total_value, samples = totals.tolist()
         if samples == 0:
             raise ConfigurationError(f"{empty} yielded no batches: it is empty.")
-        return total / samples
+        return total_value / samples

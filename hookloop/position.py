@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from hookloop.data import Lookahead, LossSum, length_of
+from hookloop.data import Lookahead, LossMark, LossSum, length_of
 from hookloop.errors import ConfigurationError
 from hookloop.rng import capture_rng, loader_generators, restore_rng
 
@@ -55,7 +55,9 @@ class Position:
 
     def __init__(self) -> None:
         self.epoch = self.batches_done = self.step = self.samples = 0
-        self.loss_sum: torch.Tensor | None = None
+        #: The training loss sum at the position: a `LossMark` (resolved when read) or,
+        #: after a load, the saved tensor.
+        self.loss_sum: LossMark | torch.Tensor | None = None
         self.full_snapshots = False
         self.rng: dict[str, Any] | None = None
         self.epoch_rng: dict[str, Any] | None = None
@@ -77,7 +79,8 @@ class Position:
         """At every setup: the training data (DDP may have rebuilt it) and its generators."""
         self.generators = loader_generators(data)
 
-    def record(self, epoch: int, batches_done: int, step: int, loss_sum: torch.Tensor | None,
+    def record(self, epoch: int, batches_done: int, step: int,
+               loss_sum: LossMark | torch.Tensor | None,
                samples: int, prefetch_rng: dict[str, Any] | None = None) -> None:
         """The weights now are those after ``batches_done`` batches of ``epoch``."""
         self.prefetch_rng = prefetch_rng
@@ -85,6 +88,10 @@ class Position:
         self.epoch, self.batches_done, self.step = epoch, batches_done, step
         self.loss_sum, self.samples = loss_sum, samples
         self.rng = capture_rng(self.generators, full=self.full_snapshots)
+
+    def _loss_total(self) -> torch.Tensor | None:
+        loss_sum = self.loss_sum
+        return loss_sum.resolved() if isinstance(loss_sum, LossMark) else loss_sum
 
     def rewind(self) -> None:
         """After an exception: the next epoch start continues from the recorded position."""
@@ -97,7 +104,7 @@ class Position:
         shared = {"epoch": self.epoch, "batch_idx": self.batches_done, "step": self.step,
                   "validated": self.validated}
         own: dict[str, Any] = {
-            "train_loss_sum": None if self.loss_sum is None else self.loss_sum.detach().cpu(),
+            "train_loss_sum": None if self.loss_sum is None else self._loss_total().detach().cpu(),
             "train_samples": self.samples,
         }
         if self.rng is not None:
@@ -136,7 +143,7 @@ class Position:
         generators = self.generators
         live, self._live = self._live, None
         skip = self.batches_done if self.epoch == epoch else 0
-        losses = LossSum(device, *((self.loss_sum, self.samples)
+        losses = LossSum(device, *((self._loss_total(), self.samples)
                                    if skip and self.loss_sum is not None else ()))
         replay, self._replay = self._replay, False
         total = length_of(data)
@@ -197,15 +204,15 @@ class EpochPass:
         iterator, total, window = self._iterator, self._total, self._window
         lookahead = iterator if isinstance(iterator, Lookahead) else None
         boundary, batch_idx = True, self.start - 1
+        stop_due = self._stop_due
         while True:
             # A stop takes effect at a step boundary the loop took (`record`), never inside
             # a window, also one a callback drew with loop.state.step_boundary.
-            stopping = self._at_boundary and self._stop_due()
+            stopping = self._at_boundary and stop_due()
             # More data is known to follow: keep the iterator for a later fit. Without a
             # length (and no look-ahead), one more batch is fetched below to find out.
-            more = (batch_idx + 1 < total if total is not None
-                    else lookahead is not None and not lookahead.exhausted)
-            if stopping and more:
+            if stopping and (batch_idx + 1 < total if total is not None
+                             else lookahead is not None and not lookahead.exhausted):
                 return self._suspend(iterator)
             try:
                 batch = next(iterator)
@@ -214,11 +221,11 @@ class EpochPass:
             if stopping:  # the data outlived its len(): keep it for a later fit
                 return self._suspend(itertools.chain([batch], iterator))
             batch_idx += 1
-            if lookahead is not None:
-                ends_data = lookahead.exhausted
-            else:
-                ends_data = total is not None and batch_idx == total - 1
-            boundary = window == 1 or (batch_idx + 1) % window == 0 or ends_data
+            # Every batch ends a step without accumulation; else every window-th batch
+            # and the one that ends the data.
+            boundary = window == 1 or (batch_idx + 1) % window == 0 or (
+                lookahead.exhausted if lookahead is not None
+                else total is not None and batch_idx == total - 1)
             self.batches_done = batch_idx + 1
             self._at_boundary = False
             yield batch_idx, batch, boundary
@@ -230,14 +237,13 @@ class EpochPass:
     def record(self, step: int, *, validated: bool = False) -> None:
         """At a step boundary: the weights are those after `batches_done` batches."""
         iterator = self._iterator
-        prefetch = iterator.pending_snapshot if isinstance(iterator, Lookahead) else None
-        position = self._position
+        prefetch = iterator.pending_snapshot if type(iterator) is Lookahead else None
         losses = self.losses
-        position.record(self.epoch, self.batches_done, step, losses.total, losses.samples,
-                        prefetch)
+        self._position.record(self.epoch, self.batches_done, step, losses.mark(),
+                              losses.samples, prefetch)
         self._at_boundary = True
         if validated:
-            position.validated = True
+            self._position.validated = True
 
     def train_loss(self) -> float | None:
         """The epoch's sample-weighted mean training loss over all ranks: one host sync.

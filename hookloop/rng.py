@@ -38,10 +38,11 @@ def capture_rng(generators: Iterable[torch.Generator] = (), *, full: bool = True
     """Snapshot the torch CPU and CUDA generators and ``generators``; with ``full``, also
     Python's and NumPy's global generators (about 30 microseconds more)."""
     state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "generators": [generator.get_state() for generator in generators],
+        "torch": torch.default_generator.get_state(),  # torch.get_rng_state(), one call less
+        "generators": [generator.get_state() for generator in generators] if generators else [],
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # is_initialized first: it is a flag, is_available asks the driver (microseconds).
+    if torch.cuda.is_initialized() and torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if not full:
         return state

@@ -78,8 +78,16 @@ class LoopState:
         (by the loop's ``targets=`` rule) and its size; return it."""
         self.batch_idx = batch_idx
         self.batch = batch = move_to_device(batch, loop.device)
-        self.targets = batch_targets(loop, batch)
-        self.batch_size = batch_size_of(batch, self.targets)
+        kind = type(batch)
+        if loop.targets is None and (kind is tuple or kind is list) and len(batch) == 2:
+            # A pair: what batch_targets and batch_size_of say, without their calls.
+            targets = self.targets = batch[1]
+            if isinstance(targets, torch.Tensor) and targets.dim() > 0:
+                self.batch_size = targets.shape[0]
+                return batch
+        else:
+            targets = self.targets = batch_targets(loop, batch)
+        self.batch_size = batch_size_of(batch, targets)
         return batch
 
     def record_validation(self) -> None:

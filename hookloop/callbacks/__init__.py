@@ -1,14 +1,18 @@
 """The built-in callbacks. Stack them in a list, in the order they should run.
 
 The display callbacks (`TensorBoard`, `ProgressBar`, `ModelSummary`, `Profiler`) import
-tensorboard, rich and torchinfo only when a fit uses them.
+tensorboard, rich and torchinfo only when a fit uses them. The speed callbacks
+(`Compile`, `CudaSpeedups`, `ThroughputMonitor`, `MemoryMonitor`) are in
+docs/performance.md.
 """
 
 from __future__ import annotations
 
 from hookloop.callbacks.amp import AMP
 from hookloop.callbacks.checkpoint import Checkpoint
+from hookloop.callbacks.compile import Compile
 from hookloop.callbacks.csv_logger import CSVLogger
+from hookloop.callbacks.cuda_speedups import CudaSpeedups
 from hookloop.callbacks.ddp import DDP
 from hookloop.callbacks.detect_anomaly import DetectAnomaly
 from hookloop.callbacks.early_stopping import EarlyStopping
@@ -17,6 +21,7 @@ from hookloop.callbacks.fsdp import FSDP
 from hookloop.callbacks.grad_accumulation import GradAccumulation
 from hookloop.callbacks.grad_clip import GradClip
 from hookloop.callbacks.lr_scheduler import LRScheduler
+from hookloop.callbacks.memory import MemoryMonitor
 from hookloop.callbacks.metrics import Metrics
 from hookloop.callbacks.model_summary import ModelSummary
 from hookloop.callbacks.profiler import Profiler
@@ -24,6 +29,7 @@ from hookloop.callbacks.progress import ProgressBar
 from hookloop.callbacks.short_run import ShortRun
 from hookloop.callbacks.tensorboard import TensorBoard
 from hookloop.callbacks.terminate_on_nan import TerminateOnNaN
+from hookloop.callbacks.throughput import ThroughputMonitor
 
 __all__: list[str] = []
 __all__ += ["AMP", "EMA", "GradAccumulation", "GradClip", "LRScheduler"]
@@ -31,3 +37,4 @@ __all__ += ["Checkpoint", "EarlyStopping", "Metrics", "TerminateOnNaN"]
 __all__ += ["DetectAnomaly", "ShortRun"]
 __all__ += ["DDP", "FSDP"]
 __all__ += ["CSVLogger", "ModelSummary", "Profiler", "ProgressBar", "TensorBoard"]
+__all__ += ["Compile", "CudaSpeedups", "MemoryMonitor", "ThroughputMonitor"]

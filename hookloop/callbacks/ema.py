@@ -244,7 +244,9 @@ class EMA(Callback):
         t = self.updates
         return min(self.decay, (1.0 + t) / (10.0 + t))
 
-    @torch.no_grad()
+    # _follow and update run after every step without torch.no_grad(): every tensor they
+    # touch is detached (the sources) or never required grad (the shadow), so autograd
+    # records nothing, and entering a grad-mode context costs more than the lerp itself.
     def _follow(self) -> None:
         """Before ``start_step``: the shadow is a copy of the current weights."""
         shadows, sources = self._lerp
@@ -256,7 +258,6 @@ class EMA(Callback):
         if copy_shadows:
             foreach_copy_(copy_shadows, copy_sources)
 
-    @torch.no_grad()
     def update(self) -> None:
         """One averaging update from the current weights (the callback calls it itself)."""
         weight = 1.0 - self.current_decay()  # host arithmetic on a Python int: no sync

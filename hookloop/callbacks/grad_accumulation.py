@@ -134,11 +134,12 @@ class GradAccumulation(Callback):
         size = self.window_size(loop.state.batch_idx) if self.last_window == "mean" else self.steps
         return loss if size == 1 else loss / size
 
-    @torch.no_grad()
     def after_backward(self, loop: Loop) -> None:
         """Drop the gradients of a dropped window; with ``"mean"`` and data without a
         length, rescale those of a window the data cut short."""
         state = loop.state
+        # Tested before any grad-mode context: this runs after every backward, and
+        # entering torch.no_grad() costs more than the rest of the call.
         if self._dropping:
             self._dropping = False
             loop.optimizer.zero_grad(set_to_none=True)
@@ -151,4 +152,5 @@ class GradAccumulation(Callback):
         grads = [param.grad for group in loop.optimizer.param_groups for param in group["params"]
                  if param.grad is not None]
         if grads:
-            foreach_mul_(grads, self.steps / size)
+            with torch.no_grad():
+                foreach_mul_(grads, self.steps / size)

@@ -19,6 +19,8 @@ from hookloop.callbacks import (
     AMP,
     CSVLogger,
     Checkpoint,
+    Compile,
+    CudaSpeedups,
     DDP,
     FSDP,
     EMA,
@@ -27,6 +29,7 @@ from hookloop.callbacks import (
     GradAccumulation,
     GradClip,
     LRScheduler,
+    MemoryMonitor,
     Metrics,
     ModelSummary,
     Profiler,
@@ -34,6 +37,7 @@ from hookloop.callbacks import (
     ShortRun,
     TensorBoard,
     TerminateOnNaN,
+    ThroughputMonitor,
 )
 from hookloop.schedules import warmup_cosine
 
@@ -43,7 +47,9 @@ from builders import accuracy, classification_dataset, make_loop, sgd, shuffled,
 pytestmark = [pytest.mark.filterwarnings("ignore:DDP. not launched by torchrun"),
               pytest.mark.filterwarnings("ignore:FSDP. not launched by torchrun"),
               # the same TensorBoard twice in a row writes into one log_dir: it says so
-              pytest.mark.filterwarnings("ignore:TensorBoard. .* already holds event files")]
+              pytest.mark.filterwarnings("ignore:TensorBoard. .* already holds event files"),
+              # CudaSpeedups on CPU says it has nothing to switch
+              pytest.mark.filterwarnings("ignore:CudaSpeedups. the loop runs on cpu")]
 
 
 FACTORIES: dict[str, Callable[[Path], Callback]] = {
@@ -72,6 +78,13 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
     "Profiler": lambda tmp: Profiler(print_table=False),
     "DetectAnomaly": lambda tmp: DetectAnomaly(steps=3),
     "ShortRun": lambda tmp: ShortRun(steps=14),
+    # "eager": dynamo captures and guards, no C++ kernels to build (seconds, not minutes)
+    "Compile": lambda tmp: Compile(backend="eager"),
+    "Compile-optimizer": lambda tmp: Compile(backend="eager", optimizer=True),
+    "CudaSpeedups": lambda tmp: CudaSpeedups(),
+    "ThroughputMonitor": lambda tmp: ThroughputMonitor(every_n_steps=2, flops_per_sample="measure",
+                                                       peak_flops=1e12),
+    "MemoryMonitor": lambda tmp: MemoryMonitor(),
 }
 
 
