@@ -16,6 +16,7 @@ from hookloop.errors import (
     ConfigurationError,
     HookloopError,
     NonFiniteError,
+    Suspended,
     Terminated,
 )
 from hookloop.events import Event
@@ -40,6 +41,7 @@ __all__ = [
     "LoopState",
     "NonFiniteError",
     "Phase",
+    "Suspended",
     "Terminated",
     "__version__",
     "describe",

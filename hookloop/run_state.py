@@ -10,18 +10,20 @@ public methods.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop import distributed
+from hookloop import distributed, signals
 from hookloop.callback import Callback
 from hookloop.dispatch import annotate
-from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.errors import CheckpointError, ConfigurationError, Suspended, Terminated
 from hookloop.ordering import overrides
 from hookloop.rng import rng_state_problem
 from hookloop.storage import expect_field, find_unplain, load_model_weights, load_optimizer_state
+from hookloop.suspension import REQUESTED, SIGTERM, Suspension, Vote, published
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -33,36 +35,56 @@ __all__ = ["RunEnd", "capture", "restore", "check_mapping", "check_callback_stat
 
 
 class RunEnd:
-    """Whether and why the run ended: a stop, its epochs or ``max_steps``; and the end the
-    run being resumed recorded, which decides whether a relaunch trains at all.
+    """Whether and why the run ended: a stop, its epochs or ``max_steps``; whether this
+    launch ends while the run goes on (a `Suspension`); and the end the run being resumed
+    recorded, which decides whether a relaunch trains at all.
 
     A run that ended stays ended when relaunched with the same command: a fit with the same
     ``epochs`` (and no larger ``max_steps``) trains nothing and says why; a larger
-    ``epochs``, or a larger or absent ``max_steps``, continues it.
+    ``epochs``, or a larger or absent ``max_steps``, continues it. A suspended launch
+    records no end: the relaunch continues where it stopped.
     """
 
-    __slots__ = ("requested", "reason", "restored", "_state")
+    __slots__ = ("requested", "reason", "restored", "suspension", "vote", "_state", "_position")
 
-    def __init__(self, state: LoopState) -> None:
-        self._state = state  # the loop's: its step and max_steps
-        #: `Loop.stop` was called in this fit.
+    def __init__(self, state: LoopState, position: Position) -> None:
+        self._state, self._position = state, position  # the loop's: step, epochs done...
+        #: `Loop.stop` was called in this fit, or every rank agreed to end the launch.
         self.requested = False
         #: The reason given to it.
         self.reason: str | None = None
         #: The end recorded by the state being restored (None: it had not ended).
         self.restored: Mapping[str, Any] | None = None
+        #: The launch end every rank agreed on in this fit (None: none).
+        self.suspension: Suspension | None = None
+        #: The ranks' vote on ending the launch, asked by signals and resumable stops.
+        self.vote = Vote()
 
     def begin(self) -> None:
         """At every fit start: no stop requested yet."""
-        self.requested, self.reason = False, None
+        self.requested, self.reason, self.suspension = False, None, None
 
-    def stop(self, reason: str | None) -> None:
-        self.requested, self.reason = True, reason
+    def stop(self, reason: str | None, *, resumable: bool = False) -> None:
+        if resumable:  # takes effect where every rank agrees (see `due`)
+            self.vote.ask(REQUESTED, reason or "loop.stop(resumable=True) was called")
+        else:
+            self.requested, self.reason = True, reason
 
     def due(self) -> bool:
-        """True when training must end at the next step boundary: a stop, or ``max_steps``."""
+        """True when training must end at this step boundary: a stop, ``max_steps``, or a
+        launch end every rank agreed on (a collective under a process group: every rank
+        asks at the same boundaries)."""
         state = self._state
-        return self.requested or (state.max_steps is not None and state.step >= state.max_steps)
+        if self.requested or (state.max_steps is not None and state.step >= state.max_steps):
+            return True
+        agreed = self.vote.agree()
+        if agreed is not None:
+            self.requested, self.reason, self.suspension = True, agreed.reason, agreed
+            if distributed.is_main():
+                print(f"hookloop: ending this launch at step {state.step} ({agreed.reason}); "
+                      f"the process exits with status {agreed.status} once the checkpoint "
+                      "is written.", flush=True)
+        return self.requested
 
     def check_steps(self) -> None:
         """After a step: stop once ``max_steps`` is reached."""
@@ -70,9 +92,28 @@ class RunEnd:
         if state.max_steps is not None and state.step >= state.max_steps:
             self.stop(f"max_steps={state.max_steps} reached")
 
+    @contextmanager
+    def launch(self) -> Iterator[None]:
+        """Around a fit: signals ask `vote`; a fit that ended the launch raises `Suspended`
+        once it returned (every ``on_fit_end`` ran), unless the run ended at that boundary
+        too (its last epoch), which leaves nothing to continue."""
+        self.vote.reset()
+        with published(self.vote), signals.handled():
+            yield
+        suspension, state = self.suspension, self._state
+        if suspension is None or self.record(state.epochs, state.max_steps,
+                                             self._position.epoch) is not None:
+            return
+        self.vote.run_actions(suspension)
+        message = (f"this launch ended at step {state.step} ({suspension.reason}); the run "
+                   "goes on: relaunch the same command to continue it")
+        if suspension.status == SIGTERM.status:
+            raise Terminated(message)
+        raise Suspended(message, suspension.status)
+
     def record(self, epochs: int, max_steps: int | None, epochs_done: int) -> dict[str, Any] | None:
         """Why the run ended (for `Loop.state_dict`), or None while it goes on."""
-        if self.requested:
+        if self.requested and self.suspension is None:
             reason = self.reason or "loop.stop() was called"
         elif epochs and epochs_done >= epochs:
             reason = f"all {epochs} epochs are done"

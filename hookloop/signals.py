@@ -1,76 +1,122 @@
-"""SIGTERM during ``fit``: save like Ctrl-C does, then exit with the conventional status.
+"""Signals during ``fit``: SIGTERM, SIGUSR1, and SIGINT under a batch scheduler end this
+launch at the next step boundary; the run goes on.
 
-Cluster schedulers (Slurm, Kubernetes) and spot-instance reclaimers send SIGTERM some
-seconds before they kill a job, and ``torchrun`` forwards it to its workers. Python's
-default is to die at once, without running ``finally`` blocks or ``on_exception``. Inside
-`terminate_on_sigterm` the first SIGTERM instead raises `hookloop.errors.Terminated` in
-the main thread, so ``fit`` runs its exception path (``on_exception``, where `Checkpoint`
-saves the last completed step, then every ``on_fit_end``) and the process exits with
-status 143 (128 + 15), as if SIGTERM had ended it.
+Cluster schedulers (Slurm, Kubernetes, LSF) and spot-instance reclaimers send SIGTERM some
+seconds before they kill a job; SLURM's ``--signal=USR1@90`` sends SIGUSR1 that long before
+the time limit; LSF's ``bkill`` starts with SIGINT; ``torchrun`` forwards the signals listed
+in its ``--signals-to-handle``. Python's default is to die at once (or, for SIGINT, to raise
+``KeyboardInterrupt`` at the line running). Inside `handled` the signal only asks the fit
+to end the launch (`hookloop.suspension`): every rank agrees at the next step boundary, the
+checkpoint is written there, every ``on_fit_end`` runs, and ``fit`` raises
+`hookloop.errors.Suspended` with the signal's status (143 for SIGTERM, 138 for SIGUSR1, 130
+for SIGINT: 128 + the signal's number, as a shell reports a process that signal ended).
+
+SIGINT is Ctrl-C too: outside a batch scheduler's job (no ``SLURM_JOB_ID``, ``LSB_JOBID``
+or ``PBS_JOBID``) it keeps Python's meaning, a ``KeyboardInterrupt`` at once (the exception
+path, where `Checkpoint` saves the last completed step). Inside one, a second SIGINT while
+the end is pending raises ``KeyboardInterrupt`` at once. A second SIGTERM or SIGUSR1 changes
+nothing: the end is under way (the scheduler's SIGKILL still ends a save that takes too
+long).
 """
 
 from __future__ import annotations
 
+import os
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
-from hookloop.errors import Terminated
+from hookloop import distributed
+from hookloop.suspension import SIGINT, SIGTERM, SIGUSR1, Cause, current
 
-__all__ = ["terminate_on_sigterm"]
+__all__ = ["handled", "scheduler_job", "SIGNALS"]
+
+#: The signals `handled` takes over, with the cause each one asks for and its reason.
+SIGNALS: tuple[tuple[str, Cause, str], ...] = (
+    ("SIGTERM", SIGTERM, "SIGTERM received (the scheduler or launcher is ending the job)"),
+    ("SIGUSR1", SIGUSR1, "SIGUSR1 received (SLURM's --signal: the time limit is near)"),
+    ("SIGINT", SIGINT, "SIGINT received from the batch scheduler"),
+)
+
+
+def scheduler_job() -> str | None:
+    """The batch scheduler's job id of this process (SLURM, LSF or PBS), or None.
+
+    Example:
+        >>> import os
+        >>> scheduler_job() == (os.environ.get("SLURM_JOB_ID") or os.environ.get("LSB_JOBID")
+        ...                     or os.environ.get("PBS_JOBID") or None)
+        True
+    """
+    for name in ("SLURM_JOB_ID", "LSB_JOBID", "PBS_JOBID"):
+        if os.environ.get(name):
+            return os.environ[name]
+    return None
+
+
+def _say(text: str) -> None:
+    # os.write, not print: a handler may run while the main thread is inside a print, and a
+    # buffered stream entered twice raises.
+    rank = f" (rank {distributed.rank()})" if distributed.world_size() > 1 else ""
+    os.write(2, f"hookloop{rank}: {text}\n".encode())
+
+
+def _handler(name: str, cause: Cause, reason: str) -> Any:
+    def handle(signum: int, frame: FrameType | None) -> None:
+        vote = current()
+        if vote is None:  # pragma: no cover - only installed while a fit runs
+            return
+        if not vote.ask(cause, reason):
+            if cause is SIGINT:  # Ctrl-C twice: stop at once, through the exception path
+                raise KeyboardInterrupt
+            _say(f"{name} received again; the launch still ends at the next step boundary.")
+            return
+        again = " Press Ctrl-C again to stop at once." if cause is SIGINT else ""
+        _say(f"{name} received: ending this launch at the next step boundary (every rank "
+             f"stops there, Checkpoint saves that step, on_fit_end runs), then exiting with "
+             f"status {cause.status}; relaunch the same command to continue.{again}")
+
+    return handle
 
 
 @contextmanager
-def terminate_on_sigterm() -> Iterator[None]:
-    """Within the block, SIGTERM raises `Terminated` in the main thread instead of killing.
+def handled() -> Iterator[None]:
+    """Within the block, SIGTERM, SIGUSR1 (and SIGINT in a scheduler's job) ask the running
+    fit (`hookloop.suspension.current`) to end the launch at the next step boundary.
 
     Installed only where it can and should be: in the main thread (Python runs signal
     handlers there only), and only over the default handler, so a handler the program set
-    itself (or ``SIG_IGN``) is left alone; nested blocks (``fit`` inside ``fit``) install it
-    once. The previous handler is restored when the block exits, however it exits.
-
-    The first SIGTERM raises `Terminated` (a `SystemExit` with code 143) at the line the
-    main thread is running; later ones, while the exception path saves, are noted and
-    ignored, so the save completes (the scheduler's SIGKILL still ends a save that takes
-    too long). A thread blocked in C code (a collective waiting for a dead rank) sees the
-    exception when it returns to Python.
+    itself (or ``SIG_IGN``) is left alone; nested blocks install nothing more (the handler
+    asks the innermost fit). The previous handlers are put back when the block exits,
+    however it exits.
 
     Example:
         >>> import os, signal
-        >>> from hookloop.errors import Terminated
-        >>> try:
-        ...     with terminate_on_sigterm():
-        ...         os.kill(os.getpid(), signal.SIGTERM)
-        ...         for _ in range(10**6):  # the handler runs at the next bytecode
-        ...             pass
-        ... except Terminated as stop:
-        ...     print(stop.code)
+        >>> from hookloop.suspension import Vote, published
+        >>> with published(Vote()) as vote, handled():
+        ...     os.kill(os.getpid(), signal.SIGTERM)
+        ...     for _ in range(10**6):  # the handler runs at the next bytecode
+        ...         pass
+        >>> vote.agree().status
         143
     """
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received = False
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        nonlocal received
-        if received:
-            print("hookloop: SIGTERM received again; still saving before exiting.",
-                  file=sys.stderr, flush=True)
-            return
-        received = True
-        print("hookloop: SIGTERM received: stopping fit (on_exception and on_fit_end run, "
-              "Checkpoint saves the last completed step), then exiting with status 143.",
-              file=sys.stderr, flush=True)
-        raise Terminated("SIGTERM received during fit: training stopped so that the run can "
-                         "be resumed (exit status 143)")
-
-    previous = signal.signal(signal.SIGTERM, handler)
+    installed = []
+    for name, cause, reason in SIGNALS:
+        number = getattr(signal, name, None)
+        if number is None or (cause is SIGINT and scheduler_job() is None):
+            continue  # no SIGUSR1 on Windows; Ctrl-C outside a job stays KeyboardInterrupt
+        default = signal.default_int_handler if cause is SIGINT else signal.SIG_DFL
+        if signal.getsignal(number) is not default:
+            continue
+        installed.append((number, signal.signal(number, _handler(name, cause, reason))))
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for number, previous in reversed(installed):
+            signal.signal(number, previous)

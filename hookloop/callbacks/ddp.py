@@ -27,6 +27,7 @@ from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_int, check_name
 from hookloop.data import length_of
 from hookloop.errors import ConfigurationError
+from hookloop.suspension import carry_on_gradients
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -263,6 +264,18 @@ def check_equal_batches(train_data: Any) -> None:
         "every rank the same number of batches (e.g. drop the remainder).")
 
 
+def _carry_vote(model: DistributedDataParallel) -> None:
+    """Let the gradient all-reduce carry the ranks' vote on ending the launch
+    (`hookloop.suspension.carry_on_gradients`), unless the program registered a
+    communication hook of its own (DDP takes one only): the vote then runs an all-reduce
+    of its own at each step boundary."""
+    try:
+        model.register_comm_hook(None, carry_on_gradients)
+    except RuntimeError as error:
+        if "only be called once" not in str(error):
+            raise
+
+
 def _set_epoch(loader: Any, epoch: int) -> None:
     sampler = getattr(loader, "sampler", None)
     batch_sampler = getattr(loader, "batch_sampler", None)
@@ -338,6 +351,7 @@ class DDP(Callback):
         self._failed = False
         self._originals: tuple[Any, Any] = (None, None)
         self._sharded: tuple[Any, Any] = (None, None)
+        self._unhooked: DistributedDataParallel | None = None  # to carry the vote (below)
 
     def __repr__(self) -> str:
         return (f"DDP(backend={self.backend!r}, "
@@ -376,6 +390,7 @@ class DDP(Callback):
             loop.model = DistributedDataParallel(
                 module, device_ids=device_ids,
                 find_unused_parameters=self.find_unused_parameters)
+            self._unhooked = loop.model
         sharded_train, sharded_val = self._sharded
         original_train, original_val = self._originals
         if loop.train_data is not sharded_train:
@@ -396,11 +411,15 @@ class DDP(Callback):
                 _set_epoch(loop.val_data, loop.state.epoch)
 
     def train_step_context(self, loop: Loop) -> AbstractContextManager[Any] | None:
+        model = loop.model
+        if not isinstance(model, DistributedDataParallel):
+            return None
+        if model is self._unhooked:  # the first training batch of the wrapper setup made
+            self._unhooked = None
+            _carry_vote(model)
         # Forward and backward both inside no_sync: DDP decides in forward whether the
         # coming backward all-reduces.
-        if loop.state.step_boundary or not isinstance(loop.model, DistributedDataParallel):
-            return None
-        return loop.model.no_sync()
+        return None if loop.state.step_boundary else model.no_sync()
 
     def validation_context(self, loop: Loop) -> AbstractContextManager[Any] | None:
         if not isinstance(loop.model, DistributedDataParallel):
@@ -433,6 +452,7 @@ class DDP(Callback):
             dist.broadcast(buffer.data, src=0)
         if isinstance(loop.model, DistributedDataParallel):
             loop.model = loop.model.module
+        self._unhooked = None
         # Put back the user's loaders, so that a later fit shards them for its new group.
         if loop.train_data is self._sharded[0]:
             loop.train_data = self._originals[0]
