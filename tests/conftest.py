@@ -1,10 +1,11 @@
-"""Shared test helpers: tiny models and data that make a fit take milliseconds."""
+"""Fixtures every test gets, and what child processes need. The builders are in builders.py."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,3 +34,22 @@ def subprocess_env() -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+#: The tensor methods that copy a value to the host: on CUDA, each is a device sync.
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
+
+
+@pytest.fixture
+def count_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts every host read of a tensor value from here on: ``count_reads["n"]``."""
+    counts = {"n": 0}
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *args: Any, _original: Any = original,
+                    **kwargs: Any) -> Any:
+            counts["n"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts

@@ -10,9 +10,7 @@ from hookloop import Callback, describe, presets
 from hookloop.events import HOOKS, Event
 from hookloop.ordering import overrides
 
-
-def accuracy(outputs, targets):
-    return (outputs.argmax(-1) == targets).float().mean()
+from builders import accuracy
 
 
 def check_every_column(callbacks: list[Callback], text: str) -> None:

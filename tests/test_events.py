@@ -9,48 +9,16 @@ import torch.nn.functional as F
 from hookloop import Callback, Event, Loop
 from hookloop.events import HOOKS
 
-
-class Recorder(Callback):
-    """Records every event with the counters the loop shows at that moment."""
-
-    def __init__(self, fail_at: tuple[str, int, int] | None = None, exc: type = RuntimeError):
-        self.events: list[tuple] = []
-        self.fail_at = fail_at
-        self.exc = exc
-
-    def _record(self, name: str, loop: Loop) -> None:
-        state = loop.state
-        self.events.append((name, state.epoch, state.batch_idx, state.step))
-        if self.fail_at == (name, state.epoch, state.batch_idx):
-            raise self.exc("boom")
+from builders import EventRecorder
+from builders import classification_batches, make_loop
 
 
-def _make_recorder_methods() -> None:
-    for event in Event:
-        if event is Event.ON_EXCEPTION:
-            continue
-
-        def method(self, loop, _name=event.value):
-            self._record(_name, loop)
-
-        method.__name__ = event.value
-        setattr(Recorder, event.value, method)
-
-    def on_exception(self, loop, exc):
-        self.events.append(("on_exception", type(exc).__name__))
-
-    Recorder.on_exception = on_exception
-
-
-_make_recorder_methods()
-
-
-def _loop(recorder: Recorder, train_batches: int = 2, val_batches: int = 2) -> Loop:
-    model = torch.nn.Linear(3, 2)
-    train = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(train_batches)]
-    val = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(val_batches)]
-    return Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), train, val_data=val,
-                loss_fn=F.cross_entropy, callbacks=[recorder], device="cpu")
+def _loop(recorder: EventRecorder, train_batches: int = 2, val_batches: int = 2) -> Loop:
+    # No seed of its own: the autouse fixture's, as every test here starts with.
+    return make_loop([recorder], model=lambda: torch.nn.Linear(3, 2),
+                     train=lambda: classification_batches(train_batches, features=3, classes=2),
+                     val=lambda train: classification_batches(val_batches, features=3, classes=2),
+                     loss_fn=F.cross_entropy, seed=None)
 
 
 def _train_batch(epoch: int, batch: int, step_after: int) -> list[tuple]:
@@ -77,7 +45,7 @@ def _validation(epoch: int, step: int) -> list[tuple]:
 
 
 def test_two_epoch_fit_emits_every_event_in_order() -> None:
-    recorder = Recorder()
+    recorder = EventRecorder()
     _loop(recorder).fit(2)
     expected = [("on_fit_start", 0, 0, 0)]
     step = 0
@@ -93,7 +61,7 @@ def test_two_epoch_fit_emits_every_event_in_order() -> None:
 
 
 def test_exception_mid_batch_fires_on_exception_then_on_fit_end_and_propagates() -> None:
-    recorder = Recorder(fail_at=("after_backward", 1, 0))
+    recorder = EventRecorder(fail_at=("after_backward", 1, 0))
     with pytest.raises(RuntimeError, match="boom") as info:
         _loop(recorder).fit(3)
     tail = recorder.events[-6:]
@@ -110,7 +78,7 @@ def test_exception_mid_batch_fires_on_exception_then_on_fit_end_and_propagates()
 
 
 def test_keyboard_interrupt_is_handled_like_an_exception() -> None:
-    recorder = Recorder(fail_at=("on_batch_end", 0, 1), exc=KeyboardInterrupt)
+    recorder = EventRecorder(fail_at=("on_batch_end", 0, 1), exc=KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         _loop(recorder).fit(2)
     assert recorder.events[-2:] == [("on_exception", "KeyboardInterrupt"), ("on_fit_end", 0, 1, 2)]
@@ -121,7 +89,7 @@ def test_stop_ends_at_the_next_batch_boundary_and_still_fires_epoch_and_fit_end(
         def on_batch_end(self, loop):
             loop.stop("enough")
 
-    recorder = Recorder()
+    recorder = EventRecorder()
     loop = _loop(recorder, train_batches=5)
     loop.callbacks.insert(0, StopAfterFirstBatch())
     state = loop.fit(3)
@@ -133,7 +101,7 @@ def test_stop_ends_at_the_next_batch_boundary_and_still_fires_epoch_and_fit_end(
 
 
 def test_validate_alone_runs_the_validation_events() -> None:
-    recorder = Recorder()
+    recorder = EventRecorder()
     loop = _loop(recorder)
     metrics = loop.validate()
     assert [event[0] for event in recorder.events] == [
@@ -171,7 +139,7 @@ def test_cancelled_step_fires_no_after_step_and_does_not_count() -> None:
         def before_step(self, loop):
             loop.cancel_step()
 
-    recorder = Recorder()
+    recorder = EventRecorder()
     model = torch.nn.Linear(3, 2)
     before = [p.detach().clone() for p in model.parameters()]
     data = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(3)]
@@ -185,14 +153,14 @@ def test_cancelled_step_fires_no_after_step_and_does_not_count() -> None:
 
 
 def test_max_steps_stops_training() -> None:
-    recorder = Recorder()
+    recorder = EventRecorder()
     state = _loop(recorder, train_batches=4).fit(5, max_steps=6)
     assert state.step == 6
     assert [event[0] for event in recorder.events].count("on_epoch_start") == 2
 
 
 def test_fit_counts_epochs_in_total_so_a_second_fit_continues() -> None:
-    recorder = Recorder()
+    recorder = EventRecorder()
     loop = _loop(recorder)
     loop.fit(1)
     loop.fit(3)
@@ -206,7 +174,7 @@ def test_an_error_in_setup_still_fires_on_exception_and_on_fit_end() -> None:
         def setup(self, loop):
             raise ValueError("cannot set up")
 
-    recorder = Recorder()
+    recorder = EventRecorder()
     loop = _loop(recorder)
     loop.callbacks.append(BadSetup())
     with pytest.raises(ValueError, match="cannot set up") as info:
@@ -220,7 +188,7 @@ def test_an_error_in_a_hook_names_the_callback() -> None:
         def scale_loss(self, loop, loss):
             raise RuntimeError("no scaling today")
 
-    loop = _loop(Recorder())
+    loop = _loop(EventRecorder())
     loop.callbacks.append(BadScale())
     with pytest.raises(RuntimeError) as info:
         loop.fit(1)
@@ -243,7 +211,7 @@ def test_an_optimizer_without_step_hooks_still_counts_its_steps() -> None:
             for p in self.param_groups[0]["params"]:
                 p.grad = None
 
-    recorder = Recorder()
+    recorder = EventRecorder()
     model = torch.nn.Linear(3, 2)
     data = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(3)]
     loop = Loop(model, PlainSGD(model.parameters(), 0.1), data, loss_fn=F.cross_entropy,
@@ -253,7 +221,7 @@ def test_an_optimizer_without_step_hooks_still_counts_its_steps() -> None:
 
 
 def test_validate_alone_restores_the_model_mode() -> None:
-    loop = _loop(Recorder())
+    loop = _loop(EventRecorder())
     loop.model.train()
     loop.validate()
     assert loop.model.training

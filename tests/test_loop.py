@@ -1,8 +1,8 @@
-"""The loop against the seeds' hand-written loops, and the four loss rules."""
+"""The loop against the seeds' hand-written loops: training, validation, losses weighted by
+samples, a stop mid-epoch, evaluate/predict, and what the loop leaves behind."""
 
 from __future__ import annotations
 
-import collections
 import copy
 
 import pytest
@@ -12,23 +12,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from hookloop import Callback, ConfigurationError, Loop
+from hookloop.callbacks import AMP, GradAccumulation, Metrics
 from hookloop.data import move_to_device
+
+from builders import MLP, classification_dataset, make_loop, shuffled, shuffled_run, two_layers
 
 
 def _dataset(samples: int = 50, features: int = 6, classes: int = 3) -> TensorDataset:
-    generator = torch.Generator().manual_seed(1)
-    inputs = torch.randn(samples, features, generator=generator)
-    targets = torch.randint(0, classes, (samples,), generator=generator)
-    return TensorDataset(inputs, targets)
-
-
-class MLP(nn.Module):
-    def __init__(self, features: int = 6, classes: int = 3) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(features, 16), nn.ReLU(), nn.Linear(16, classes))
-
-    def forward(self, x):
-        return self.net(x)
+    return classification_dataset(samples, features=features, classes=classes, seed=1)
 
 
 class DictModel(nn.Module):
@@ -140,100 +131,6 @@ def test_pair_batches_with_loss_fn_equal_the_mvp_loop_and_losses_are_sample_weig
     assert state.metrics["val_loss"] == pytest.approx(val_total / 23, rel=1e-6)
 
 
-def test_custom_forward_is_used_as_is() -> None:
-    calls = []
-
-    def forward(loop, batch):
-        inputs, targets = batch
-        calls.append(loop.state.training)
-        outputs = loop.model(inputs)
-        return outputs, F.cross_entropy(outputs, targets) * 0 + 2.5 + outputs.sum() * 0
-
-    model = MLP()
-    data = [(torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(2)]
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=data[:1],
-                loss_fn=F.mse_loss, forward=forward, device="cpu", sanity_val_batches=0)
-    state = loop.fit(1)
-    assert calls == [True, True, False]
-    assert state.metrics["train_loss"] == pytest.approx(2.5)
-    assert state.metrics["val_loss"] == pytest.approx(2.5)
-
-
-def test_model_output_with_loss_attribute_is_accepted() -> None:
-    Output = collections.namedtuple("Output", "logits loss")
-
-    class AttrModel(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mlp = MLP()
-
-        def forward(self, x, targets):
-            logits = self.mlp(x)
-            return Output(logits, F.cross_entropy(logits, targets))
-
-    model = AttrModel()
-    data = [{"x": torch.randn(4, 6), "targets": torch.randint(0, 3, (4,))}]
-    seen = []
-
-    class Spy(Callback):
-        def after_forward(self, loop):
-            seen.append((loop.state.targets, loop.state.batch_size))
-
-    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, callbacks=[Spy()],
-         device="cpu").fit(1)
-    assert torch.equal(seen[0][0], data[0]["targets"]) and seen[0][1] == 4
-
-
-def _fit_error(batch, **kwargs) -> str:
-    model = kwargs.pop("model", MLP())
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [batch], device="cpu", **kwargs)
-    with pytest.raises(ConfigurationError) as info:
-        loop.fit(1)
-    return str(info.value)
-
-
-def test_pair_without_loss_fn_says_what_to_pass() -> None:
-    message = _fit_error((torch.randn(2, 6), torch.tensor([0, 1])))
-    assert "(inputs, targets) pair" in message and "loss_fn=" in message and "forward=" in message
-
-
-def test_mapping_output_without_loss_lists_its_keys() -> None:
-    class NoLoss(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mlp = MLP()
-
-        def forward(self, x):
-            return {"logits": self.mlp(x)}
-
-    message = _fit_error({"x": torch.randn(2, 6)}, model=NoLoss())
-    assert "model(**batch)" in message and "logits" in message and "'loss'" in message
-
-
-def test_unusable_batch_lists_the_three_rules() -> None:
-    message = _fit_error(torch.randn(2, 6))
-    assert "Tensor" in message
-    assert "forward=" in message and "loss_fn=" in message and "mapping" in message
-
-
-def test_non_scalar_loss_is_reported_with_its_shape() -> None:
-    message = _fit_error((torch.randn(2, 6), torch.tensor([0, 1])),
-                         loss_fn=lambda out, y: F.cross_entropy(out, y, reduction="none"))
-    assert "shape (2,)" in message and "reduction='mean'" in message
-
-
-def test_loss_without_grad_is_reported() -> None:
-    message = _fit_error((torch.randn(2, 6), torch.tensor([0, 1])),
-                         loss_fn=lambda out, y: F.cross_entropy(out.detach(), y))
-    assert "does not require grad" in message
-
-
-def test_forward_returning_one_value_is_reported() -> None:
-    message = _fit_error((torch.randn(2, 6), torch.tensor([0, 1])),
-                         forward=lambda loop, batch: loop.model(batch[0]).sum())
-    assert "(outputs, loss)" in message
-
-
 def test_empty_training_set_is_reported_before_training() -> None:
     model = MLP()
     empty = DataLoader(TensorDataset(torch.randn(0, 6), torch.zeros(0)), batch_size=4)
@@ -266,30 +163,11 @@ def test_bad_model_and_optimizer_are_rejected() -> None:
         Loop(MLP(), [1, 2], [])  # type: ignore[arg-type]
 
 
-def test_nested_batches_are_moved_with_their_containers() -> None:
-    Pair = collections.namedtuple("Pair", "a b")
-    batch = {"x": [torch.ones(1), (torch.zeros(1), Pair(torch.ones(2), "tag"))], "n": 3}
-    moved = move_to_device(batch, torch.device("meta"))
-    assert moved["x"][0].device.type == "meta"
-    assert isinstance(moved["x"][1], tuple) and isinstance(moved["x"][1][1], Pair)
-    assert moved["x"][1][1].a.device.type == "meta" and moved["x"][1][1].b == "tag"
-    assert moved["n"] == 3
-
-
-def test_device_none_means_cuda_when_available_else_cpu() -> None:
-    model = MLP()
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [])
-    assert loop.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def _shuffled_run(seed: int = 0):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.3), torch.nn.ReLU(),
-                                torch.nn.Linear(16, 3))
-    loader = DataLoader(_dataset(samples=40), batch_size=4, shuffle=True,
-                        generator=torch.Generator().manual_seed(seed))
-    return model, Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
-                       loss_fn=F.cross_entropy, device="cpu")
+    loop = make_loop(model=lambda: two_layers(6, 16, 3, nn.Dropout(0.3), nn.ReLU()),
+                     train=shuffled(_dataset(samples=40), 4, seed=seed),
+                     loss_fn=F.cross_entropy, seed=seed)
+    return loop.model, loop
 
 
 def test_a_fit_stopped_mid_epoch_continues_that_epoch_with_the_same_order() -> None:
@@ -318,18 +196,6 @@ def test_stop_inside_an_accumulation_window_finishes_the_window() -> None:
     state = loop.fit(1)
     assert seen == [0, 1, 2] and state.step == 1
     assert all(p.grad is None for p in model.parameters())  # nothing left half-accumulated
-
-
-@pytest.mark.parametrize("batch,targets,size", [
-    ({"tokens": [[1, 2, 3, 4, 5, 6, 7], [1, 2], [3]], "labels": [0, 1, 1]}, [0, 1, 1], 3),
-    ({"scale": torch.tensor(2.0), "x": torch.zeros(4, 3)}, None, 4),
-    ({"meta": [torch.zeros(7)], "x": torch.zeros(5, 2)}, None, 5),
-    ((torch.zeros(6, 2), torch.zeros(6)), torch.zeros(6), 6),
-])
-def test_batch_size_comes_from_the_samples_not_from_a_nested_sequence(batch, targets, size) -> None:
-    from hookloop.data import batch_size_of
-
-    assert batch_size_of(batch, targets) == size
 
 
 def test_val_loss_of_dict_of_lists_batches_is_sample_weighted() -> None:
@@ -382,3 +248,89 @@ def test_every_on_fit_end_runs_even_when_one_raises() -> None:
         loop.fit(2)
     assert closed == [True, True]
     assert "on_fit_end also raised OSError('disk full')" in "\n".join(info.value.__notes__)
+
+
+# ------------------------------------------------------- passes outside training
+
+
+def test_evaluate_and_predict() -> None:
+    model, loop = shuffled_run([Metrics(acc=lambda out, y: (out.argmax(-1) == y).float().mean())])
+    loop.fit(1)
+    data = list(loop.train_data)[:3]
+    model.eval()
+    with torch.no_grad():
+        outputs = torch.cat([model(inputs) for inputs, _ in data])
+        targets = torch.cat([labels for _, labels in data])
+    model.train()
+    result = loop.evaluate(data, prefix="test")
+    assert set(result) == {"test_loss", "test_acc"}
+    assert result["test_loss"] == pytest.approx(F.cross_entropy(outputs, targets).item(), rel=1e-6)
+    assert result["test_acc"] == pytest.approx((outputs.argmax(-1) == targets).float().mean().item())
+    assert model.training  # the mode is put back
+    predicted = loop.predict(data)
+    assert torch.equal(predicted, outputs)
+    assert loop.predict([inputs for inputs, _ in data]).shape == outputs.shape
+
+
+def test_passes_outside_training_keep_each_submodule_s_mode() -> None:
+    model, loop = shuffled_run()
+    loop.val_data = list(loop.train_data)[:2]
+    model.train()
+    model[1].eval()  # a frozen dropout: the user's choice survives every pass
+    loop.validate()
+    loop.evaluate(loop.val_data)
+    loop.predict(loop.val_data)
+    assert model.training and not model[1].training
+
+
+def test_the_state_releases_the_last_batch_after_fit() -> None:
+    _, loop = shuffled_run()
+    state = loop.fit(1)
+    assert state.batch is None and state.outputs is None and state.loss is None
+    assert state.targets is None
+
+
+# --------------------------------------------------- one way to change the loss
+
+
+class L2Penalty(Callback):
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+
+    def after_forward(self, loop: Loop) -> None:
+        penalty = sum(param.pow(2).sum() for param in loop.model.parameters())
+        loop.state.loss = loop.state.loss + self.weight * penalty
+
+
+@pytest.mark.parametrize("with_amp", [False, True])
+def test_a_penalty_added_in_after_forward_counts_once_under_accumulation_and_amp(
+        with_amp: bool) -> None:
+    weight, k = 0.01, 4
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(8)]
+    hand = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    start = {name: value.clone() for name, value in hand.state_dict().items()}
+    optimizer = torch.optim.SGD(hand.parameters(), lr=0.1)
+    losses = []
+    for index, (inputs, targets) in enumerate(data):
+        loss = F.cross_entropy(hand(inputs), targets)
+        loss = loss + weight * sum(param.pow(2).sum() for param in hand.parameters())
+        losses.append(loss.item())
+        (loss / k).backward()
+        if (index + 1) % k == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    model.load_state_dict(start)
+    callbacks: list[Callback] = [AMP(torch.float16, scaler={"init_scale": 1024.0})] if with_amp else []
+    callbacks += [GradAccumulation(k), L2Penalty(weight)]
+    if with_amp:  # float16 autocast on CPU computes in half precision: compare loosely
+        callbacks[0] = AMP(torch.float16, scaler={"init_scale": 1024.0})
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.cross_entropy,
+                callbacks=callbacks, device="cpu")
+    state = loop.fit(1)
+    tolerance = 5e-3 if with_amp else 1e-6
+    for ours, theirs in zip(model.parameters(), hand.parameters()):
+        assert torch.allclose(ours, theirs, atol=tolerance), (ours - theirs).abs().max()
+    assert state.metrics["train_loss"] == pytest.approx(sum(losses) / len(losses),
+                                                        rel=1e-2 if with_amp else 1e-6)

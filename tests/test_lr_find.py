@@ -10,23 +10,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 import hookloop
 from hookloop import Callback, ConfigurationError, Loop
 
+from builders import adam, shuffled, two_layers
+from builders import make_loop as build_loop
+
+
+def summing(samples: int) -> TensorDataset:
+    """Inputs from the global generator; each target is the sum of its input's features."""
+    inputs = torch.randn(samples, 4)
+    return TensorDataset(inputs, inputs.sum(dim=1, keepdim=True))
+
 
 def make_loop(lr: float = 0.05, callbacks: list[Callback] | None = None) -> Loop:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2),
-                          nn.Linear(16, 1))
-    inputs = torch.randn(48, 4)
-    targets = inputs.sum(dim=1, keepdim=True)
-    loader = DataLoader(TensorDataset(inputs, targets), batch_size=8, shuffle=True,
-                        generator=torch.Generator().manual_seed(5))
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    return Loop(model, optimizer, loader, loss_fn=F.mse_loss, device="cpu",
-                callbacks=callbacks or [])
+    return build_loop(callbacks or [],
+                      model=lambda: two_layers(4, 16, 1, nn.BatchNorm1d(16), nn.ReLU(),
+                                               nn.Dropout(0.2)),
+                      train=lambda: shuffled(summing(48), 8, seed=5), optimizer=adam(lr))
 
 
 def test_rates_are_the_exponential_ramp() -> None:

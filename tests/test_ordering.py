@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from hookloop import Callback, CallbackOrderError, ConfigurationError, Loop, describe
 
+from builders import BatchCounter, classification_batches, make_loop
+
 
 class Producer(Callback):
     def produces(self, loop):
@@ -45,21 +47,12 @@ class Counter(Callback):
         pass
 
 
-class BatchCounter(Callback):
-    def __init__(self):
-        self.batches = 0
-
-    def on_batch_start(self, loop):
-        self.batches += 1
-
-
 def _fit(callbacks, val=True):
-    model = torch.nn.Linear(3, 2)
-    data = [(torch.randn(4, 3), torch.randint(0, 2, (4,)))]
     counter = BatchCounter()
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-                val_data=data if val else None, loss_fn=F.cross_entropy,
-                callbacks=[counter, *callbacks], device="cpu")
+    loop = make_loop([counter, *callbacks], model=lambda: torch.nn.Linear(3, 2),
+                     train=lambda: classification_batches(1, features=3, classes=2),
+                     val=(lambda train: train) if val else None, loss_fn=F.cross_entropy,
+                     seed=None)
     try:
         loop.fit(1)
     except Exception:

@@ -29,21 +29,17 @@ from hookloop.ordering import check_callbacks
 from hookloop.presets import DetectAnomaly, ShortRun
 from hookloop.schedules import WarmupCosine, WarmupLinear
 
+from builders import accuracy, adamw, classification_batches, make_loop, two_layers
 from conftest import ROOT, subprocess_env
 
 QUIET = {"tensorboard": None, "progress": False}
 
 
-def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return (outputs.argmax(dim=-1) == targets).float().mean()
-
-
 def classification_loop(callbacks: list, batches: int = 6) -> Loop:
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    data = [(torch.randn(8, 8), torch.randint(0, 3, (8,))) for _ in range(batches + 2)]
-    return Loop(model, torch.optim.AdamW(model.parameters(), lr=1e-2), data[:batches],
-                val_data=data[batches:], loss_fn=F.cross_entropy, callbacks=callbacks,
-                device="cpu")
+    model = two_layers(8, 16, 3, torch.nn.ReLU())  # after whatever the test drew before
+    data = classification_batches(batches + 2, size=8, features=8)
+    return make_loop(callbacks, model=model, train=data[:batches], val=data[batches:],
+                     optimizer=adamw(1e-2), loss_fn=F.cross_entropy, seed=None)
 
 
 def kinds(callbacks: list) -> list[type]:
@@ -114,7 +110,7 @@ def test_every_part_can_be_switched_off() -> None:
 
 def test_monitor_none_switches_off_early_stopping_and_best() -> None:
     """The docstring and docs/presets.md: monitor=None means no early stopping (whatever
-    early_stopping says) and no best.pt; it used to raise."""
+    early_stopping says) and no best.pt, rather than an error."""
     callbacks = presets.standard(monitor=None, tensorboard=None, progress=False)
     assert not any(isinstance(c, EarlyStopping) for c in callbacks)
     checkpoint = next(c for c in callbacks if isinstance(c, Checkpoint))

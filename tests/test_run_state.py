@@ -1,7 +1,9 @@
-"""The loop owns the run: what users change between launches, against an uninterrupted run.
+"""The run's state (hookloop/run_state.py): what users change between launches, checked
+against an uninterrupted run.
 
 The resume cases run tests/scripts/run_state.py in fresh processes, as a user relaunches a
-script; the in-process cases (fit() again after an exception) compare with torch.equal.
+script; the in-process cases (fit() again after an exception, loop.state_dict() loaded into
+a fresh loop) compare with torch.equal.
 """
 
 from __future__ import annotations
@@ -16,13 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-import hookloop
 from hookloop import Callback, CheckpointError, ConfigurationError, Loop
-from hookloop.callbacks import AMP, Checkpoint, EarlyStopping, GradAccumulation, Metrics
+from hookloop.callbacks import Checkpoint, GradAccumulation
 from hookloop.schedules import warmup_cosine
 
+from builders import RaiseAtBatch, SeenSamples, same_weights, shuffled_run
 from conftest import ROOT, subprocess_env
 
 SCRIPT = ROOT / "tests" / "scripts" / "run_state.py"
@@ -34,10 +35,6 @@ def launch(out: Path, *args: str) -> tuple[dict, str]:
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return torch.load(out / "result.pt", weights_only=True), result.stdout
-
-
-def same_weights(first: dict, second: dict) -> bool:
-    return all(torch.equal(first[name], second[name]) for name in first)
 
 
 # ------------------------------------------------------------- 1. a longer run
@@ -113,45 +110,13 @@ def test_a_run_whose_epochs_are_done_trains_nothing_and_says_why(tmp_path: Path)
 
 
 # ------------------------------------------------ 4. fit() again after an exception
-def shuffled_run(callbacks: list[Callback] = (), samples: int = 96, batch: int = 8) -> tuple[nn.Module, Loop]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 3))
-    generator = torch.Generator().manual_seed(3)
-    dataset = TensorDataset(torch.randn(samples, 6, generator=generator),
-                            torch.randint(0, 3, (samples,), generator=generator))
-    loader = DataLoader(dataset, batch_size=batch, shuffle=True,
-                        generator=torch.Generator().manual_seed(4))
-    return model, Loop(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loader,
-                       loss_fn=F.cross_entropy, callbacks=list(callbacks), device="cpu")
-
-
-class SeenSamples(Callback):
-    def __init__(self) -> None:
-        self.batches: list[torch.Tensor] = []
-
-    def on_batch_end(self, loop: Loop) -> None:
-        self.batches.append(loop.state.batch[0].sum(dim=1))
-
-
-class InterruptOnce(Callback):
-    """A Ctrl-C in the forward of batch ``batch`` of epoch ``epoch``, once."""
-
-    def __init__(self, epoch: int, batch: int, exc: type[BaseException] = KeyboardInterrupt) -> None:
-        self.at, self.exc, self.armed = (epoch, batch), exc, True
-
-    def after_forward(self, loop: Loop) -> None:
-        if self.armed and (loop.state.epoch, loop.state.batch_idx) == self.at:
-            self.armed = False
-            raise self.exc()
-
-
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
 @pytest.mark.parametrize("at", [(0, 5), (1, 0), (1, 11)])
 def test_fit_again_after_an_exception_equals_an_uninterrupted_run(exc: type[BaseException],
                                                                   at: tuple[int, int]) -> None:
     reference, loop = shuffled_run([SeenSamples()])
     loop.fit(2)
-    model, loop = shuffled_run([SeenSamples(), InterruptOnce(*at, exc)])
+    model, loop = shuffled_run([SeenSamples(), RaiseAtBatch(*at, exc, event="after_forward")])
     with pytest.raises(exc):
         loop.fit(2)
     loop.fit(2)
@@ -167,7 +132,8 @@ def test_fit_again_after_an_exception_equals_an_uninterrupted_run(exc: type[Base
 def test_fit_again_after_an_exception_inside_an_accumulation_window() -> None:
     reference, loop = shuffled_run([GradAccumulation(4)])
     loop.fit(2)
-    model, loop = shuffled_run([GradAccumulation(4), InterruptOnce(0, 6)])
+    interrupt = RaiseAtBatch(0, 6, KeyboardInterrupt, event="after_forward")
+    model, loop = shuffled_run([GradAccumulation(4), interrupt])
     with pytest.raises(KeyboardInterrupt):
         loop.fit(2)
     loop.fit(2)
@@ -234,118 +200,6 @@ def test_state_that_cannot_be_saved_is_named_at_fit_start() -> None:
     assert seen.batches == []
 
 
-# -------------------------------------------------------------- 8. small things
-def test_metrics_take_a_name() -> None:
-    metrics = Metrics(acc=lambda out, y: (out.argmax(-1) == y).float().mean(), name="x")
-    assert metrics.state_key == "x" and list(metrics.produces(None)) == ["val_acc"]
-
-
-def test_load_checkpoint_into_a_compiled_model(tmp_path: Path) -> None:
-    model, loop = shuffled_run([Checkpoint(tmp_path)])
-    loop.fit(1)
-    torch.manual_seed(5)
-    fresh = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 3))
-    compiled = torch.compile(fresh)  # a wrapper with _orig_mod: nothing is compiled until called
-    hookloop.load_checkpoint(tmp_path / "epoch=0000-step=00000012.pt", compiled)
-    for ours, theirs in zip(fresh.parameters(), model.parameters()):
-        assert torch.equal(ours, theirs)
-
-
-def test_the_state_releases_the_last_batch_after_fit() -> None:
-    _, loop = shuffled_run()
-    state = loop.fit(1)
-    assert state.batch is None and state.outputs is None and state.loss is None
-    assert state.targets is None
-
-
-# ---------------------------------------------------------- 9. mode="auto"
-def test_val_acc_is_maximised_by_default(tmp_path: Path) -> None:
-    values = iter([0.5, 0.6, 0.7, 0.8, 0.9])
-
-    class Rising(Callback):
-        def produces(self, loop: Loop) -> list[str]:
-            return ["val_acc"]
-
-        def on_validation_end(self, loop: Loop) -> None:
-            if not loop.sanity_checking:
-                loop.state.metrics["val_acc"] = next(values)
-
-    model, loop = shuffled_run([Rising(), EarlyStopping("val_acc", patience=1),
-                                Checkpoint(tmp_path, monitor="val_acc")])
-    loop.val_data = loop.train_data
-    loop.fit(5)
-    assert not loop.stop_requested and loop.state.epoch == 4
-    best = torch.load(tmp_path / "best.pt", weights_only=True)
-    assert best["hookloop"]["value"] == 0.9 and best["epoch"] == 4
-
-
-@pytest.mark.parametrize("name", ["val_score", "custom"])
-def test_a_name_that_says_nothing_needs_an_explicit_mode(name: str) -> None:
-    class Score(Callback):
-        def produces(self, loop: Loop) -> list[str]:
-            return [name]
-
-    seen = SeenSamples()
-    _, loop = shuffled_run([seen, Score(), EarlyStopping(name)])
-    with pytest.raises(ConfigurationError, match="mode='max'.*mode='min'"):
-        loop.fit(1)
-    assert seen.batches == []
-
-
-# ---------------------------------------------- 10. one way to change the loss
-class L2Penalty(Callback):
-    def __init__(self, weight: float) -> None:
-        self.weight = weight
-
-    def after_forward(self, loop: Loop) -> None:
-        penalty = sum(param.pow(2).sum() for param in loop.model.parameters())
-        loop.state.loss = loop.state.loss + self.weight * penalty
-
-
-@pytest.mark.parametrize("with_amp", [False, True])
-def test_a_penalty_added_in_after_forward_counts_once_under_accumulation_and_amp(
-        with_amp: bool) -> None:
-    weight, k = 0.01, 4
-    torch.manual_seed(0)
-    data = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(8)]
-    hand = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
-    start = {name: value.clone() for name, value in hand.state_dict().items()}
-    optimizer = torch.optim.SGD(hand.parameters(), lr=0.1)
-    losses = []
-    for index, (inputs, targets) in enumerate(data):
-        loss = F.cross_entropy(hand(inputs), targets)
-        loss = loss + weight * sum(param.pow(2).sum() for param in hand.parameters())
-        losses.append(loss.item())
-        (loss / k).backward()
-        if (index + 1) % k == 0:
-            optimizer.step()
-            optimizer.zero_grad()
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
-    model.load_state_dict(start)
-    callbacks: list[Callback] = [AMP(torch.float16, scaler={"init_scale": 1024.0})] if with_amp else []
-    callbacks += [GradAccumulation(k), L2Penalty(weight)]
-    if with_amp:  # float16 autocast on CPU computes in half precision: compare loosely
-        callbacks[0] = AMP(torch.float16, scaler={"init_scale": 1024.0})
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.cross_entropy,
-                callbacks=callbacks, device="cpu")
-    state = loop.fit(1)
-    tolerance = 5e-3 if with_amp else 1e-6
-    for ours, theirs in zip(model.parameters(), hand.parameters()):
-        assert torch.allclose(ours, theirs, atol=tolerance), (ours - theirs).abs().max()
-    assert state.metrics["train_loss"] == pytest.approx(sum(losses) / len(losses),
-                                                        rel=1e-2 if with_amp else 1e-6)
-
-
-def test_a_replaced_loss_that_is_not_a_scalar_is_reported() -> None:
-    class Broken(Callback):
-        def after_forward(self, loop: Loop) -> None:
-            loop.state.loss = loop.state.loss.expand(3)
-
-    _, loop = shuffled_run([Broken()])
-    with pytest.raises(ConfigurationError, match="after_forward must be a scalar.*shape \\(3,\\)"):
-        loop.fit(1)
-
-
 # ------------------------------------------------- the loop's state_dict itself
 def test_loop_state_dict_round_trip_continues_exactly() -> None:
     reference, loop = shuffled_run()
@@ -369,64 +223,12 @@ def test_loop_state_dict_round_trip_continues_exactly() -> None:
         assert torch.equal(ours, theirs)
 
 
-def test_evaluate_and_predict() -> None:
-    model, loop = shuffled_run([Metrics(acc=lambda out, y: (out.argmax(-1) == y).float().mean())])
-    loop.fit(1)
-    data = list(loop.train_data)[:3]
-    model.eval()
-    with torch.no_grad():
-        outputs = torch.cat([model(inputs) for inputs, _ in data])
-        targets = torch.cat([labels for _, labels in data])
-    model.train()
-    result = loop.evaluate(data, prefix="test")
-    assert set(result) == {"test_loss", "test_acc"}
-    assert result["test_loss"] == pytest.approx(F.cross_entropy(outputs, targets).item(), rel=1e-6)
-    assert result["test_acc"] == pytest.approx((outputs.argmax(-1) == targets).float().mean().item())
-    assert model.training  # the mode is put back
-    predicted = loop.predict(data)
-    assert torch.equal(predicted, outputs)
-    assert loop.predict([inputs for inputs, _ in data]).shape == outputs.shape
-
-
 def test_history_is_kept_and_returned() -> None:
     _, loop = shuffled_run()
     loop.val_data = list(loop.train_data)[:2]
     state = loop.fit(2)
     assert [(row["epoch"], row["step"]) for row in state.history] == [(0, 12), (1, 24)]
     assert all(math.isfinite(row["val_loss"]) and "train_loss" in row for row in state.history)
-
-
-def test_passes_outside_training_keep_each_submodule_s_mode() -> None:
-    model, loop = shuffled_run()
-    loop.val_data = list(loop.train_data)[:2]
-    model.train()
-    model[1].eval()  # a frozen dropout: the user's choice survives every pass
-    loop.validate()
-    loop.evaluate(loop.val_data)
-    loop.predict(loop.val_data)
-    assert model.training and not model[1].training
-
-
-def test_a_sigterm_while_handling_an_exception_lets_the_others_finish(tmp_path: Path) -> None:
-    from hookloop import Terminated
-
-    class Preempted(Callback):  # SIGTERM arrives while the first handler runs
-        def on_exception(self, loop: Loop, exc: BaseException) -> None:
-            raise Terminated()
-
-    class Closes(Callback):
-        closed = False
-
-        def on_fit_end(self, loop: Loop) -> None:
-            Closes.closed = True
-
-    _, loop = shuffled_run([Preempted(), InterruptOnce(0, 5, RuntimeError), Closes(),
-                            Checkpoint(tmp_path)])
-    with pytest.raises(Terminated) as caught:
-        loop.fit(2)
-    assert isinstance(caught.value.__cause__, RuntimeError)
-    assert Closes.closed  # every on_fit_end ran
-    assert [path.name for path in tmp_path.glob("epoch=*.pt")] == ["epoch=0000-step=00000005.pt"]
 
 
 def test_a_restored_run_shows_the_epoch_and_step_an_uninterrupted_one_ends_with() -> None:

@@ -1,4 +1,5 @@
-"""Storage faults: writes that fail, damaged or wrong files, directories that cannot be used.
+"""Checkpoint files (hookloop/storage.py): writes that fail, damaged or wrong files, links,
+directories that cannot be used, and load_checkpoint.
 
 Faults are simulated (monkeypatched writes, a path that is a file, a failing probe), so the
 tests run unprivileged; the oracle for what was written is a plain ``torch.load``.
@@ -22,14 +23,14 @@ from hookloop import CheckpointError, ConfigurationError, Loop, load_checkpoint,
 from hookloop.callbacks import Checkpoint
 from hookloop.errors import CheckpointWriteError
 
+from builders import make_loop as build_loop
+from builders import regression_batches, shuffled_run, two_layers
+
 
 def make_loop(directory: Path, **checkpoint: Any) -> Loop:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
-    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(3)]
-    return Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-                loss_fn=nn.functional.mse_loss, device="cpu",
-                callbacks=[Checkpoint(directory, **checkpoint)])
+    return build_loop([Checkpoint(directory, **checkpoint)],
+                      model=lambda: two_layers(3, 4, 1, nn.BatchNorm1d(4)),
+                      train=lambda: regression_batches(3))
 
 
 def payload() -> dict[str, Any]:
@@ -323,3 +324,100 @@ def test_a_wrong_payload_names_the_file_and_field(tmp_path: Path, field: str, va
     assert str(path) in str(caught.value)
     with pytest.raises(CheckpointError, match=expected):
         storage.read_payload(path, "cpu")
+
+
+# ------------------------------------------------------------- more damaged files
+
+
+@pytest.mark.parametrize("offset", [4, 16])  # disk number / total number of disks
+def test_a_flipped_byte_in_the_zip64_locator_is_a_checkpoint_error(tmp_path: Path,
+                                                                   offset: int) -> None:
+    """One damaged byte in the zip64 end-of-central-directory locator is a CheckpointError,
+    not a raw zipfile.BadZipFile."""
+    path = tmp_path / "best.pt"
+    torch.save({"hookloop": {"format": 2, "kind": "best"},
+                "model": {"weight": torch.ones(1, 3), "bias": torch.ones(1)}}, path)
+    raw = bytearray(path.read_bytes())
+    locator = raw.rfind(b"PK\x06\x07")
+    assert locator > 0
+    raw[locator + offset] ^= 0x02  # disk 2 / 3 disks
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError):  # oracle: read_payload's contract
+        load_checkpoint(path, nn.Linear(3, 1))
+
+
+@pytest.mark.parametrize("where,value", [
+    (("callbacks", "EarlyStopping"), 5),
+    (("callbacks", "EarlyStopping"), {"best": "x"}),
+    (("ranks", 0, "rng", "torch"), "abc"),
+])
+def test_a_wrong_field_type_is_a_checkpoint_error_naming_the_file(
+        tmp_path: Path, where: tuple, value: object) -> None:
+    """A field of the wrong type inside a well-formed payload (a callback's state, a rank's
+    RNG state) is a CheckpointError naming the file, not a raw error without it."""
+    from hookloop.callbacks import EarlyStopping
+
+    def make(directory: Path, resume: object) -> Loop:
+        return build_loop([EarlyStopping("val_loss"), Checkpoint(directory, resume=resume)],
+                          train=regression_batches(2, seed=1), val=lambda train: train)
+
+    make(tmp_path / "a", False).fit(1)
+    (good,) = (tmp_path / "a").iterdir()
+    payload = torch.load(good, weights_only=True)
+    target = payload
+    for key in where[:-1]:
+        target = target[key]
+    target[where[-1]] = value
+    bad = tmp_path / "bad.pt"
+    torch.save(payload, bad)
+    with pytest.raises(CheckpointError, match="bad.pt"):
+        make(tmp_path / "b", str(bad)).fit(2)
+
+
+# ------------------------------------------------------------------- links, loading
+
+
+def test_a_full_disk_while_linking_best_pt_is_a_checkpoint_write_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """best.pt under save_top_k > 1 is a link to a scored file (a copy where links fail): a
+    failure there is a CheckpointWriteError naming best.pt, and leaves no temporary file."""
+    import builtins
+
+    def no_link(source, target):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")  # no hard links: copy
+
+    class FullDisk:
+        def __init__(self, path):
+            self.path = path
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            return False
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        if "w" in mode and storage.is_temporary(os.path.basename(str(path))):
+            builtins.open(path, mode, *args, **kwargs).close()  # the temp file exists
+            return FullDisk(path)
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(storage.os, "link", no_link)
+    monkeypatch.setattr(storage, "open", fake_open, raising=False)
+    loop = build_loop([Checkpoint(tmp_path, monitor="val_loss", save_top_k=2)],
+                      train=regression_batches(4, seed=1), val=lambda train: train)
+    with pytest.raises(CheckpointError) as caught:  # storage.py's contract
+        loop.fit(1)
+    assert "best.pt" in str(caught.value) and "disk is full" in str(caught.value)
+    assert not [name for name in os.listdir(tmp_path) if storage.is_temporary(name)]
+
+
+def test_load_checkpoint_into_a_compiled_model(tmp_path: Path) -> None:
+    model, loop = shuffled_run([Checkpoint(tmp_path)])
+    loop.fit(1)
+    torch.manual_seed(5)
+    fresh = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 3))
+    compiled = torch.compile(fresh)  # a wrapper with _orig_mod: nothing is compiled until called
+    load_checkpoint(tmp_path / "epoch=0000-step=00000012.pt", compiled)
+    for ours, theirs in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(ours, theirs)

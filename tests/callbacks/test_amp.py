@@ -1,9 +1,11 @@
-"""AMP against hand-written autocast/GradScaler loops (the seeds' loops), on CPU."""
+"""AMP against hand-written autocast/GradScaler loops (the seeds' loops), on CPU, and the scale
+after many overflows: one warning, and a floor it never goes below."""
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import pytest
 import torch
@@ -12,18 +14,19 @@ from torch import nn
 
 from hookloop import Callback, CallbackOrderError, ConfigurationError, Loop
 from hookloop.callbacks import AMP, EMA, GradAccumulation, GradClip, LRScheduler
+from hookloop.callbacks import amp as amp_module
 from hookloop.schedules import warmup_cosine
+
+from builders import make_loop, regression_batches, sgd, two_layers
 
 
 def make_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+    return two_layers(6, 16, 2, nn.Tanh())
 
 
 def make_data(batches: int, seed: int = 1, size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(size, 6, generator=generator), torch.randn(size, 2, generator=generator))
-            for _ in range(batches)]
+    return regression_batches(batches, size=size, features=6, outputs=2, seed=seed)
 
 
 class Recorder(Callback):
@@ -373,8 +376,80 @@ def test_an_exception_inside_optimizer_step_still_pairs_the_scaler_update() -> N
     with pytest.raises(KeyboardInterrupt):
         loop.fit(1)
     assert loop.state.step == 1
-    state = loop.fit(1)  # resumes at batch 1; failed with "unscale_() has already been called"
+    state = loop.fit(1)  # resumes at batch 1, with a scaler that unscales anew
     assert state.step == 4 and amp.skipped_steps == 0
     assert amp.scaler.get_scale() == scaler.get_scale() == 1024.0
     for p, q in zip(hook_model.parameters(), model.parameters()):
         assert torch.allclose(p, q, atol=1e-6)
+
+
+# -------------------------------------------------- the scale after many overflows
+
+
+def _poisoned_loop(batches: int, bad: set[int], amp: AMP) -> tuple[Loop, nn.Module]:
+    """A linear regression whose batches in ``bad`` hold an inf input: their steps overflow."""
+    def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        drawn = regression_batches(batches)  # the global generator, after the model
+        for index in bad:
+            drawn[index][0][0, 0] = float("inf")
+        return drawn
+
+    loop = make_loop([amp], train=data, optimizer=sgd(0.01))
+    return loop, loop.model
+
+
+def test_amp_warns_once_after_many_skipped_steps_and_never_reaches_scale_zero() -> None:
+    amp = AMP(torch.float16, scaler={"init_scale": 1024.0})
+    loop, model = _poisoned_loop(210, bad=set(range(200)), amp=amp)
+    with pytest.warns(RuntimeWarning) as record:
+        loop.fit(1)
+    messages = [str(w.message) for w in record if "AMP" in str(w.message)]
+    assert len(messages) == 1
+    assert f"skipped the last {amp_module.SKIPPED_IN_A_ROW_WARNING} optimizer steps in a row" \
+        in messages[0]
+    assert "forward pass or the loss itself produces inf/NaN" in messages[0]
+    assert amp.skipped_steps == 200
+    # Unclamped, 200 halvings of 1024 underflow float32 to exactly 0 (the oracle):
+    assert torch.tensor(1024.0) * torch.tensor(0.5) ** 200 == 0
+    assert amp.scaler.get_scale() >= amp_module.MIN_SCALE
+    # The 10 clean batches after the bad ones were stepped with finite gradients.
+    assert loop.state.step == 10
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
+def test_amp_does_not_warn_for_a_few_overflows() -> None:
+    amp = AMP(torch.float16, scaler={"init_scale": 1024.0})
+    loop, _ = _poisoned_loop(30, bad={3, 4, 5, 20}, amp=amp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loop.fit(1)
+    assert amp.skipped_steps == 4 and loop.state.step == 26
+
+
+class SkipNonFiniteBatches(Callback):
+    """A "skip the bad batch" policy: cancels every step whose unscaled gradients are not
+    finite (each cancelled step is still paired with a scaler.update())."""
+
+    runs_after = {"AMP": "reads unscaled gradients"}
+
+    def before_step(self, loop: Loop) -> None:
+        grads = [p.grad for p in loop.optimizer.param_groups[0]["params"] if p.grad is not None]
+        if not all(torch.isfinite(g).all() for g in grads):
+            loop.cancel_step()
+
+
+def test_amp_scale_never_reaches_zero_when_steps_are_cancelled() -> None:
+    """The scale's floor holds for steps a callback cancels too, not only for those the
+    scaler skipped."""
+    data = regression_batches(210, seed=1)
+    for inputs, _ in data[:200]:
+        inputs[0, 0] = float("inf")
+    amp = AMP(torch.float16, scaler={"init_scale": 1024.0})
+    loop = make_loop([amp, SkipNonFiniteBatches()], train=data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loop.fit(1)
+    # Oracle: AMP's documented floor (docs/when-things-go-wrong.md: "The scale is never
+    # allowed below 2**-16"); and the 10 clean batches at the end must be stepped.
+    assert amp.scaler.get_scale() >= amp_module.MIN_SCALE, amp.scaler.get_scale()
+    assert loop.state.step == 10

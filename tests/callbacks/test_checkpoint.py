@@ -15,17 +15,18 @@ from hookloop import CallbackOrderError, Callback, CheckpointError, Configuratio
 from hookloop.callbacks import Checkpoint, EarlyStopping, Metrics
 from hookloop import storage
 
+from builders import ScriptedMetric, adam, regression_batches, two_layers
+from builders import make_loop as build_loop
+
 
 def make_loop(directory: Path | str, callbacks: list[Callback] | None = None, *,
               val: bool = True, batches: int = 4, model: nn.Module | None = None) -> Loop:
-    torch.manual_seed(0)
-    model = model or nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
-    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(batches)]
-    val_data = [(torch.randn(5, 3), torch.randn(5, 1))] if val else None
-    if callbacks is None:
-        callbacks = [Checkpoint(directory)]
-    return Loop(model, torch.optim.Adam(model.parameters(), lr=1e-2), data, val_data=val_data,
-                loss_fn=nn.functional.mse_loss, callbacks=callbacks, device="cpu")
+    """A regression run (Adam) validated on one batch of 5 drawn after the training data."""
+    return build_loop([Checkpoint(directory)] if callbacks is None else callbacks,
+                      model=model or (lambda: two_layers(3, 8, 1, nn.ReLU())),
+                      train=lambda: regression_batches(batches),
+                      val=(lambda train: regression_batches(1, size=5)) if val else None,
+                      optimizer=adam(1e-2))
 
 
 def names(directory: Path) -> list[str]:
@@ -74,21 +75,10 @@ def test_keep_last_none_keeps_every_file(tmp_path: Path) -> None:
 
 def test_best_follows_the_monitored_values(tmp_path: Path) -> None:
     """Scripted validation values: best.pt holds the weights of the best epoch (mode max)."""
-    values = iter([0.2, 0.5, 0.4, 0.7, 0.1])
-    weights_at: dict[int, dict[str, torch.Tensor]] = {}
-
-    class Scripted(Callback):
-        def produces(self, loop: Loop) -> list[str]:
-            return ["val_score"]
-
-        def on_validation_end(self, loop: Loop) -> None:
-            if loop.sanity_checking:
-                return
-            loop.state.metrics["val_score"] = next(values)
-            weights_at[loop.state.epoch] = {k: v.clone() for k, v in loop.model.state_dict().items()}
-
+    scripted = ScriptedMetric([0.2, 0.5, 0.4, 0.7, 0.1], by="order", weights_by="epoch")
+    weights_at = scripted.weights_at
     checkpoint = Checkpoint(tmp_path, monitor="val_score", mode="max")
-    make_loop(tmp_path, [Scripted(), checkpoint]).fit(5)
+    make_loop(tmp_path, [scripted, checkpoint]).fit(5)
     best = torch.load(tmp_path / "best.pt", weights_only=True)
     assert best["epoch"] == 3 and best["hookloop"]["value"] == 0.7
     for name, value in weights_at[3].items():

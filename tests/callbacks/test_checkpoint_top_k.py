@@ -7,36 +7,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import Checkpoint
 
+from builders import ScriptedMetric, regression_batches
+from builders import make_loop as build_loop
 
-class Scripted(Callback):
-    """Writes the next scripted value as val_score at each validation; keeps the weights."""
+
+class Scripted(ScriptedMetric):
+    """val_score = values[epoch] at each validation; keeps the weights validated, by step."""
 
     def __init__(self, values: list[float]) -> None:
-        self.values = list(values)
-        self.weights_at: dict[int, dict[str, torch.Tensor]] = {}
-
-    def produces(self, loop: Loop) -> list[str]:
-        return ["val_score"]
-
-    def on_validation_end(self, loop: Loop) -> None:
-        if loop.sanity_checking:
-            return
-        loop.state.metrics["val_score"] = self.values[loop.state.epoch]
-        self.weights_at[loop.state.step] = {key: value.clone()
-                                            for key, value in loop.model.state_dict().items()}
+        super().__init__(values, weights_by="step")
 
 
 def make_loop(callbacks: list[Callback], batches: int = 2) -> Loop:
-    torch.manual_seed(0)
-    model = nn.Linear(3, 1)
-    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(batches)]
-    return Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=data[:1],
-                loss_fn=nn.functional.mse_loss, callbacks=callbacks, device="cpu")
+    return build_loop(callbacks, train=lambda: regression_batches(batches), val=slice(1))
 
 
 def hand_top_k(values: list[float], k: int | None, mode: str,

@@ -10,40 +10,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hookloop import Callback, ConfigurationError, Loop
+from hookloop import ConfigurationError, Loop
 from hookloop.callbacks import Checkpoint, CSVLogger, Metrics
 
-
-class Crash(Exception):
-    pass
-
-
-class StepLosses(Callback):
-    def __init__(self) -> None:
-        self.losses: dict[int, float] = {}
-
-    def after_step(self, loop: Loop) -> None:
-        self.losses[loop.state.step] = loop.state.loss.item()
-
-
-def accuracy(outputs, targets):
-    return (outputs.argmax(-1) == targets).float().mean()
+from builders import (Crash, RaiseAfterStep, StepRecorder, accuracy, classification_batches,
+                      two_layers)
+from builders import make_loop as build_loop
 
 
 def make_loop(callbacks, *, val: bool = True) -> Loop:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    generator = torch.Generator().manual_seed(1)
-    data = [(torch.randn(4, 5, generator=generator), torch.randint(0, 3, (4,), generator=generator))
-            for _ in range(5)]
-    return Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-                val_data=data[:2] if val else None, loss_fn=F.cross_entropy,
-                callbacks=callbacks, device="cpu")
+    return build_loop(callbacks, model=lambda: two_layers(5, 8, 3, torch.nn.ReLU()),
+                      train=classification_batches(5, seed=1), val=slice(2) if val else None,
+                      loss_fn=F.cross_entropy)
 
 
 def test_rows_read_back_equal_history_and_step_losses(tmp_path: Path) -> None:
-    path, recorder = tmp_path / "logs" / "run.csv", StepLosses()
-    history = make_loop([Metrics(acc=accuracy), CSVLogger(path, every_n_steps=3), recorder]).fit(3).history
+    path, recorder = tmp_path / "logs" / "run.csv", StepRecorder()
+    loop = make_loop([Metrics(acc=accuracy), CSVLogger(path, every_n_steps=3), recorder])
+    history = loop.fit(3).history
     frame = pd.read_csv(path)
     assert list(frame.columns[:5]) == ["kind", "epoch", "step", "loss", "lr"]
     rows = frame[frame.kind == "history"][["epoch", "step", "train_loss", "val_loss", "val_acc"]]
@@ -51,7 +35,7 @@ def test_rows_read_back_equal_history_and_step_losses(tmp_path: Path) -> None:
     pd.testing.assert_frame_equal(rows.reset_index(drop=True), expected, check_exact=True)
     steps = frame[frame.kind == "step"]
     assert list(steps.step) == [3, 6, 9, 12, 15]
-    assert list(steps.loss) == [recorder.losses[step] for step in steps.step]  # exact: repr floats
+    assert list(steps.loss) == [recorder.loss[step] for step in steps.step]  # exact: repr floats
     assert (steps.lr == 0.1).all() and steps.val_loss.isna().all()
 
 
@@ -78,15 +62,10 @@ def test_crash_after_a_checkpoint_then_resume_repeats_no_row(tmp_path: Path, eve
     reference = tmp_path / "reference.csv"
     make_loop([Metrics(acc=accuracy), CSVLogger(reference, every_n_steps=2)]).fit(3)
 
-    class CrashAt(Callback):
-        def on_batch_end(self, loop: Loop) -> None:
-            if loop.state.step == crash_step:
-                raise Crash()
-
     path, checkpoints = tmp_path / "run.csv", tmp_path / "checkpoints"
     with pytest.raises(Crash):
         make_loop([Metrics(acc=accuracy), CSVLogger(path, every_n_steps=2),
-                   Checkpoint(checkpoints, every_n_steps=every), CrashAt()]).fit(3)
+                   Checkpoint(checkpoints, every_n_steps=every), RaiseAfterStep(crash_step)]).fit(3)
     make_loop([Metrics(acc=accuracy), CSVLogger(path, every_n_steps=2),
                Checkpoint(checkpoints, every_n_steps=every, resume=True)]).fit(3)
     pd.testing.assert_frame_equal(pd.read_csv(path), pd.read_csv(reference), check_exact=True)

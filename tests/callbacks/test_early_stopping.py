@@ -11,6 +11,9 @@ from torch import nn
 from hookloop import CallbackOrderError, Callback, ConfigurationError, Loop
 from hookloop.callbacks import EarlyStopping
 
+from builders import ScriptedMetric as Scripted
+from builders import make_loop, regression_batches, sgd
+
 
 def seed_patience_loop(values: list[float], patience: int, min_delta: float = 0.0,
                        mode: str = "min") -> tuple[int, float, int]:
@@ -35,26 +38,10 @@ def seed_patience_loop(values: list[float], patience: int, min_delta: float = 0.
     return epochs, sign * best_loss, bad_epochs
 
 
-class Scripted(Callback):
-    """Writes the next scripted value as the metric at validation end."""
-
-    def __init__(self, values: list[float], metric: str = "val_score") -> None:
-        self.values, self.metric = list(values), metric
-
-    def produces(self, loop: Loop) -> list[str]:
-        return [self.metric]
-
-    def on_validation_end(self, loop: Loop) -> None:
-        if not loop.sanity_checking:
-            loop.state.metrics[self.metric] = self.values[loop.state.epoch]
-
-
 def fit(values: list[float], stopper: EarlyStopping) -> Loop:
-    model = nn.Linear(2, 1)
-    data = [(torch.randn(3, 2), torch.randn(3, 1))]
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.01), data, val_data=data,
-                loss_fn=nn.functional.mse_loss,
-                callbacks=[Scripted(values), stopper], device="cpu")
+    loop = make_loop([Scripted(values), stopper], model=lambda: nn.Linear(2, 1),
+                     train=lambda: regression_batches(1, size=3, features=2),
+                     val=lambda train: train, optimizer=sgd(0.01), seed=None)
     loop.fit(len(values))
     return loop
 

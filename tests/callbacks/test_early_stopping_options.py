@@ -12,31 +12,20 @@ from torch import nn
 from hookloop import Callback, Loop
 from hookloop.callbacks import Checkpoint, EarlyStopping
 
+from builders import ScriptedMetric, regression_batches, same_weights, two_layers
+from builders import make_loop as build_loop
 
-class Scripted(Callback):
-    """val_score = values[epoch] at each validation; records the weights validated."""
+
+class Scripted(ScriptedMetric):
+    """val_score = values[epoch] at each validation; records the weights validated, by epoch."""
 
     def __init__(self, values: list[float]) -> None:
-        self.values = list(values)
-        self.weights_at: dict[int, dict[str, torch.Tensor]] = {}
-
-    def produces(self, loop: Loop) -> list[str]:
-        return ["val_score"]
-
-    def on_validation_end(self, loop: Loop) -> None:
-        if loop.sanity_checking:
-            return
-        loop.state.metrics["val_score"] = self.values[loop.state.epoch]
-        self.weights_at[loop.state.epoch] = {key: value.clone()
-                                             for key, value in loop.model.state_dict().items()}
+        super().__init__(values, weights_by="epoch")
 
 
 def make_loop(callbacks: list[Callback]) -> Loop:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
-    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(2)]
-    return Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=data[:1],
-                loss_fn=nn.functional.mse_loss, callbacks=callbacks, device="cpu")
+    return build_loop(callbacks, model=lambda: two_layers(3, 4, 1, nn.BatchNorm1d(4)),
+                      train=lambda: regression_batches(2), val=slice(1))
 
 
 def run(values: list[float], **kwargs: object) -> tuple[Loop, EarlyStopping, Scripted]:
@@ -45,10 +34,6 @@ def run(values: list[float], **kwargs: object) -> tuple[Loop, EarlyStopping, Scr
     loop = make_loop([scripted, stopper])
     loop.fit(len(values))
     return loop, stopper, scripted
-
-
-def same_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> bool:
-    return all(torch.equal(value, weights[name]) for name, value in model.state_dict().items())
 
 
 # ----------------------------------------------------------------- stopping epochs

@@ -13,18 +13,16 @@ from torch import nn
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import EMA
 
+from builders import make_loop, regression_batches, sgd, two_layers
+
 
 def make_model(batch_norm: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    layers = [nn.Linear(4, 8)] + ([nn.BatchNorm1d(8)] if batch_norm else []) + [nn.Tanh(),
-                                                                               nn.Linear(8, 1)]
-    return nn.Sequential(*layers)
+    return two_layers(4, 8, 1, *([nn.BatchNorm1d(8)] if batch_norm else []), nn.Tanh())
 
 
 def make_data(batches: int, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator))
-            for _ in range(batches)]
+    return regression_batches(batches, size=8, features=4, seed=seed)
 
 
 class SeedEMA:
@@ -62,11 +60,10 @@ def hand_loop(data, epochs, decay, every=1, buffers="average", batch_norm=False)
 
 
 def hook_loop(data, epochs, ema, batch_norm=False, val_data=None):  # noqa: ANN001, ANN201
-    model = make_model(batch_norm)
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), data,
-                val_data=val_data, loss_fn=F.mse_loss, device="cpu", callbacks=[ema])
+    loop = make_loop([ema], model=make_model(batch_norm), train=data, val=val_data,
+                     optimizer=sgd(0.1, momentum=0.9), seed=None)
     loop.fit(epochs)
-    return model, loop
+    return loop.model, loop
 
 
 @pytest.mark.parametrize("every", [1, 3])

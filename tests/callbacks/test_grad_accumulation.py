@@ -10,16 +10,16 @@ from torch import nn
 from hookloop import Callback, CallbackOrderError, ConfigurationError, Loop
 from hookloop.callbacks import GradAccumulation
 
+from builders import Unsized, regression_batches, two_layers
+
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    return two_layers(4, 8, 1, nn.Tanh())
 
 
 def make_data(batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(5)
-    return [(torch.randn(6, 4, generator=generator), torch.randn(6, 1, generator=generator))
-            for _ in range(batches)]
+    return regression_batches(batches, size=6, features=4, seed=5)
 
 
 class Steps(Callback):
@@ -98,16 +98,6 @@ def test_sets_the_loop_geometry() -> None:
     assert loop.steps_per_epoch == 3
 
 
-class Stream:
-    """Data without a length, as an IterableDataset or a generator gives."""
-
-    def __init__(self, batches: list) -> None:  # noqa: ANN001
-        self.batches = batches
-
-    def __iter__(self):  # noqa: ANN204
-        return iter(self.batches)
-
-
 def test_unsized_data_steps_every_window_and_the_partial_last_one_at_exhaustion() -> None:
     data, k, epochs = make_data(10), 4, 2
     hand_model = make_model()
@@ -121,7 +111,7 @@ def test_unsized_data_steps_every_window_and_the_partial_last_one_at_exhaustion(
                 optimizer.zero_grad()
     steps = Steps()
     model = make_model()
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), Stream(data),
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), Unsized(data),
                 loss_fn=F.mse_loss, device="cpu", callbacks=[GradAccumulation(k), steps])
     state = loop.fit(epochs)
     assert state.step == 6

@@ -13,16 +13,18 @@ from torch import nn
 from hookloop import Callback, CallbackOrderError, ConfigurationError, Loop
 from hookloop.callbacks import AMP, GradClip
 
+from builders import BatchCounter, make_loop, regression_batches, two_layers
+
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 12), nn.ReLU(), nn.Linear(12, 1))
+    return two_layers(5, 12, 1, nn.ReLU())
 
 
 def make_data(batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(2)
-    return [(torch.randn(8, 5, generator=generator), 3 * torch.randn(8, 1, generator=generator))
-            for _ in range(batches)]
+    # Targets of scale 3: gradients large enough for the limits below to cut.
+    return [(inputs, 3 * targets)
+            for inputs, targets in regression_batches(batches, size=8, features=5, seed=2)]
 
 
 def hand_norm(model: nn.Module, norm_type: float) -> torch.Tensor:
@@ -111,19 +113,14 @@ def test_clipping_reads_nothing_back_to_the_host(kwargs: dict) -> None:
 
 
 def test_clip_before_amp_is_rejected_before_the_first_batch() -> None:
-    batches = []
-
-    class Count(Callback):
-        def on_batch_start(self, loop: Loop) -> None:
-            batches.append(1)
-
+    counter = BatchCounter()
     model = make_model()
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(2),
                 loss_fn=F.mse_loss, device="cpu",
-                callbacks=[GradClip(1.0), AMP(torch.float16), Count()])
+                callbacks=[GradClip(1.0), AMP(torch.float16), counter])
     with pytest.raises(CallbackOrderError, match=r"GradClip.*AMP|AMP.*GradClip"):
         loop.fit(1)
-    assert batches == []
+    assert counter.batches == 0
 
 
 def test_exactly_one_limit() -> None:
@@ -152,8 +149,8 @@ def detached_loop(clip: GradClip) -> tuple[Loop, nn.Module]:
         outputs = head(loop.model(inputs).detach())
         return outputs, F.mse_loss(outputs, labels)
 
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), make_data(3),
-                forward=forward, device="cpu", callbacks=[clip])
+    loop = make_loop([clip], model=model, train=make_data(3), forward=forward, loss_fn=None,
+                     seed=None)
     return loop, model
 
 

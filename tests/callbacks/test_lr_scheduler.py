@@ -16,16 +16,16 @@ from hookloop import Callback, CallbackOrderError, ConfigurationError, Loop
 from hookloop.callbacks import GradAccumulation, LRScheduler
 from hookloop.schedules import warmup_cosine
 
+from builders import regression_batches, two_layers
+
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    return two_layers(4, 8, 1, nn.Tanh())
 
 
 def make_data(batches: int, seed: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(6, 4, generator=generator), torch.randn(6, 1, generator=generator))
-            for _ in range(batches)]
+    return regression_batches(batches, size=6, features=4, seed=seed)
 
 
 class LRLog(Callback):

@@ -10,9 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import Metrics
 
-
-def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return (outputs.argmax(dim=-1) == targets).float().mean()
+from builders import accuracy
 
 
 class MeanAbsoluteError:
@@ -171,3 +169,8 @@ def test_bad_metrics() -> None:
                 callbacks=[Metrics(per_class=lambda out, y: out.mean(0))], device="cpu")
     with pytest.raises(ConfigurationError, match="shape \\(3,\\)"):
         loop.fit(1)
+
+
+def test_metrics_take_a_name() -> None:
+    metrics = Metrics(acc=lambda out, y: (out.argmax(-1) == y).float().mean(), name="x")
+    assert metrics.state_key == "x" and list(metrics.produces(None)) == ["val_acc"]

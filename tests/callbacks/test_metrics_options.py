@@ -14,6 +14,8 @@ from hookloop import ConfigurationError, Loop
 from hookloop.callbacks import Metrics
 from hookloop.callbacks.metrics import synchronises_itself
 
+from builders import accuracy
+
 
 @dataclass
 class Output:
@@ -32,10 +34,6 @@ class Classifier(nn.Module):
         logits = self.linear(image)
         loss = None if label is None else nn.functional.cross_entropy(logits, label)
         return Output(logits, loss)
-
-
-def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return (outputs.argmax(dim=-1) == targets).float().mean()
 
 
 def batches(count: int = 3) -> list[dict[str, torch.Tensor]]:

@@ -11,6 +11,8 @@ from torch import nn
 from hookloop import Loop
 from hookloop.callbacks import ModelSummary
 
+from builders import classification_batches, make_loop
+
 
 def known_model() -> nn.Module:
     # 5*8+8 + 2*8 (BN weight, bias) + 8*3+3 = 48 + 16 + 27 = 91 parameters
@@ -18,17 +20,9 @@ def known_model() -> nn.Module:
                          nn.Linear(8, 3))
 
 
-def data():
-    generator = torch.Generator().manual_seed(1)
-    return [(torch.randn(4, 5, generator=generator), torch.randint(0, 3, (4,), generator=generator))
-            for _ in range(3)]
-
-
 def fit(callbacks, batches=None) -> Loop:
-    torch.manual_seed(0)
-    model = known_model()
-    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), batches or data(),
-                loss_fn=F.cross_entropy, callbacks=callbacks, device="cpu")
+    loop = make_loop(callbacks, model=known_model,
+                     train=batches or classification_batches(3, seed=1), loss_fn=F.cross_entropy)
     loop.fit(2)
     return loop
 

@@ -13,20 +13,15 @@ from rich.console import Console
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import Metrics, ProgressBar
 
-
-def accuracy(outputs, targets):
-    return (outputs.argmax(-1) == targets).float().mean()
+from builders import accuracy, classification_batches, sgd
+from builders import make_loop as build_loop
 
 
 def make_loop(callbacks, *, sized: bool = True) -> Loop:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
-    generator = torch.Generator().manual_seed(1)
-    data = [(torch.randn(4, 5, generator=generator), torch.randint(0, 3, (4,), generator=generator))
-            for _ in range(6)]
+    data = classification_batches(6, seed=1)
     train = data if sized else (batch for batch in data)
-    return Loop(model, torch.optim.SGD(model.parameters(), lr=0.05), train, val_data=data[:2],
-                loss_fn=F.cross_entropy, callbacks=callbacks, device="cpu")
+    return build_loop(callbacks, model=lambda: torch.nn.Linear(5, 3), train=train,
+                      val=data[:2], optimizer=sgd(0.05), loss_fn=F.cross_entropy)
 
 
 def console(terminal: bool) -> Console:

@@ -14,47 +14,18 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import AMP, Checkpoint, GradClip, LRScheduler, Metrics, TensorBoard
 
+from builders import (Crash, RaiseAfterStep, StepRecorder, ValidationSteps, accuracy,
+                      classification_batches, two_layers)
+from builders import make_loop as build_loop
+
 BATCHES, EPOCHS = 7, 3
 
 
-class Crash(Exception):
-    pass
-
-
-class Recorder(Callback):
-    """Ground truth: the loss, LR and grad norm at every step, read here (a test may sync)."""
-
-    def __init__(self) -> None:
-        self.loss: dict[int, float] = {}
-        self.lr: dict[int, float] = {}
-        self.grad_norm: dict[int, float] = {}
-        self.validations: list[tuple[int, dict[str, float]]] = []
-
-    def after_step(self, loop: Loop) -> None:
-        step = loop.state.step
-        self.loss[step] = loop.state.loss.item()
-        self.lr[step] = loop.optimizer.param_groups[0]["lr"]
-        if loop.state.grad_norm is not None:
-            self.grad_norm[step] = loop.state.grad_norm.item()
-
-    def on_validation_end(self, loop: Loop) -> None:
-        self.validations.append((loop.state.step, dict(loop.state.metrics)))
-
-
-def accuracy(outputs, targets):
-    return (outputs.argmax(-1) == targets).float().mean()
-
-
 def make_loop(callbacks: list[Callback], *, val: bool = True) -> Loop:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
-                                torch.nn.Linear(8, 3))
-    generator = torch.Generator().manual_seed(1)
-    data = [(torch.randn(4, 5, generator=generator), torch.randint(0, 3, (4,), generator=generator))
-            for _ in range(BATCHES)]
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return Loop(model, optimizer, data, val_data=data[:3] if val else None,
-                loss_fn=F.cross_entropy, callbacks=callbacks, device="cpu")
+    return build_loop(callbacks,
+                      model=lambda: two_layers(5, 8, 3, torch.nn.BatchNorm1d(8), torch.nn.ReLU()),
+                      train=classification_batches(BATCHES, seed=1), val=slice(3) if val else None,
+                      loss_fn=F.cross_entropy)
 
 
 def events(log_dir: Path) -> EventAccumulator:
@@ -68,7 +39,7 @@ def scalars(accumulator: EventAccumulator, tag: str) -> list[tuple[int, float]]:
 
 
 def test_losses_lrs_and_grad_norms_are_the_loop_values(tmp_path: Path) -> None:
-    recorder = Recorder()
+    recorder = StepRecorder()
     schedule = LRScheduler(lambda opt, total: torch.optim.lr_scheduler.StepLR(opt, 4, gamma=0.5))
     loop = make_loop([GradClip(1.0), schedule, TensorBoard(tmp_path, every_n_steps=3), recorder])
     loop.fit(EPOCHS)
@@ -88,7 +59,7 @@ def test_losses_lrs_and_grad_norms_are_the_loop_values(tmp_path: Path) -> None:
 
 
 def test_validation_metrics_once_per_validation_and_hparams(tmp_path: Path) -> None:
-    recorder = Recorder()
+    recorder = StepRecorder()
     loop = make_loop([Metrics(acc=accuracy), TensorBoard(tmp_path, every_n_steps=50), recorder])
     state = loop.fit(EPOCHS)
     accumulator = events(tmp_path)
@@ -224,16 +195,11 @@ def test_exception_after_checkpoint_then_resume_logs_each_step_once(tmp_path: Pa
     reference.fit(EPOCHS)
     expected = events(tmp_path / "reference")
 
-    class CrashAt(Callback):
-        def on_batch_end(self, loop: Loop) -> None:
-            if loop.state.step == crash_step:
-                raise Crash()
-
     run, checkpoints = tmp_path / "run", tmp_path / "checkpoints"
     with pytest.raises(Crash):
         make_loop([TensorBoard(run, every_n_steps=1),
                    Checkpoint(checkpoints, every_n_steps=every),
-                   CrashAt()]).fit(EPOCHS)
+                   RaiseAfterStep(crash_step)]).fit(EPOCHS)
     make_loop([TensorBoard(run, every_n_steps=1),
                Checkpoint(checkpoints, every_n_steps=every, resume=True)]
               ).fit(EPOCHS)
@@ -244,15 +210,6 @@ def test_exception_after_checkpoint_then_resume_logs_each_step_once(tmp_path: Pa
         assert [v for _, v in got] == [v for _, v in want], tag  # exact resume
 
 
-class Validations(Callback):
-    def __init__(self) -> None:
-        self.steps: list[int] = []
-
-    def on_validation_end(self, loop: Loop) -> None:
-        if loop.fitting:
-            self.steps.append(loop.state.step)
-
-
 def test_val_metrics_once_per_validation_with_step_cadence(tmp_path: Path) -> None:
     """Validation every 3 steps, 7 batches an epoch: the epoch ends (steps 7, 14) did not
     validate, so they must not log the previous validation's val_loss again (the loop's
@@ -260,7 +217,7 @@ def test_val_metrics_once_per_validation_with_step_cadence(tmp_path: Path) -> No
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3)
     data = [(torch.randn(4, 5), torch.randint(0, 3, (4,))) for _ in range(7)]
-    seen = Validations()
+    seen = ValidationSteps()  # sanity_val_batches=0: each validation is one of the fit's
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=data[:2],
                 loss_fn=F.cross_entropy, device="cpu", val_every_n_epochs=None,
                 val_every_n_steps=3, sanity_val_batches=0,
@@ -274,15 +231,11 @@ def test_val_metrics_once_per_validation_with_step_cadence(tmp_path: Path) -> No
 
 
 def make_histogram_loop(log_dir: Path, checkpoints: Path, resume: bool) -> Loop:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
-    generator = torch.Generator().manual_seed(1)
-    data = [(torch.randn(4, 5, generator=generator), torch.randint(0, 3, (4,), generator=generator))
-            for _ in range(BATCHES)]
-    return Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=data[:2],
-                loss_fn=F.cross_entropy, device="cpu",
-                callbacks=[TensorBoard(log_dir, every_n_steps=7, histograms_every_n_epochs=1),
-                           Checkpoint(checkpoints, resume=resume)])
+    return build_loop([TensorBoard(log_dir, every_n_steps=7, histograms_every_n_epochs=1),
+                       Checkpoint(checkpoints, resume=resume)],
+                      model=lambda: torch.nn.Linear(5, 3),
+                      train=classification_batches(BATCHES, seed=1), val=slice(2),
+                      loss_fn=F.cross_entropy)
 
 
 def test_histograms_of_the_resumed_step_survive_its_purge(tmp_path: Path) -> None:

@@ -1,0 +1,199 @@
+"""Argument checks: each mistake is a ConfigurationError with the fix, before the first batch
+(hookloop/checks.py and the checks each constructor makes), and device=None's choice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import hookloop.checks
+from hookloop import Callback, ConfigurationError, Loop
+from hookloop.callbacks import AMP, DDP, EMA, GradClip, Metrics, TerminateOnNaN
+from hookloop.checks import available_devices
+
+from builders import MLP, BatchCounter, regression_dataset
+
+
+def dataset() -> TensorDataset:
+    return regression_dataset(12, features=3, outputs=1, seed=0)
+
+
+def loop_with(**overrides: Any) -> Loop:
+    """The working setup, with ``overrides`` given to `Loop` as they are (bad values too)."""
+    torch.manual_seed(0)
+    model = overrides.pop("model", nn.Linear(3, 1))
+    arguments: dict[str, Any] = {
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+        "train_data": DataLoader(dataset(), batch_size=4),
+        "loss_fn": nn.functional.mse_loss, "device": "cpu",
+    }
+    arguments.update(overrides)
+    return Loop(model, arguments.pop("optimizer"), arguments.pop("train_data"), **arguments)
+
+
+# ------------------------------------------------------------------------------ Loop
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ({"train_data": None}, r"train_data is None: pass an iterable of batches.*DataLoader"),
+    ({"callbacks": None}, r"callbacks is None: pass a list"),
+    ({"loss_fn": "mse"}, r"loss_fn must be a function fn\(outputs, targets\)"),
+    ({"loss_fn": nn.MSELoss}, r"loss_fn is the class MSELoss.*loss_fn=MSELoss\(\)"),
+    ({"forward": 3}, r"forward must be a function fn\(loop, batch\)"),
+    ({"train_data": dataset()}, (r"train_data is a TensorDataset, a torch Dataset.*"
+                                 r"DataLoader\(dataset, batch_size=32, shuffle=True\)")),
+    ({"val_data": dataset()}, r"val_data is a TensorDataset.*DataLoader\(dataset"),
+    ({"train_data": torch.randn(4, 3)}, r"train_data must be an iterable of batches"),
+    ({"device": "gpu"}, r"device='gpu' is not a device name.*'cuda'.*Devices here: 'cpu'"),
+    ({"device": True}, r"device must be None, a string"),
+    ({"device": -1}, r"device=-1 is not a device index"),
+    ({"callbacks": [BatchCounter]}, r"callbacks\[0\] is the class BatchCounter"),
+    ({"callbacks": ["x"]}, r"callbacks\[0\] is 'x'"),
+])
+def test_loop_arguments_are_checked_when_built(overrides: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ConfigurationError, match=expected):
+        loop_with(**overrides)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", 3, torch.device("cuda", 0)])
+def test_cuda_that_is_not_there_names_the_devices_that_exist(device: Any) -> None:
+    if torch.cuda.is_available():  # a GPU machine: ask for one index too many instead
+        count = torch.cuda.device_count()
+        with pytest.raises(ConfigurationError, match=rf"has {count} CUDA device\(s\)"):
+            loop_with(device=f"cuda:{count}")
+        return
+    with pytest.raises(ConfigurationError,
+                       match=r"CUDA is not available.*device='cpu'.*Devices here: 'cpu'"):
+        loop_with(device=device)
+    assert available_devices()[0] == "cpu"
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused() -> None:
+    model, other = nn.Linear(3, 1), nn.Linear(3, 1)
+    with pytest.raises(ConfigurationError, match=r"none of which is a parameter of the model"):
+        Loop(model, torch.optim.SGD(other.parameters(), lr=0.1), [], device="cpu")
+    # Partly the model's (a learnable loss next to it) is fine.
+    extra = nn.Parameter(torch.ones(()))
+    Loop(model, torch.optim.SGD([*model.parameters(), extra], lr=0.1), [], device="cpu")
+
+
+def test_a_generator_with_epochs_left_is_refused_before_the_first_batch() -> None:
+    counter = BatchCounter()
+    data = ((inputs, targets) for inputs, targets in DataLoader(dataset(), batch_size=4))
+    loop = loop_with(train_data=data, callbacks=[counter])
+    with pytest.raises(ConfigurationError, match=r"train_data is a generator, a one-shot "
+                                                 r"iterator.*2 more epochs"):
+        loop.fit(2)
+    assert counter.batches == 0
+    assert loop.fit(1).step == 3  # one epoch of a generator is fine
+    val = iter([(torch.randn(2, 3), torch.randn(2, 1))])
+    with pytest.raises(ConfigurationError, match=r"val_data is a list_iterator"):
+        loop_with(val_data=val).fit(3)
+
+
+# ------------------------------------------------------------------------- callbacks
+@pytest.mark.parametrize(("build", "expected"), [
+    (lambda: GradClip(1.0, norm_type="fro"), r"norm_type must be a positive number.*'fro'"),
+    (lambda: GradClip(1.0, norm_type=float("nan")), r"norm_type must be a positive number"),
+    (lambda: AMP(torch.float16, scaler={"growth_factor": 1.0}), r"AMP scaler growth_factor must be a finite number > 1, got 1.0\."),
+    (lambda: AMP(torch.float16, scaler={"backoff_factor": 1.5}), r"AMP scaler backoff_factor must be a finite number > 0 and < 1, got 1.5\."),
+    (lambda: AMP(torch.float16, scaler={"backoff_factor": 0}), r"backoff_factor must be a finite number > 0 and < 1, got 0\."),
+    (lambda: AMP(torch.float16, scaler={"init_scale": 0}), r"AMP scaler init_scale must be a finite number > 0, got 0\."),
+    (lambda: AMP(torch.float16, scaler={"init_scale": float("inf")}), r"init_scale must be a finite number > 0, got inf\."),
+    (lambda: AMP(torch.float16, scaler={"growth_interval": 0}), r"AMP scaler growth_interval must be an int >= 1, got 0\."),
+    (lambda: AMP(torch.float16, scaler={"growth_interval": 1.5}), r"growth_interval must be an int >= 1, got 1.5\."),
+    (lambda: AMP(torch.float16, scaler={"enabled": "yes"}), r"AMP scaler enabled must be True or False, got 'yes'\."),
+    (lambda: AMP([]), r"AMP dtype must be"),
+    (lambda: EMA(decay=1.0), r"EMA decay must be a finite number >= 0 and < 1, got 1.0\..*never move the average"),
+    (lambda: EMA(validate_with_ema="yes"), r"validate_with_ema must be True or False"),
+    (lambda: EMA(buffers=[]), r"EMA buffers must be one of 'average', 'copy', got \[\]\."),
+    (lambda: EMA(name=3), r"EMA name must be"),
+    (lambda: DDP(backend=123), r"DDP backend must be a non-empty string.* or None, got 123\..*'gloo'"),
+    (lambda: DDP(find_unused_parameters="no"), r"find_unused_parameters must be True or False"),
+    (lambda: TerminateOnNaN("x"), r"TerminateOnNaN takes no positional arguments"),
+])
+def test_callback_arguments_torch_would_reject_later(build: Any, expected: str) -> None:
+    with pytest.raises(ConfigurationError, match=expected):
+        build()
+
+
+def test_ema_decay_zero_and_just_below_one_are_fine() -> None:
+    assert EMA(decay=0.0).decay == 0.0 and EMA(decay=0.9999).decay == 0.9999
+
+
+@pytest.mark.parametrize("value", ["high", None, [0.5], {"acc": 1}])
+def test_a_metric_returning_a_non_number_is_named_at_its_first_call(value: Any) -> None:
+    calls = [0]
+
+    def confused(outputs: torch.Tensor, targets: torch.Tensor) -> Any:
+        calls[0] += 1
+        return value
+
+    loop = loop_with(val_data=DataLoader(dataset(), batch_size=4),
+                     callbacks=[Metrics(score=confused, on_train=True)])
+    with pytest.raises(ConfigurationError, match=r"Metric 'score' \('confused'\) returned"):
+        loop.fit(1)
+    assert calls[0] == 1
+
+
+# ----------------------------------------------------------------- event-name check
+@pytest.mark.parametrize(("method", "meant"), [
+    ("on_batch_begin", "on_batch_start"),
+    ("on_train_batch_begin", "on_batch_start"),
+    ("on_train_batch_end", "on_batch_end"),
+    ("before_batch", "on_batch_start"),
+    ("after_batch", "on_batch_end"),
+    ("after_loss", "after_forward"),
+    ("before_backward", "after_forward"),
+    ("on_after_backward", "after_backward"),
+    ("on_train_epoch_end", "on_epoch_end"),
+    ("on_epoch_begin", "on_epoch_start"),
+    ("before_optimizer_step", "before_step"),
+    ("on_before_optimizer_step", "before_step"),
+    ("on_train_begin", "on_fit_start"),
+    ("on_train_end", "on_fit_end"),
+    ("after_fit", "on_fit_end"),
+    ("on_test_begin", "on_validation_start"),
+    ("on_validation_epoch_end", "on_validation_end"),
+    ("on_iteration_completed", "on_batch_end"),
+    ("batch_end", "on_batch_end"),
+    ("on_save_checkpoint", "state_dict"),
+])
+def test_another_frameworks_event_gets_the_event_that_means_the_same(method: str,
+                                                                     meant: str) -> None:
+    counter = BatchCounter()
+    ported = type("Ported", (Callback,), {method: lambda self, *args: None})()
+    loop = loop_with(callbacks=[ported, counter])
+    with pytest.raises(ConfigurationError) as caught:
+        loop.fit(1)
+    message = str(caught.value)
+    assert f"Ported.{method} is named like an event of" in message
+    assert f"means the same is {meant!r}" in message
+    assert counter.batches == 0
+
+
+def test_an_unknown_event_like_name_still_gets_the_closest_spelling() -> None:
+    typo = type("Typo", (Callback,), {"on_valdation_end": lambda self, loop: None})()
+    with pytest.raises(ConfigurationError, match=r"Did you mean 'on_validation_end'"):
+        loop_with(callbacks=[typo]).fit(1)
+
+
+# ----------------------------------------------------------------------- device=None
+@pytest.mark.parametrize(("cuda", "mps", "expected"), [
+    (True, True, "cuda"), (True, False, "cuda"), (False, True, "mps"), (False, False, "cpu")])
+def test_device_none_picks_cuda_then_mps_then_cpu(monkeypatch: pytest.MonkeyPatch, cuda: bool,
+                                                  mps: bool, expected: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    assert hookloop.checks.default_device().type == expected
+    model = nn.Linear(2, 1)
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [(torch.randn(1, 2),) * 2])
+    assert loop.device.type == expected
+
+
+def test_device_none_means_cuda_when_available_else_cpu() -> None:
+    model = MLP()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [])
+    assert loop.device.type == ("cuda" if torch.cuda.is_available() else "cpu")

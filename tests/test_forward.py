@@ -1,0 +1,119 @@
+"""How the loop gets outputs and a loss from a batch (hookloop/forward.py): the four rules,
+a custom forward, and the errors that say which rule a batch or a loss broke."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hookloop import Callback, ConfigurationError, Loop
+
+from builders import MLP, make_loop, shuffled_run
+
+
+def test_custom_forward_is_used_as_is() -> None:
+    calls = []
+
+    def forward(loop, batch):
+        inputs, targets = batch
+        calls.append(loop.state.training)
+        outputs = loop.model(inputs)
+        return outputs, F.cross_entropy(outputs, targets) * 0 + 2.5 + outputs.sum() * 0
+
+    model = MLP()
+    data = [(torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(2)]
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=data[:1],
+                loss_fn=F.mse_loss, forward=forward, device="cpu", sanity_val_batches=0)
+    state = loop.fit(1)
+    assert calls == [True, True, False]
+    assert state.metrics["train_loss"] == pytest.approx(2.5)
+    assert state.metrics["val_loss"] == pytest.approx(2.5)
+
+
+def test_model_output_with_loss_attribute_is_accepted() -> None:
+    Output = collections.namedtuple("Output", "logits loss")
+
+    class AttrModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = MLP()
+
+        def forward(self, x, targets):
+            logits = self.mlp(x)
+            return Output(logits, F.cross_entropy(logits, targets))
+
+    model = AttrModel()
+    data = [{"x": torch.randn(4, 6), "targets": torch.randint(0, 3, (4,))}]
+    seen = []
+
+    class Spy(Callback):
+        def after_forward(self, loop):
+            seen.append((loop.state.targets, loop.state.batch_size))
+
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, callbacks=[Spy()],
+         device="cpu").fit(1)
+    assert torch.equal(seen[0][0], data[0]["targets"]) and seen[0][1] == 4
+
+
+def _fit_error(batch, **kwargs) -> str:
+    loop = make_loop(model=kwargs.pop("model", MLP()), train=[batch],
+                     loss_fn=kwargs.pop("loss_fn", None), seed=None, **kwargs)
+    with pytest.raises(ConfigurationError) as info:
+        loop.fit(1)
+    return str(info.value)
+
+
+def test_pair_without_loss_fn_says_what_to_pass() -> None:
+    message = _fit_error((torch.randn(2, 6), torch.tensor([0, 1])))
+    assert "(inputs, targets) pair" in message and "loss_fn=" in message and "forward=" in message
+
+
+def test_mapping_output_without_loss_lists_its_keys() -> None:
+    class NoLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = MLP()
+
+        def forward(self, x):
+            return {"logits": self.mlp(x)}
+
+    message = _fit_error({"x": torch.randn(2, 6)}, model=NoLoss())
+    assert "model(**batch)" in message and "logits" in message and "'loss'" in message
+
+
+def test_unusable_batch_lists_the_three_rules() -> None:
+    message = _fit_error(torch.randn(2, 6))
+    assert "Tensor" in message
+    assert "forward=" in message and "loss_fn=" in message and "mapping" in message
+
+
+def test_non_scalar_loss_is_reported_with_its_shape() -> None:
+    message = _fit_error((torch.randn(2, 6), torch.tensor([0, 1])),
+                         loss_fn=lambda out, y: F.cross_entropy(out, y, reduction="none"))
+    assert "shape (2,)" in message and "reduction='mean'" in message
+
+
+def test_loss_without_grad_is_reported() -> None:
+    message = _fit_error((torch.randn(2, 6), torch.tensor([0, 1])),
+                         loss_fn=lambda out, y: F.cross_entropy(out.detach(), y))
+    assert "does not require grad" in message
+
+
+def test_forward_returning_one_value_is_reported() -> None:
+    message = _fit_error((torch.randn(2, 6), torch.tensor([0, 1])),
+                         forward=lambda loop, batch: loop.model(batch[0]).sum())
+    assert "(outputs, loss)" in message
+
+
+def test_a_replaced_loss_that_is_not_a_scalar_is_reported() -> None:
+    class Broken(Callback):
+        def after_forward(self, loop: Loop) -> None:
+            loop.state.loss = loop.state.loss.expand(3)
+
+    _, loop = shuffled_run([Broken()])
+    with pytest.raises(ConfigurationError, match="after_forward must be a scalar.*shape \\(3,\\)"):
+        loop.fit(1)

@@ -1,0 +1,127 @@
+"""SIGTERM (hookloop/signals.py): inside fit it asks to end the launch at the next step
+boundary, where the checkpoint is written, and the process exits with status 143; the
+program's own handler is left alone; and a Terminated raised while another exception is
+being handled."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from hookloop import Callback, Loop
+from hookloop.callbacks import Checkpoint
+from hookloop.errors import Terminated
+from hookloop.signals import handled
+from hookloop.suspension import Vote, published
+
+from builders import RaiseAtBatch, shuffled_run
+from conftest import subprocess_env
+
+
+def test_sigterm_inside_fit_asks_to_end_the_launch_and_the_handler_is_restored() -> None:
+    previous = signal.getsignal(signal.SIGTERM)
+    assert previous is signal.SIG_DFL
+    with published(Vote()) as vote, handled():
+        installed = signal.getsignal(signal.SIGTERM)
+        assert installed is not signal.SIG_DFL
+        with handled():  # nested: installs nothing more
+            assert signal.getsignal(signal.SIGTERM) is installed
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10**6):  # the handler runs here, raising nothing
+                pass
+        assert [cause.name for cause in vote.asked] == ["SIGTERM"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_program_handler_for_sigterm_is_left_alone() -> None:
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with published(Vote()) as vote, handled():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10**6):
+                pass
+        assert seen == [signal.SIGTERM] and not vote.asked
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+SIGTERM_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, torch
+    from torch import nn
+    from hookloop import Callback, Loop
+    from hookloop.callbacks import Checkpoint
+
+    class Preempt(Callback):
+        def on_batch_end(self, loop):
+            if loop.state.step == 5 and not loop.state.epoch and {send}:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 3, generator=generator), torch.randn(4, 1, generator=generator))
+            for _ in range(8)]
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                loss_fn=nn.functional.mse_loss, device="cpu",
+                callbacks=[Preempt(), Checkpoint(sys.argv[1], resume=True)])
+    try:
+        loop.fit(2)
+    finally:
+        print("finally ran", flush=True)
+    torch.save(model.state_dict(), os.path.join(sys.argv[1], "..", "final.pt"))
+""")
+
+
+def test_sigterm_during_fit_leaves_a_resumable_checkpoint_and_exits_143(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+
+    def run(send: bool, where: Path) -> subprocess.CompletedProcess[str]:
+        script = tmp_path / f"train_{send}.py"
+        script.write_text(SIGTERM_SCRIPT.replace("{send}", str(send)))
+        return subprocess.run([sys.executable, str(script), str(where)], env=subprocess_env(),
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    first = run(True, directory)
+    assert first.returncode == 143, first.stderr[-3000:]
+    assert "finally ran" in first.stdout and "SIGTERM received" in first.stderr
+    assert "Traceback" not in first.stderr
+    assert sorted(path.name for path in directory.iterdir()) == ["epoch=0000-step=00000005.pt"]
+    second = run(False, directory)  # the relaunch resumes and finishes
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    resumed = torch.load(tmp_path / "final.pt", weights_only=True)
+    uninterrupted = tmp_path / "plain"
+    assert run(False, uninterrupted).returncode == 0
+    expected = torch.load(tmp_path / "final.pt", weights_only=True)
+    for name in expected:
+        assert torch.equal(resumed[name], expected[name]), name
+
+
+def test_a_sigterm_while_handling_an_exception_lets_the_others_finish(tmp_path: Path) -> None:
+    from hookloop import Terminated
+
+    class Preempted(Callback):  # SIGTERM arrives while the first handler runs
+        def on_exception(self, loop: Loop, exc: BaseException) -> None:
+            raise Terminated()
+
+    class Closes(Callback):
+        closed = False
+
+        def on_fit_end(self, loop: Loop) -> None:
+            Closes.closed = True
+
+    _, loop = shuffled_run([Preempted(), RaiseAtBatch(0, 5, RuntimeError, event="after_forward"),
+                            Closes(), Checkpoint(tmp_path)])
+    with pytest.raises(Terminated) as caught:
+        loop.fit(2)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert Closes.closed  # every on_fit_end ran
+    assert [path.name for path in tmp_path.glob("epoch=*.pt")] == ["epoch=0000-step=00000005.pt"]
