@@ -468,7 +468,7 @@ class Loop:
         state = self.state
         self.model.train()
         state.training = True
-        batches = self._position.start_epoch(self, stop_due=self._end.due)
+        batches = self._position.start_epoch(self, stop_due=self._end.due_at_boundary)
         if self._cadence.owed_on_resume(batches.start, state.step, self._position.validated):
             self._step_validation(batches)  # the run stopped during the one due at this step
         for batch_idx, batch, state.step_boundary in batches:

@@ -71,19 +71,24 @@ class RunEnd:
             self.requested, self.reason = True, reason
 
     def due(self) -> bool:
-        """True when training must end at this step boundary: a stop, ``max_steps``, or a
-        launch end every rank agreed on (a collective under a process group: every rank
-        asks at the same boundaries)."""
+        """True when training must end: a stop, ``max_steps``, or an agreed launch end."""
         state = self._state
-        if self.requested or (state.max_steps is not None and state.step >= state.max_steps):
+        return self.requested or (state.max_steps is not None and state.step >= state.max_steps)
+
+    def due_at_boundary(self) -> bool:
+        """`due` at a step boundary of the training pass, where the ranks also vote on
+        ending the launch (a collective under a process group: every rank asks at the same
+        boundaries). An end agreed before an epoch's first batch ends that epoch there, so
+        its ``on_epoch_end`` (where `Checkpoint` saves) still runs."""
+        if self.due():
             return True
         agreed = self.vote.agree()
         if agreed is not None:
             self.requested, self.reason, self.suspension = True, agreed.reason, agreed
             if distributed.is_main():
-                print(f"hookloop: ending this launch at step {state.step} ({agreed.reason}); "
-                      f"the process exits with status {agreed.status} once the checkpoint "
-                      "is written.", flush=True)
+                print(f"hookloop: ending this launch at step {self._state.step} "
+                      f"({agreed.reason}); the process exits with status {agreed.status} "
+                      "once the checkpoint is written.", flush=True)
         return self.requested
 
     def check_steps(self) -> None:
@@ -98,13 +103,14 @@ class RunEnd:
         once it returned (every ``on_fit_end`` ran), unless the run ended at that boundary
         too (its last epoch), which leaves nothing to continue."""
         self.vote.reset()
-        with published(self.vote), signals.handled():
+        with published(self.vote), signals.handled() as taken:
             yield
         suspension, state = self.suspension, self._state
         if suspension is None or self.record(state.epochs, state.max_steps,
                                              self._position.epoch) is not None:
             return
         self.vote.run_actions(suspension)
+        signals.quiet_until_exit(taken)
         message = (f"this launch ended at step {state.step} ({suspension.reason}); the run "
                    "goes on: relaunch the same command to continue it")
         if suspension.status == SIGTERM.status:

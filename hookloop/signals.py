@@ -32,7 +32,7 @@ from typing import Any
 from hookloop import distributed
 from hookloop.suspension import SIGINT, SIGTERM, SIGUSR1, Cause, current
 
-__all__ = ["handled", "scheduler_job", "SIGNALS"]
+__all__ = ["handled", "quiet_until_exit", "scheduler_job", "SIGNALS"]
 
 #: The signals `handled` takes over, with the cause each one asks for and its reason.
 SIGNALS: tuple[tuple[str, Cause, str], ...] = (
@@ -82,8 +82,25 @@ def _handler(name: str, cause: Cause, reason: str) -> Any:
     return handle
 
 
+_ignoring: set[int] = set()  # signals quiet_until_exit set to SIG_IGN
+
+
+def quiet_until_exit(numbers: list[int]) -> None:
+    """After a launch ended under torchrun: these signals (`handled` took them) are ignored
+    until the process exits with the launch's status. torchrun sends SIGTERM to every
+    worker still alive once one exits with a status other than 0; the others, whose work
+    is done too, then exit with the same status instead of being reported as killed.
+    (``SIG_IGN``, not a Python handler: Python drops its handlers while the interpreter
+    shuts down.) A later ``fit`` in this process takes them over again."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    for number in numbers:
+        signal.signal(number, signal.SIG_IGN)
+        _ignoring.add(number)
+
+
 @contextmanager
-def handled() -> Iterator[None]:
+def handled() -> Iterator[list[int]]:
     """Within the block, SIGTERM, SIGUSR1 (and SIGINT in a scheduler's job) ask the running
     fit (`hookloop.suspension.current`) to end the launch at the next step boundary.
 
@@ -91,7 +108,7 @@ def handled() -> Iterator[None]:
     handlers there only), and only over the default handler, so a handler the program set
     itself (or ``SIG_IGN``) is left alone; nested blocks install nothing more (the handler
     asks the innermost fit). The previous handlers are put back when the block exits,
-    however it exits.
+    however it exits. Yields the numbers of the signals it took over.
 
     Example:
         >>> import os, signal
@@ -103,20 +120,21 @@ def handled() -> Iterator[None]:
         >>> vote.agree().status
         143
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    installed = []
-    for name, cause, reason in SIGNALS:
-        number = getattr(signal, name, None)
-        if number is None or (cause is SIGINT and scheduler_job() is None):
-            continue  # no SIGUSR1 on Windows; Ctrl-C outside a job stays KeyboardInterrupt
-        default = signal.default_int_handler if cause is SIGINT else signal.SIG_DFL
-        if signal.getsignal(number) is not default:
-            continue
-        installed.append((number, signal.signal(number, _handler(name, cause, reason))))
+    installed: list[tuple[int, Any]] = []
+    if threading.current_thread() is threading.main_thread():
+        for name, cause, reason in SIGNALS:
+            number = getattr(signal, name, None)
+            if number is None or (cause is SIGINT and scheduler_job() is None):
+                continue  # no SIGUSR1 on Windows; Ctrl-C outside a job stays KeyboardInterrupt
+            default = signal.default_int_handler if cause is SIGINT else signal.SIG_DFL
+            ours = number in _ignoring and signal.getsignal(number) is signal.SIG_IGN
+            if signal.getsignal(number) is not default and not ours:
+                continue
+            _ignoring.discard(number)  # an earlier launch's quiet exit did not happen
+            signal.signal(number, _handler(name, cause, reason))
+            installed.append((number, default))
     try:
-        yield
+        yield [number for number, _ in installed]
     finally:
         for number, previous in reversed(installed):
             signal.signal(number, previous)
