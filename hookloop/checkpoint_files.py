@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import warnings
 from contextlib import suppress
 from typing import Any
 
 import torch
 
-from hookloop import distributed
+from hookloop import distributed, suspension
 from hookloop.directory_lock import DirectoryLock
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.storage import (
@@ -306,10 +307,17 @@ class CheckpointFiles:
 
     def write_resume(self, run: dict[str, Any], epoch: int, step: int,
                      metrics: dict[str, float]) -> str:
-        """Write the rotating file of ``epoch`` and ``step`` holding ``run`` (`Loop.state_dict`)."""
+        """Write the rotating file of ``epoch`` and ``step`` holding ``run`` (`Loop.state_dict`).
+
+        Its duration is noted in the running fit's vote (`TimeLimit` keeps time for it)."""
+        started = time.monotonic()
         payload = {"hookloop": {**file_meta("resume"), "epoch": epoch, "step": step}, **run,
                    "metrics": dict(metrics)}
-        return self.write(payload, self.rotating_name(epoch, step))
+        path = self.write(payload, self.rotating_name(epoch, step))
+        vote = suspension.current()
+        if vote is not None:
+            vote.last_save = time.monotonic() - started
+        return path
 
     def write_best(self, weights: dict[str, Any], value: float, epoch: int, step: int,
                    metrics: dict[str, float], name: str | None) -> str:

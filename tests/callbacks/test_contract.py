@@ -33,6 +33,7 @@ from hookloop.callbacks import (
     ShortRun,
     TensorBoard,
     TerminateOnNaN,
+    TimeLimit,
 )
 from hookloop.schedules import warmup_cosine
 
@@ -69,6 +70,7 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
     "Profiler": lambda tmp: Profiler(print_table=False),
     "DetectAnomaly": lambda tmp: DetectAnomaly(steps=3),
     "ShortRun": lambda tmp: ShortRun(steps=14),
+    "TimeLimit": lambda tmp: TimeLimit("1:00:00"),
 }
 
 
