@@ -152,9 +152,17 @@ class Callback:
         """Transform the loss used for backward; ``loop.state.loss`` keeps the true loss."""
         return loss
 
-    def optimizer_step(self, loop: Loop) -> None:
-        """Take the optimizer step in place of ``loop.optimizer.step()`` (one callback only)."""
+    def optimizer_step(self, loop: Loop) -> bool | None:
+        """Take the optimizer step in place of ``loop.optimizer.step()`` (one callback only).
+
+        Call ``loop.optimizer.step()`` (or ``scaler.step(loop.optimizer)``): the loop counts
+        a step when it sees the optimizer step. A router that updates the weights another
+        way returns True, so the step is counted; one whose first step neither calls the
+        optimizer nor returns True is refused (without a GradScaler, which may skip a
+        step). To skip a step on purpose, call ``loop.cancel_step()`` in ``before_step``.
+        """
         loop.optimizer.step()
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """This callback's state: tensors and plain containers only."""

@@ -15,6 +15,7 @@ constructor reads ``self.patience = check_int("EarlyStopping patience", patience
 from __future__ import annotations
 
 import datetime
+import inspect
 import math
 import os
 import re
@@ -29,7 +30,9 @@ from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.data import length_of
 from hookloop.errors import ConfigurationError
+from hookloop.forward import check_batch_rule
 from hookloop.ordering import check_callbacks
+from hookloop.untouched import untouched
 
 __all__ = ["check_int", "check_optional_int", "check_flag", "check_number", "check_duration",
            "check_name",
@@ -350,6 +353,65 @@ def _check_callable(value: Any, name: str, signature: str) -> None:
             f"({type(value).__name__}).")
 
 
+def check_extra_state(state: Any) -> dict[str, Any]:
+    """``Loop(state=...)``: names mapped to objects with ``state_dict`` and ``load_state_dict``.
+
+    Example:
+        >>> import torch
+        >>> sorted(check_extra_state({"discriminator": torch.nn.Linear(2, 1)}))
+        ['discriminator']
+    """
+    if state is None:
+        return {}
+    if not isinstance(state, dict) or isinstance(state, nn.Module):
+        raise ConfigurationError(
+            f"Loop state must be a dict of name -> object with state_dict/load_state_dict "
+            f"(e.g. state={{'discriminator': net_d, 'opt_d': opt_d}}), got {type(state).__name__}.")
+    for name, item in state.items():
+        check_name("Loop state key", name, optional=False)
+        if not (callable(getattr(item, "state_dict", None))
+                and callable(getattr(item, "load_state_dict", None))):
+            raise ConfigurationError(
+                f"Loop state[{name!r}] (of type {type(item).__name__}) has no state_dict() and "
+                "load_state_dict(): the loop saves and restores each object of state= through "
+                "them (a module, an optimizer, a scheduler, a GradScaler...).")
+    return dict(state)
+
+
+def _check_selector(label: str, selector: Any) -> None:
+    """``Loop(inputs=..., targets=...)``: None, a key (str or int) or a function of a batch."""
+    if selector is None or (isinstance(selector, str) and selector) or (
+            _is_int(selector) and selector >= 0):
+        return
+    if callable(selector) and not isinstance(selector, type):
+        _check_arity(selector, label, 1, f"{label}(batch)", "It gets the batch and returns "
+                     f"the {label}.")
+        return
+    raise _refuse(f"Loop {label}", "a key of the batch (e.g. 'image'), an index, or a function "
+                  "fn(batch)", selector)
+
+
+def _check_arity(function: Any, name: str, count: int, call: str, hint: str) -> None:
+    """``function`` must accept ``count`` positional arguments, as the loop will call it.
+
+    Read from its signature (no call is made); a function whose signature cannot be read
+    (some builtins) passes.
+    """
+    if function is None:
+        return
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*range(count))
+    except TypeError:
+        label = getattr(function, "__qualname__", None) or type(function).__name__
+        raise ConfigurationError(
+            f"{name} is called as {call}, with {count} arguments, but {label}{signature} "
+            f"cannot take them. {hint}") from None
+
+
 def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
     if not callable(getattr(optimizer, "step", None)) or not hasattr(optimizer, "param_groups"):
         raise ConfigurationError(
@@ -370,7 +432,8 @@ def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
 def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: Any,
                          loss_fn: Any, forward: Any, callbacks: Any, device: Any, *,
                          val_every_n_epochs: Any = 1, val_every_n_steps: Any = None,
-                         sanity_val_batches: Any = 2) -> torch.device:
+                         sanity_val_batches: Any = 2, inputs: Any = None,
+                         targets: Any = None) -> torch.device:
     """Check `Loop`'s arguments when it is built; return the device to train on.
 
     Checks: a ``nn.Module`` model; an optimizer with at least one of the model's
@@ -401,6 +464,11 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
     if val_data is not None:
         _check_data(val_data, "val_data")
     _check_callable(loss_fn, "loss_fn", "fn(outputs, targets) -> scalar loss")
+    _check_arity(loss_fn, "loss_fn", 2, "loss_fn(outputs, targets)",
+                 "For a loss that needs only the outputs, or more than the targets, pass "
+                 "forward=fn(loop, batch) -> (outputs, loss) instead.")
+    _check_arity(forward, "forward", 2, "forward(loop, batch)",
+                 "It must return (outputs, loss).")
     _check_callable(forward, "forward", "fn(loop, batch) -> (outputs, loss)")
     if callbacks is None:
         raise ConfigurationError(
@@ -421,6 +489,8 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
                 raise ConfigurationError(
                     f"callbacks[{index}] is {callback!r} ({type(callback).__name__}), not a "
                     "hookloop.Callback. Subclass hookloop.Callback and pass an instance.")
+    for label, selector in (("inputs", inputs), ("targets", targets)):
+        _check_selector(label, selector)
     check_optional_int("Loop val_every_n_epochs", val_every_n_epochs)
     check_optional_int("Loop val_every_n_steps", val_every_n_steps)
     check_int("Loop sanity_val_batches", sanity_val_batches, minimum=0,
@@ -472,6 +542,23 @@ def check_fit(loop: Any, epochs: Any, max_steps: Any) -> None:
     check_fit_arguments(epochs, max_steps)
     check_callbacks(loop.callbacks, loop)  # a stack that cannot work: nothing ran yet
     check_fit_data(loop.train_data, epochs - loop.position.epoch, loop.val_data)
+    check_batch_rule(loop, _first_sample(loop.train_data))
+
+
+def _first_sample(data: Any) -> Any:
+    """The first batch of a list, or the first sample of a DataLoader's map-style dataset,
+    read without iterating the data (and without changing any random stream); else None."""
+    if isinstance(data, (list, tuple)):
+        return data[0] if data else None
+    dataset = getattr(data, "dataset", None)
+    if isinstance(data, DataLoader) and not isinstance(dataset, IterableDataset) and \
+            length_of(dataset):
+        with untouched():
+            try:
+                return dataset[0]
+            except Exception:  # the loader will show its own error where it has one
+                return None
+    return None
 
 
 def check_fit_arguments(epochs: Any, max_steps: Any) -> None:

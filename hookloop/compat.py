@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 __all__ = ["foreach_copy_", "foreach_lerp_", "foreach_mul_", "generic_grad_scaler_step",
-           "loss_scale", "summary_file_writer", "compiled_original"]
+           "loss_scale", "summary_file_writer", "compiled_original", "no_new_persistent_iterator"]
 
 _AMP_SCALING = "_step_supports_amp_scaling"
 
@@ -163,3 +163,30 @@ def compiled_original(model: nn.Module) -> nn.Module | None:
     """
     original = getattr(model, "_orig_mod", None)
     return original if isinstance(original, nn.Module) else None
+
+
+@contextmanager
+def no_new_persistent_iterator(loader: Any) -> Iterator[None]:
+    """A ``DataLoader(persistent_workers=True)`` iterated inside the block keeps no iterator
+    the block created: the next pass creates it, as it would have without the block.
+
+    Creating that iterator draws the workers' base seed from torch's generator (or the
+    loader's); a pass that creates it early, then has the generator put back, would make
+    the later pass skip the draw, and every draw after it would shift. The workers the
+    block started are shut down. An iterator that existed before the block is kept.
+    Fallback: a torch without the private ``_iterator`` attribute keeps nothing to drop.
+
+    Example:
+        >>> with no_new_persistent_iterator([1, 2]):  # anything else passes through
+        ...     pass
+    """
+    had = getattr(loader, "_iterator", None) is not None
+    try:
+        yield
+    finally:
+        iterator = getattr(loader, "_iterator", None)
+        if not had and iterator is not None and getattr(loader, "persistent_workers", False):
+            loader._iterator = None
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if callable(shutdown):
+                shutdown()

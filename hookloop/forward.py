@@ -1,13 +1,19 @@
-"""How the loop gets outputs and loss from a batch: the four rules of the SPEC."""
+"""How the loop gets outputs and loss from a batch: the rules of the SPEC, and prediction.
+
+The rules, first that applies: ``forward(loop, batch)`` when given; the ``inputs=``
+(and ``targets=``) rule of the loop, for mapping batches: ``loss_fn(model(inputs),
+targets)``; an ``(inputs, targets)`` pair with ``loss_fn``; a mapping batch:
+``model(**batch)`` returning its loss; otherwise a clear error.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop.data import is_pair, move_to_device
+from hookloop.data import find_targets, is_pair, move_to_device
 from hookloop.dispatch import Handlers, entered
 from hookloop.errors import ConfigurationError
 
@@ -15,16 +21,92 @@ if TYPE_CHECKING:
     from hookloop.loop import Loop
 
 __all__ = ["compute", "check_loss", "predict_outputs", "predict_all", "concatenate",
-           "model_inputs"]
+           "model_inputs", "batch_targets", "select", "check_batch_rule", "Selector"]
+
+#: How ``Loop(inputs=..., targets=...)`` names a part of a batch: a key (or an index of a
+#: tuple batch), or a function of the batch.
+Selector = str | int | Callable[[Any], Any]
+
+
+def select(selector: Selector, batch: Any, what: str) -> Any:
+    """The part of ``batch`` a rule names: ``batch[key]``, or ``selector(batch)``.
+
+    Example:
+        >>> select("image", {"image": 1, "label": 2}, "inputs")
+        1
+        >>> select("pixels", {"image": 1, "label": 2}, "inputs")
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: Loop inputs='pixels': the batch has no such key; its keys are 'image', 'label'.
+    """
+    if callable(selector):
+        return selector(batch)
+    try:
+        return batch[selector]
+    except (KeyError, IndexError, TypeError):
+        found = (f"its keys are {', '.join(repr(key) for key in batch)}"
+                 if isinstance(batch, Mapping) else f"it is a {type(batch).__name__}")
+        raise ConfigurationError(f"Loop {what}={selector!r}: the batch has no such key; "
+                                 f"{found}.") from None
+
+
+def batch_targets(loop: Loop, batch: Any) -> Any:
+    """The targets of ``batch``: the loop's ``targets=`` rule, else item 1 of a pair or the
+    ``labels``/``targets`` entry of a mapping (None when there are none)."""
+    if loop.targets is not None:
+        return select(loop.targets, batch, "targets")
+    return find_targets(batch)
+
+
+def check_batch_rule(loop: Loop, batch: Any) -> None:
+    """A mapping batch (or sample) with a ``loss_fn`` needs the ``inputs=`` rule: without
+    it, this raises the error that names the batch's keys and the fix (before the model is
+    called with arguments it does not take)."""
+    if isinstance(batch, Mapping) and loop.loss_fn is not None and loop.forward is None \
+            and loop.inputs is None:
+        keys = ", ".join(repr(key) for key in batch)
+        raise ConfigurationError(
+            f"The batch is a mapping (keys {keys}) and the Loop has a loss_fn, so it trains "
+            "pair-style, but nothing says which entry is the model's input: pass "
+            "Loop(..., inputs='<key>', targets='<key>') (key names or functions of the "
+            "batch), or forward=fn(loop, batch) -> (outputs, loss). Without loss_fn, a "
+            "mapping batch is given to the model as model(**batch), which must return its "
+            "loss.")
+
+
+def _loss_of(outputs: Any, called: str) -> torch.Tensor:
+    """``outputs["loss"]`` or ``outputs.loss`` of a model that returns its loss; ``called``
+    says how the model was called, for the error."""
+    if isinstance(outputs, Mapping) and outputs.get("loss") is not None:
+        return outputs["loss"]
+    if not isinstance(outputs, Mapping) and getattr(outputs, "loss", None) is not None:
+        return outputs.loss
+    keys = f" (keys: {', '.join(map(str, outputs))})" if isinstance(outputs, Mapping) else ""
+    raise ConfigurationError(
+        f"The model was called as {called}, but its output, a {type(outputs).__name__}{keys}, "
+        "has no 'loss', and the Loop has no loss_fn. Return the loss from the model "
+        "(outputs['loss'] or outputs.loss), pass loss_fn=fn(outputs, targets) (with "
+        "inputs=/targets= for mapping batches), or pass forward=fn(loop, batch) -> "
+        "(outputs, loss) to the Loop.")
+
+
+def _call(model: Any, call: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+    args, kwargs = call
+    return model(*args, **kwargs)
 
 
 def compute(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
     """Outputs and loss of one batch, by the first rule that applies.
 
     1. ``loop.forward(loop, batch) -> (outputs, loss)`` when given.
-    2. An ``(inputs, targets)`` pair with ``loop.loss_fn``: ``loss_fn(model(inputs), targets)``.
-    3. A mapping: ``outputs = model(**batch)`` and ``outputs["loss"]`` or ``outputs.loss``.
-    4. Otherwise a `ConfigurationError` saying which of the three to use.
+    2. ``loop.inputs`` (``Loop(inputs=...)``): ``outputs = model(inputs)``, then
+       ``loss_fn(outputs, targets)`` (targets by ``loop.targets``, else the batch's
+       ``labels``/``targets``), or the model's own loss without a ``loss_fn``.
+    3. An ``(inputs, targets)`` pair with ``loop.loss_fn``: ``loss_fn(model(inputs), targets)``.
+    4. A mapping without ``loss_fn``: ``outputs = model(**batch)`` and ``outputs["loss"]`` or
+       ``outputs.loss``. A mapping with a ``loss_fn`` but no ``inputs`` rule is an error
+       naming the batch's keys and the fix, before the model is called.
+    5. Otherwise a `ConfigurationError` saying which to use.
     """
     if loop.forward is not None:
         result = loop.forward(loop, batch)
@@ -33,22 +115,20 @@ def compute(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
                 f"forward(loop, batch) must return (outputs, loss); it returned "
                 f"{type(result).__name__}.")
         return result
+    if loop.inputs is not None:
+        call = model_inputs(batch, loop.inputs)
+        assert call is not None
+        outputs = _call(loop.model, call)
+        if loop.loss_fn is None:
+            return outputs, _loss_of(outputs, f"model(inputs) (inputs={loop.inputs!r})")
+        return outputs, loop.loss_fn(outputs, batch_targets(loop, batch))
     if is_pair(batch) and loop.loss_fn is not None:
-        inputs, targets = batch
-        outputs = loop.model(inputs)
-        return outputs, loop.loss_fn(outputs, targets)
+        outputs = loop.model(batch[0])
+        return outputs, loop.loss_fn(outputs, batch_targets(loop, batch))
     if isinstance(batch, Mapping):
+        check_batch_rule(loop, batch)
         outputs = loop.model(**batch)
-        if isinstance(outputs, Mapping) and outputs.get("loss") is not None:
-            return outputs, outputs["loss"]
-        if not isinstance(outputs, Mapping) and getattr(outputs, "loss", None) is not None:
-            return outputs, outputs.loss
-        keys = f" (keys: {', '.join(map(str, outputs))})" if isinstance(outputs, Mapping) else ""
-        raise ConfigurationError(
-            f"The batch is a mapping, so the model was called as model(**batch), but its "
-            f"output, a {type(outputs).__name__}{keys}, has no 'loss'. Return the loss from "
-            "the model (outputs['loss'] or outputs.loss), or pass forward=fn(loop, batch) -> "
-            "(outputs, loss) to the Loop.")
+        return outputs, _loss_of(outputs, "model(**batch) (the batch is a mapping)")
     if is_pair(batch):
         raise ConfigurationError(
             "The batch is an (inputs, targets) pair but the Loop has no loss_fn. Pass "
@@ -79,31 +159,56 @@ def check_loss(loss: Any, training: bool, replaced: bool = False) -> None:
             "computed under torch.no_grad(), or no trainable parameter took part in it.")
 
 
-def predict_outputs(loop: Loop, batch: Any) -> Any:
+def predict_outputs(loop: Loop, batch: Any, forward: Any = None) -> Any:
     """What the model returns for ``batch``, without needing targets or a loss.
 
-    ``forward(loop, batch)`` when given (its outputs); the inputs of a pair (or the first
-    item of any tuple or list); ``model(**batch)`` for a mapping; ``model(batch)`` otherwise.
+    The first that applies: ``forward(loop, batch)`` (given to `Loop.predict`); the loop's
+    ``inputs=`` rule: ``model(inputs)``; the loop's ``forward`` (its outputs); the inputs of
+    a pair (or the first item of any tuple or list); ``model(**batch)`` for a mapping;
+    ``model(batch)`` otherwise. A forward returning ``(outputs, loss)`` gives its outputs.
     """
-    if loop.forward is not None:
-        result = loop.forward(loop, batch)
+    forward = forward if forward is not None else (None if loop.inputs is not None
+                                                   else loop.forward)
+    if forward is not None:
+        result = forward(loop, batch)
         return result[0] if isinstance(result, tuple) and len(result) == 2 else result
-    if isinstance(batch, Mapping):
-        return loop.model(**batch)
-    if isinstance(batch, (tuple, list)) and not hasattr(batch, "_fields") and batch:
-        return loop.model(batch[0])
-    return loop.model(batch)
+    call = model_inputs(batch, loop.inputs)
+    if call is None or (loop.inputs is None and hasattr(batch, "_fields")):  # a namedtuple
+        return loop.model(batch)
+    return _call(loop.model, call)
 
 
-def predict_all(loop: Loop, data: Iterable[Any], contexts: Handlers) -> Any:
+def _cast(value: Any, dtype: torch.dtype | None) -> Any:
+    """Floating tensors (nested in tuples, lists, dicts) as ``dtype``; None keeps them."""
+    if dtype is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, Mapping):
+        cast = {key: _cast(item, dtype) for key, item in value.items()}
+        try:
+            return cast if type(value) is dict else type(value)(cast)
+        except TypeError:
+            return cast
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_cast(item, dtype) for item in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(item, dtype) for item in value)
+    return value
+
+
+def predict_all(loop: Loop, data: Iterable[Any], contexts: Handlers, forward: Any = None,
+                dtype: torch.dtype | None = torch.float32) -> Any:
     """`predict_outputs` of every batch of ``data``, inside the ``forward_context`` hooks
-    ``contexts``, moved to the CPU and joined with `concatenate`."""
+    ``contexts``, moved to the CPU (floating tensors as ``dtype``) and joined with
+    `concatenate`."""
     outputs: list[Any] = []
     cpu = torch.device("cpu")
     for batch in data:
         batch = move_to_device(batch, loop.device)
         with entered(contexts, loop):
-            outputs.append(move_to_device(predict_outputs(loop, batch), cpu))
+            result = predict_outputs(loop, batch, forward)
+        outputs.append(_cast(move_to_device(result, cpu), dtype))
     return concatenate(outputs)
 
 
@@ -143,10 +248,13 @@ def concatenate(outputs: list[Any]) -> Any:
     return outputs
 
 
-def model_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+def model_inputs(batch: Any, inputs: Selector | None = None
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """What the loop's built-in rules pass to the model: ``(args, kwargs)``, or None.
 
-    An ``(inputs, targets)`` pair (or longer tuple/list) gives ``model(inputs)``; a mapping
+    With the loop's ``inputs`` rule: the part it selects (a mapping gives keyword
+    arguments, a tuple positional ones, anything else one argument). Without: an
+    ``(inputs, targets)`` pair (or longer tuple/list) gives ``model(inputs)``; a mapping
     gives ``model(**batch)``; a lone tensor gives ``model(batch)``.
 
     Example:
@@ -155,6 +263,11 @@ def model_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         >>> args[0].shape, kwargs
         (torch.Size([2, 3]), {})
     """
+    if inputs is not None:
+        chosen = select(inputs, batch, "inputs")
+        if isinstance(chosen, Mapping):
+            return (), dict(chosen)
+        return (tuple(chosen), {}) if type(chosen) is tuple else ((chosen,), {})
     if isinstance(batch, Mapping):
         return (), dict(batch)
     if isinstance(batch, (tuple, list)) and batch:

@@ -11,7 +11,6 @@ pseudocode.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -22,12 +21,12 @@ from torch import nn
 from hookloop import checks, dispatch, distributed, run_state, sanity
 from hookloop.cadence import Cadence
 from hookloop.callback import Callback
-from hookloop.data import LossSum, length_of, move_to_device
+from hookloop.data import LossSum
 from hookloop.describe import describe
 from hookloop.dispatch import Table, Wrapper, call, emit, entered
 from hookloop.errors import ConfigurationError
-from hookloop.forward import check_loss, compute, predict_all
-from hookloop.modules import unwrap
+from hookloop.forward import Selector, check_loss, compute, predict_all
+from hookloop.geometry import Geometry
 from hookloop.ordering import check_callbacks, overrides
 from hookloop.phase import Phase, Phases
 from hookloop.position import EpochPass, Position, RunPosition
@@ -39,8 +38,11 @@ from hookloop.untouched import untouched
 __all__ = ["Loop"]
 
 
-class Loop:
+class Loop(Geometry):
     """A training loop that emits events; every feature is a `Callback` in ``callbacks``.
+
+    Its step geometry (``batches_per_epoch``, ``steps_per_epoch``, ``total_steps``) and
+    ``unwrapped_model`` come from `hookloop.geometry.Geometry`.
 
     Args:
         model: The module to train. Moved to ``device`` when ``fit`` starts.
@@ -61,6 +63,18 @@ class Loop:
             validation events, so a metric of the wrong shape or a missing target fails in
             seconds, not after an epoch. It changes no state, metric or random stream; 0 turns
             it off.
+        inputs: For mapping batches (``{"image": ..., "label": ...}``) trained with a
+            ``loss_fn``: the key of the model's input (or ``fn(batch) -> inputs``; a mapping
+            it returns is passed as keyword arguments, a tuple as positional ones). The
+            model is called on it, in training, validation, ``predict`` and summaries.
+        targets: The key of the targets (or ``fn(batch) -> targets``) given to ``loss_fn``
+            and to ``Metrics``; default: the batch's ``labels`` or ``targets`` entry, or the
+            second item of a pair.
+        state: More objects to save and restore with the run, by name: anything with
+            ``state_dict``/``load_state_dict`` (a GAN's discriminator and its optimizer:
+            ``state={"discriminator": net_d, "opt_d": opt_d}``). They are in
+            `state_dict` under ``"state"`` and restored before ``on_fit_start``; the loop
+            neither moves nor trains them.
 
     How the loss is computed, first rule that applies: ``forward`` if given; a pair batch
     with ``loss_fn``: ``loss_fn(model(inputs), targets)``; a mapping batch:
@@ -74,6 +88,7 @@ class Loop:
         >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu")
         >>> loop.fit(1).step
+        hookloop: training ended at epoch 1/1, step 2: its 1 epoch is done.
         2
     """
 
@@ -83,17 +98,20 @@ class Loop:
                  forward: Callable[[Loop, Any], tuple[Any, torch.Tensor]] | None = None,
                  callbacks: Iterable[Callback] = (), device: torch.device | str | None = None,
                  val_every_n_epochs: int | None = 1, val_every_n_steps: int | None = None,
-                 sanity_val_batches: int = 2) -> None:
+                 sanity_val_batches: int = 2, state: dict[str, Any] | None = None,
+                 inputs: Selector | None = None, targets: Selector | None = None) -> None:
         self.device = checks.check_loop_arguments(
             model, optimizer, train_data, val_data, loss_fn, forward, callbacks, device,
             val_every_n_epochs=val_every_n_epochs, val_every_n_steps=val_every_n_steps,
-            sanity_val_batches=sanity_val_batches)
+            sanity_val_batches=sanity_val_batches, inputs=inputs, targets=targets)
         self.model, self.optimizer = model, optimizer
         self.train_data, self.val_data = train_data, val_data
-        self.loss_fn, self.forward = loss_fn, forward
+        self.loss_fn, self.forward, self.inputs, self.targets = loss_fn, forward, inputs, targets
         self.callbacks: list[Callback] = list(callbacks)
         self.val_every_n_epochs, self.val_every_n_steps = val_every_n_epochs, val_every_n_steps
         self.sanity_val_batches = sanity_val_batches
+        #: More objects saved and restored with the run (``state=``), by name.
+        self.extra_state = checks.check_extra_state(state)
         self.state = LoopState()
         #: Micro-batches per optimizer step; set by ``GradAccumulation`` in ``setup``.
         self.accumulation_steps = 1
@@ -153,11 +171,6 @@ class Loop:
         self._stepper.cancelled = True
 
     @property
-    def step_cancelled(self) -> bool:
-        """True when a callback cancelled the step of the current step boundary."""
-        return self._stepper.cancelled
-
-    @property
     def epoch_completed(self) -> bool:
         """In ``on_epoch_end``: True when the training pass ran through all the data.
 
@@ -214,31 +227,6 @@ class Loop:
         run draws exactly what an uninterrupted one would (about 30 microseconds per step).
         """
         self._position.full_snapshots = True
-
-    # ----------------------------------------------------------------- geometry
-    @property
-    def unwrapped_model(self) -> nn.Module:
-        """The model without DDP/DataParallel or ``torch.compile`` wrappers."""
-        return unwrap(self.model)
-
-    @property
-    def batches_per_epoch(self) -> int | None:
-        """``len(train_data)``, or None for data without a length."""
-        return length_of(self.train_data)
-
-    @property
-    def steps_per_epoch(self) -> int | None:
-        """Optimizer steps per epoch (accumulation and sharding accounted), or None."""
-        batches = self.batches_per_epoch
-        return None if batches is None else math.ceil(batches / self.accumulation_steps)
-
-    @property
-    def total_steps(self) -> int | None:
-        """Optimizer steps the current fit makes in all, from its start (or None)."""
-        per_epoch = self.steps_per_epoch
-        limits = [per_epoch * self.state.epochs if per_epoch is not None else None,
-                  self.state.max_steps]
-        return min((limit for limit in limits if limit is not None), default=None)
 
     # --------------------------------------------------------------- public API
     def fit(self, epochs: int, *, max_steps: int | None = None) -> LoopState:
@@ -298,6 +286,7 @@ class Loop:
                 raise
             else:
                 dispatch.emit_fit_end(self, table, None)
+                self._end.announce()  # why the run ended, in one line (rank 0)
             finally:
                 # Device memory of the last batch is not kept alive by the returned state.
                 state.batch = state.outputs = state.loss = state.targets = None
@@ -348,16 +337,26 @@ class Loop:
                 if key.startswith(prefix + "_")}
 
     @torch.no_grad()
-    def predict(self, data: Iterable[Any]) -> Any:
+    def predict(self, data: Iterable[Any], *, forward: Callable[[Loop, Any], Any] | None = None,
+                dtype: torch.dtype | None = torch.float32) -> Any:
         """The model's outputs for every batch of ``data``, in order, on the CPU.
 
         Eval mode, no gradients, with the forward contexts (autocast with ``AMP``) and the
-        validation contexts (the EMA weights with ``EMA``). No loss is computed unless
-        ``forward`` computes one. A batch is fed as in training: ``forward(loop, batch)``
-        when given; else the inputs of an ``(inputs, targets)`` pair (or the first item of
-        a tuple or list), ``model(**batch)`` for a mapping, ``model(batch)`` for a tensor.
-        Tensor outputs are concatenated along the first dimension (also inside tuples and
-        mappings); other outputs come back as a list, one item per batch.
+        validation contexts (the EMA weights with ``EMA``). No loss and no targets are
+        needed, so unlabeled data works. A batch is fed, first rule that applies: by
+        ``forward(loop, batch) -> outputs`` given here; by the loop's ``inputs=`` rule;
+        by the loop's ``forward`` (its outputs); else the inputs of an ``(inputs, targets)``
+        pair (or the first item of a tuple or list), ``model(**batch)`` for a mapping,
+        ``model(batch)`` for a tensor. Tensor outputs are concatenated along the first
+        dimension (also inside tuples and mappings); other outputs come back as a list,
+        one item per batch.
+
+        Args:
+            data: Batches, labeled or not.
+            forward: ``fn(loop, batch) -> outputs`` for this call (a training forward's
+                ``(outputs, loss)`` works too: its outputs are taken).
+            dtype: Floating outputs come back in this dtype (float32 by default, also under
+                ``AMP(torch.bfloat16)``, so ``.numpy()`` works); None keeps the computed one.
 
         Example:
             >>> import torch
@@ -374,7 +373,7 @@ class Loop:
         with self._alone(Phase.PREDICT, data) as (table, data), \
                 entered(table.validation_context, self):
             self.model.eval()
-            return predict_all(self, data, table.forward_context)
+            return predict_all(self, data, table.forward_context, forward, dtype)
 
     def describe(self) -> str:
         """Print and return the table of which callback runs at which event."""
@@ -437,13 +436,7 @@ class Loop:
                 call(callback.setup, self)
         checks.check_setup(self)
         self.model.to(self.device)
-        if self._restore is not None:
-            state, source = self._restore
-            run_state.restore(self, self._position, self._end, state, source)
-            # validate()/evaluate()/predict() alone apply it too (the weights, the EMA), and
-            # leave it for the next fit, whose setup builds what only a fit builds.
-            if self.fitting:
-                self._restore = None
+        self._restore = run_state.apply(self, self._position, self._end, self._restore)
         self._table = Table(self.callbacks, self.handler_wrapper, main=distributed.is_main())
         self._position.attach(self.train_data)
         return self._table
@@ -472,7 +465,7 @@ class Loop:
         if self._cadence.owed_on_resume(batches.start, state.step, self._position.validated):
             self._step_validation(batches)  # the run stopped during the one due at this step
         for batch_idx, batch, state.step_boundary in batches:
-            batch = state.set_batch(move_to_device(batch, self.device), batch_idx)
+            batch = state.set_batch(batch, batch_idx, self)
             if table.on_batch_start:
                 emit(self, table.on_batch_start)
             with entered(table.train_step_context, self):
@@ -531,8 +524,8 @@ class Loop:
 
     def _validate_pass(self, data: Iterable[Any], prefix: str, limit: int | None = None,
                        events: Table | None = None) -> None:
-        """One pass over ``data`` without gradients; ``events`` (default: the loop's table)
-        receives the events, the loop's table gives the contexts."""
+        """One pass over (the first ``limit`` batches of) ``data`` without gradients; the
+        events go to ``events`` (default: the loop's table), the contexts come from the loop's."""
         state, contexts = self.state, self._table
         assert contexts is not None
         table = events if events is not None else contexts
@@ -546,7 +539,7 @@ class Loop:
                 emit(self, table.on_validation_start)
                 with torch.no_grad():
                     for batch_idx, batch in enumerate(itertools.islice(data, limit)):
-                        batch = state.set_batch(move_to_device(batch, self.device), batch_idx)
+                        batch = state.set_batch(batch, batch_idx, self)
                         if table.on_validation_batch_start:
                             emit(self, table.on_validation_batch_start)
                         with entered(contexts.forward_context, self):

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from hookloop.position import Position
     from hookloop.state import LoopState
 
-__all__ = ["RunEnd", "capture", "restore", "check_mapping", "check_callback_states",
+__all__ = ["RunEnd", "apply", "capture", "restore", "check_mapping", "check_callback_states",
            "check_optimizer_fits", "check_run_fields"]
 
 
@@ -45,7 +45,8 @@ class RunEnd:
     records no end: the relaunch continues where it stopped.
     """
 
-    __slots__ = ("requested", "reason", "restored", "suspension", "vote", "_state", "_position")
+    __slots__ = ("requested", "reason", "restored", "idle", "suspension", "vote", "_state",
+                 "_position")
 
     def __init__(self, state: LoopState, position: Position) -> None:
         self._state, self._position = state, position  # the loop's: step, epochs done...
@@ -55,6 +56,8 @@ class RunEnd:
         self.reason: str | None = None
         #: The end recorded by the state being restored (None: it had not ended).
         self.restored: Mapping[str, Any] | None = None
+        #: This fit had nothing to train (it said so before on_fit_start).
+        self.idle = False
         #: The launch end every rank agreed on in this fit (None: none).
         self.suspension: Suspension | None = None
         #: The ranks' vote on ending the launch, asked by signals and resumable stops.
@@ -122,7 +125,7 @@ class RunEnd:
         if self.requested and self.suspension is None:
             reason = self.reason or "loop.stop() was called"
         elif epochs and epochs_done >= epochs:
-            reason = f"all {epochs} epochs are done"
+            reason = _all_epochs(epochs)
         else:
             return None
         return {"reason": reason, "epochs": epochs, "max_steps": max_steps}
@@ -134,9 +137,27 @@ class RunEnd:
         When there is a reason, the fit is stopped with it (``stop_requested`` is True).
         """
         reason = self._idle_reason(epochs, max_steps, epochs_done, step)
+        self.idle = reason is not None
         if reason is not None:
             self.stop(reason)
         return reason
+
+    def announce(self) -> None:
+        """At the end of a fit that trained: rank 0 prints one line saying why it ended,
+        with the epoch numbered as the progress display numbers it (from 1)."""
+        state = self._state
+        if self.idle or not distributed.is_main():
+            return
+        why = (self.reason or "loop.stop() was called") if self.requested else \
+            _all_epochs(state.epochs)
+        if self.suspension is not None and self.record(
+                state.epochs, state.max_steps, self._position.epoch) is None:
+            print(f"hookloop: this launch ended at epoch {state.epoch + 1}/{state.epochs}, "
+                  f"step {state.step}: {why.rstrip('.')}; the run goes on, relaunch the same "
+                  "command to continue it.", flush=True)
+            return
+        print(f"hookloop: training ended at epoch {state.epoch + 1}/{state.epochs}, step "
+              f"{state.step}: {why.rstrip('.')}.", flush=True)
 
     def _idle_reason(self, epochs: int, max_steps: int | None, epochs_done: int,
                      step: int) -> str | None:
@@ -156,6 +177,25 @@ class RunEnd:
             return (f"max_steps={max_steps} is already reached (step {step}), so "
                     "this fit trains nothing; pass a larger max_steps or none.")
         return None
+
+
+def apply(loop: Loop, position: Position, end: RunEnd,
+          pending: tuple[Mapping[str, Any], str] | None) -> tuple[Mapping[str, Any], str] | None:
+    """At setup: apply the state `Loop.load_state_dict` asked for; return what stays pending.
+
+    A fit consumes it. ``validate()``/``evaluate()``/``predict()`` alone apply it too (the
+    weights, the EMA) and leave it for the next fit, whose setup builds what only a fit
+    builds (a scheduler from its factory).
+    """
+    if pending is None:
+        return None
+    state, source = pending
+    restore(loop, position, end, state, source)
+    return None if loop.fitting else pending
+
+
+def _all_epochs(epochs: int) -> str:
+    return "its 1 epoch is done" if epochs == 1 else f"all {epochs} epochs are done"
 
 
 def check_mapping(state: Any, source: str | None) -> Mapping[str, Any]:
@@ -184,6 +224,7 @@ def capture(loop: Loop, position: Position, ended: Mapping[str, Any] | None, *,
         "loop": {
             **shared,
             "world_size": world,
+            "batches_per_epoch": loop.batches_per_epoch,
             "optimizer_class": type(optimizer).__qualname__,
             "param_groups": [len(group["params"]) for group in optimizer.param_groups],
             "epochs": loop.state.epochs,
@@ -194,6 +235,9 @@ def capture(loop: Loop, position: Position, ended: Mapping[str, Any] | None, *,
         "ranks": ranks,
         "callbacks": {callback.state_key: callback.state_dict() for callback in loop.callbacks
                       if overrides(callback, "state_dict")},
+        "state": {name: item.state_dict() for name, item in loop.extra_state.items()},
+        "state_classes": {name: type(item).__qualname__
+                          for name, item in loop.extra_state.items()},
     }
 
 
@@ -235,6 +279,8 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
         raise CheckpointError(f"{source}: not a training state: {', '.join(missing)} "
                               "missing or not a mapping.")
     check_optimizer_fits(loop.optimizer, loop_part, payload["optimizer"], source)
+    check_same_data(loop, loop_part, source)
+    _check_extra_state(loop, payload, source)
     load_model_weights(source, loop.unwrapped_model, payload["model"])
     load_optimizer_state(source, loop.optimizer, payload["optimizer"])
     ranks = payload.get("ranks") or [{}]
@@ -265,6 +311,7 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
         loop.state.metrics = {key: value for key, value in loop.state.history[-1].items()
                               if key not in ("epoch", "step")}
     end.restored = loop_part.get("ended")
+    _load_extra_state(loop, payload, source)
     saved = dict(payload.get("callbacks") or {})
     for callback in loop.callbacks:
         if not overrides(callback, "state_dict"):
@@ -292,6 +339,79 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
             f"{', '.join(sorted(saved))}. Add those callbacks (with the same name=) to "
             "restore it, or ignore this if you removed them on purpose.", RuntimeWarning,
             stacklevel=4)
+
+def _check_extra_state(loop: Loop, payload: Mapping[str, Any], source: str) -> None:
+    """Before anything is loaded: each object of ``Loop(state=...)`` is of the class saved
+    (and an optimizer has the param-group layout saved)."""
+    saved, classes = payload.get("state") or {}, payload.get("state_classes") or {}
+    for field, value in (("state", saved), ("state_classes", classes)):
+        if not isinstance(value, Mapping):
+            raise CheckpointError(f"{source}: field {field!r} must be a dict, got "
+                                  f"{type(value).__name__}.")
+    for name, item in loop.extra_state.items():
+        theirs = classes.get(name)
+        if theirs is not None and theirs != type(item).__qualname__:
+            raise CheckpointError(
+                f"{source}: state[{name!r}] was saved from the class {theirs}, but this loop's "
+                f"state[{name!r}] is of the class {type(item).__qualname__}. Pass the same kind of object "
+                "under that name, or another name to start it fresh.")
+        if isinstance(item, torch.optim.Optimizer) and isinstance(saved.get(name), Mapping):
+            check_optimizer_fits(item, {}, saved[name], f"{source} (field 'state.{name}')")
+
+
+def _load_extra_state(loop: Loop, payload: Mapping[str, Any], source: str) -> None:
+    """Load each object of ``Loop(state=...)``; a missing or unclaimed name is a warning."""
+    saved = dict(payload.get("state") or {})
+    for name, item in loop.extra_state.items():
+        if name not in saved:
+            if distributed.is_main():
+                warnings.warn(f"{source} has no state for Loop(state={{{name!r}: ...}}); it "
+                              "starts fresh.", RuntimeWarning, stacklevel=5)
+            continue
+        state, where = saved.pop(name), f"{source} (field 'state.{name}')"
+        if isinstance(item, torch.nn.Module):
+            load_model_weights(where, item, state)
+        elif isinstance(item, torch.optim.Optimizer):
+            load_optimizer_state(where, item, state)
+        else:
+            try:
+                item.load_state_dict(state)
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError,
+                    RuntimeError) as error:
+                raise CheckpointError(f"{where}: the state does not fit state[{name!r}]: "
+                                      f"{type(error).__name__}: {error}") from error
+    if saved and distributed.is_main():
+        warnings.warn(f"{source} holds state for {', '.join(sorted(saved))}, which this loop's "
+                      "state= does not name; it is ignored.", RuntimeWarning, stacklevel=5)
+
+
+def check_same_data(loop: Loop, loop_part: Mapping[str, Any], source: str) -> None:
+    """Another number of training batches per epoch (same world size): refused inside an
+    epoch, where the position would skip batches of other data than those trained on; a
+    warning at an epoch end, where the run goes on with the new data from the next epoch.
+
+    Raises:
+        CheckpointError: the position is inside an epoch and ``len(train_data)`` changed.
+    """
+    saved, now = loop_part.get("batches_per_epoch"), loop.batches_per_epoch
+    if saved is None or now is None or int(saved) == now or \
+            int(loop_part.get("world_size", 1)) != distributed.world_size():
+        return
+    done, epoch = int(loop_part.get("batch_idx", 0)), int(loop_part.get("epoch", 0))
+    if done:
+        raise CheckpointError(
+            f"{source}: the run was saved after {done} of {saved} batches of epoch {epoch + 1}, "
+            f"but train_data now has {now} batches per epoch, so resuming would skip its first "
+            f"{done} batch{'es' if done != 1 else ''}, which are not the ones it trained on. "
+            "Resume with the training data the "
+            "run was saved with, or from a checkpoint written at an epoch end, or start a new "
+            "run (Checkpoint(resume=False) in a new directory).")
+    if distributed.is_main():
+        warnings.warn(
+            f"{source}: the run had {saved} batches per epoch and train_data now has {now}: it "
+            f"continues from epoch {epoch + 1} with the new data (a schedule built for the run's "
+            "total steps is rebuilt for the new total).", RuntimeWarning, stacklevel=4)
+
 
 def check_optimizer_fits(optimizer: torch.optim.Optimizer, loop_part: Mapping[str, Any],
                          saved: Mapping[str, Any], source: str) -> None:

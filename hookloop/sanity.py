@@ -1,23 +1,43 @@
 """The sanity check: a short validation before training, so a mistake surfaces in seconds.
 
 ``Loop(sanity_val_batches=2)`` runs the first two validation batches through the loop's
-forward, its validation contexts (autocast, the EMA weights) and the metric producers'
-validation events before the first training batch, so a metric of the wrong shape or a
-missing target fails before an epoch of training is spent. It changes nothing: its metrics
-are discarded, and the loop's state, every random stream and each submodule's mode are put
-back afterwards.
+forward and its validation contexts (autocast, the EMA weights) before the first training
+batch, so a metric of the wrong shape or a missing target fails in seconds, not after an
+epoch. Its validation events go to the callbacks whose mistakes it is meant to find, and to
+those the forward depends on:
+
+* callbacks that produce metrics (``Metrics``...);
+* the callback behind ``forward=`` (``forward=callback.method``, or a callback that is
+  itself the forward);
+* stateful callbacks (with ``state_dict``) that neither watch a metric (``monitors()``) nor
+  only report (``rank_zero_only``): a callback keeping an LSTM's hidden state across
+  batches, reset in ``on_validation_start``.
+
+Loggers, monitors and checkpoints never see it; the callbacks that do can tell it apart by
+``loop.phase is Phase.SANITY_CHECK``.
+
+It changes nothing: its metrics are discarded; the loop's state, every random stream, each
+submodule's mode and the state of every stateful callback that hears validation events
+(an LSTM's hidden state kept by a callback, a restored one included) are put back; and a
+``DataLoader(persistent_workers=True)`` keeps no iterator the check created, so the first
+real validation creates it, drawing its seed where a run without the check would.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import copy
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.dispatch import Table
+from hookloop.compat import no_new_persistent_iterator
+from hookloop import distributed
+from hookloop.dispatch import Table, annotate
+from hookloop.ordering import overrides
 from hookloop.phase import Phase, Phases
 from hookloop.untouched import untouched
 
@@ -38,13 +58,41 @@ def batches_to_check(loop: Loop) -> int:
     return loop.sanity_val_batches
 
 
+_VALIDATION_EVENTS = ("on_validation_start", "on_validation_batch_start",
+                      "on_validation_batch_end", "on_validation_end")
+
+
+@contextmanager
+def _states_kept(callbacks: Sequence[Callback]) -> Iterator[None]:
+    """Each stateful callback that hears validation events gets its state back afterwards."""
+    kept = [(callback, copy.deepcopy(callback.state_dict())) for callback in callbacks
+            if overrides(callback, "state_dict")
+            and any(overrides(callback, event) for event in _VALIDATION_EVENTS)]
+    try:
+        yield
+    finally:
+        for callback, state in kept:
+            try:
+                callback.load_state_dict(state)
+            except BaseException as exc:
+                annotate(exc, callback.load_state_dict)
+                raise
+
+
+def _owner(forward: Any) -> Any:
+    """The object behind a ``forward=`` callable: a bound method's instance, else itself."""
+    while isinstance(forward, functools.partial):
+        forward = forward.func
+    return getattr(forward, "__self__", forward)
+
+
 def listeners(loop: Loop) -> list[Callback]:
-    """The callbacks that hear the check's validation events: those that produce metrics
-    (``Metrics``...), whose mistakes it is meant to find. Loggers, monitors and checkpoints
-    never see it."""
-    main = distributed.is_main()
+    """The callbacks that hear the check's validation events (see the module docstring)."""
+    behind = _owner(loop.forward)
     return [callback for callback in loop.callbacks
-            if (main or not callback.rank_zero_only) and list(callback.produces(loop))]
+            if list(callback.produces(loop)) or callback is behind
+            or (overrides(callback, "state_dict") and not callback.rank_zero_only
+                and not list(callback.monitors()))]
 
 
 def check(loop: Loop, phases: Phases, run: ValidationPass,
@@ -62,7 +110,9 @@ def check(loop: Loop, phases: Phases, run: ValidationPass,
         return
     kept: Any = loop.state.kept("metrics", "history", "batch_idx", "batch", "outputs", "loss",
                                 "targets", "batch_size", "training")
-    with phases.entered(Phase.SANITY_CHECK), kept, \
-            untouched(loop.model, generators, data=(loop.train_data, loop.val_data)):
+    heard = listeners(loop)
+    with phases.entered(Phase.SANITY_CHECK), kept, _states_kept(heard), \
+            untouched(loop.model, generators, data=(loop.train_data, loop.val_data)), \
+            no_new_persistent_iterator(loop.val_data):
         run(loop.val_data, "val", limit=batches,
-            events=Table(listeners(loop), loop.handler_wrapper))
+            events=Table(heard, loop.handler_wrapper, main=distributed.is_main()))

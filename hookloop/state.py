@@ -5,11 +5,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop.data import batch_size_of, find_targets
+from hookloop.data import batch_size_of, move_to_device
+from hookloop.forward import batch_targets
+
+if TYPE_CHECKING:
+    from hookloop.loop import Loop
 
 __all__ = ["LoopState"]
 
@@ -62,10 +66,12 @@ class LoopState:
     history: list[dict[str, float]] = field(default_factory=list)
     prefix: str = "val"
 
-    def set_batch(self, batch: Any, batch_idx: int) -> Any:
-        """Make ``batch`` (already on the device) the current one, with its targets and size."""
-        self.batch_idx, self.batch = batch_idx, batch
-        self.targets = find_targets(batch)
+    def set_batch(self, batch: Any, batch_idx: int, loop: Loop) -> Any:
+        """Move ``batch`` to ``loop.device`` and make it the current one, with its targets
+        (by the loop's ``targets=`` rule) and its size; return it."""
+        self.batch_idx = batch_idx
+        self.batch = batch = move_to_device(batch, loop.device)
+        self.targets = batch_targets(loop, batch)
         self.batch_size = batch_size_of(batch, self.targets)
         return batch
 

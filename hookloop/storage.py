@@ -645,6 +645,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...             callbacks=[Checkpoint(directory)])
         >>> _ = loop.fit(1)
+        hookloop: training ended at epoch 1/1, step 1: its 1 epoch is done.
         >>> fresh = torch.nn.Linear(3, 1)
         >>> contents = hookloop.load_checkpoint(os.path.join(directory, "epoch=0000-step=00000001.pt"), fresh)
         >>> torch.equal(fresh.weight, model.weight)

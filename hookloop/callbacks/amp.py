@@ -119,6 +119,7 @@ class AMP(Callback):
         ...             callbacks=[AMP(torch.float16, scaler={"init_scale": 1024.0}),
         ...                        GradClip(1.0)])
         >>> loop.fit(1).step
+        hookloop: training ended at epoch 1/1, step 3: its 1 epoch is done.
         3
     """
 

@@ -67,8 +67,8 @@ class Checkpoint(Callback):
         >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...             callbacks=[Checkpoint(directory, keep_last=2)])
-        >>> loop.fit(3).step
-        9
+        >>> _ = loop.fit(3)
+        hookloop: training ended at epoch 3/3, step 9: all 3 epochs are done.
         >>> sorted(os.listdir(directory))
         ['epoch=0001-step=00000006.pt', 'epoch=0002-step=00000009.pt']
     """

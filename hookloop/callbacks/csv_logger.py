@@ -72,6 +72,7 @@ class CSVLogger(Callback):
         >>> _ = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
         ...          loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...          callbacks=[CSVLogger(path, every_n_steps=2)]).fit(1)
+        hookloop: training ended at epoch 1/1, step 4: its 1 epoch is done.
         >>> [line.split(",")[:3] for line in open(path).read().splitlines()]
         [['kind', 'epoch', 'step'], ['step', '0', '2'], ['step', '0', '4'], ['history', '0', '4']]
     """

@@ -38,6 +38,7 @@ class DetectAnomaly(Callback):
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...             callbacks=[DetectAnomaly(steps=2)])
         >>> loop.fit(1).step, torch.is_anomaly_enabled()
+        hookloop: training ended at epoch 1/1, step 3: its 1 epoch is done.
         (3, False)
     """
 

@@ -153,7 +153,7 @@ class EarlyStopping(Callback):
             return True
         if self.wait >= self.patience:
             best = ("none yet" if self.best is None or math.isinf(self.best)
-                    else f"best {self.best:.6g} at epoch {self.best_epoch}")
+                    else f"best {self.best:.6g} at epoch {self.best_epoch + 1}")
             target = "" if self.baseline is None else f" beyond the baseline {self.baseline:.6g}"
             self.stopped_reason = (f"EarlyStopping: {self.monitor} did not improve{target} for "
                                    f"{self.wait} validations ({best})")

@@ -115,6 +115,7 @@ class EMA(Callback):
         >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu", callbacks=[ema])
         >>> _ = loop.fit(2)
+        hookloop: training ended at epoch 2/2, step 8: all 2 epochs are done.
         >>> averaged = ema.averaged_model()   # a copy of the model with the EMA weights
         >>> with ema.swapped(model):          # or swap them into the model for a while
         ...     predictions = model(torch.randn(2, 4))

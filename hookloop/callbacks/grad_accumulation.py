@@ -55,6 +55,7 @@ class GradAccumulation(Callback):
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...             callbacks=[GradAccumulation(4)])
         >>> loop.fit(1).step
+        hookloop: training ended at epoch 1/1, step 3: its 1 epoch is done.
         3
     """
 

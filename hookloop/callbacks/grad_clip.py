@@ -53,6 +53,7 @@ class GradClip(Callback):
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...             callbacks=[GradClip(max_norm=0.5)])
         >>> loop.fit(1).grad_norm.dim()
+        hookloop: training ended at epoch 1/1, step 1: its 1 epoch is done.
         0
     """
 

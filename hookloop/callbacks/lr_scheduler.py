@@ -86,6 +86,7 @@ class LRScheduler(Callback):
         >>> loop = Loop(model, optimizer, data, loss_fn=torch.nn.functional.mse_loss,
         ...             device="cpu", callbacks=[schedule])
         >>> loop.fit(2).step
+        hookloop: training ended at epoch 2/2, step 10: all 2 epochs are done.
         10
     """
 

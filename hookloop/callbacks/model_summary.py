@@ -74,6 +74,7 @@ class ModelSummary(Callback):
         >>> _ = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
         ...          loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...          callbacks=[summary]).fit(1)
+        hookloop: training ended at epoch 1/1, step 1: its 1 epoch is done.
         >>> summary.summary.total_params
         26
     """

@@ -65,6 +65,7 @@ class Profiler(Callback):
         >>> _ = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
         ...          loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...          callbacks=[GradClip(1.0), profiler]).fit(1)
+        hookloop: training ended at epoch 1/1, step 4: its 1 epoch is done.
         >>> [(row["name"], row["calls"]) for row in profiler.report()
         ...  if row["event"] == "before_step"]
         [('GradClip', 4)]

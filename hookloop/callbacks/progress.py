@@ -76,6 +76,7 @@ class ProgressBar(Callback):
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...             callbacks=[ProgressBar(console=console)])
         >>> _ = loop.fit(2)
+        hookloop: training ended at epoch 2/2, step 8: all 2 epochs are done.
         >>> console.file.getvalue().splitlines()[1].startswith("epoch 2/2  step 8  train_loss")
         True
     """
@@ -187,7 +188,7 @@ class ProgressBar(Callback):
         """Show the validation bar."""
         self._val_batches = 0
         self._train_batch_idx = loop.state.batch_idx
-        if self._progress is not None and loop.fitting:
+        if self._progress is not None and loop.phase is Phase.VALIDATE:
             self._next_refresh = 0.0
             self._progress.update(self._tasks["train"], completed=self._batches)
             self._task("val", "validation", length_of(loop.val_data))

@@ -37,6 +37,7 @@ class ShortRun(Callback):
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...             callbacks=[ShortRun(steps=4)])
         >>> loop.fit(3).step
+        hookloop: training ended at epoch 1/3, step 4: ShortRun: 4 optimizer steps done.
         4
     """
 

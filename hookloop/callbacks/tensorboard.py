@@ -137,6 +137,7 @@ class TensorBoard(Callback):
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...             callbacks=[TensorBoard(log_dir, every_n_steps=2)])
         >>> loop.fit(1).step
+        hookloop: training ended at epoch 1/1, step 4: its 1 epoch is done.
         4
     """
 

@@ -67,7 +67,7 @@ class TerminateOnNaN(Callback):
         ...             loss_fn=torch.nn.functional.mse_loss, callbacks=[TerminateOnNaN()],
         ...             device="cpu")
         >>> loop.fit(3).step  # doctest: +ELLIPSIS
-        TerminateOnNaN: non-finite loss in epoch 0, batch 0...
+        hookloop: training ended at epoch 1/3, step 0: TerminateOnNaN: non-finite loss in epoch 1...
         0
     """
 
@@ -149,14 +149,12 @@ class TerminateOnNaN(Callback):
         else:
             buffers = (", but its buffers (BatchNorm statistics) may hold values of the bad "
                        "forward pass (restore_buffers=False)")
-        message = (f"TerminateOnNaN: {what} in epoch {state.epoch}, {where}, at optimizer step "
+        message = (f"TerminateOnNaN: {what} in epoch {state.epoch + 1}, {where}, at optimizer step "
                    f"{state.step + 1}; that step was skipped, so the model's parameters are "
                    f"those after step {state.step}{buffers}; training stops.")
         if self.raise_error:
             raise NonFiniteError(message)
-        if distributed.is_main():
-            print(message, flush=True)
-        loop.stop(message)
+        loop.stop(message)  # the loop prints it at fit end, as the reason training ended
 
     def _gradients_not_finite(self, loop: Loop) -> torch.Tensor | None:
         gradients = [parameter.grad for group in loop.optimizer.param_groups

@@ -60,7 +60,7 @@ def test_keeps_the_last_finite_weights_and_stops(capsys: pytest.CaptureFixture[s
     assert state.step == 3 and state.epoch == 0 and state.batch_idx == 3
     assert events.labels("on_epoch_end", "on_fit_end") == ["on_epoch_end", "on_fit_end"]
     message = loop.stop_reason or ""
-    assert "epoch 0" in message and "batch 3" in message and "step 4" in message
+    assert "epoch 1" in message and "batch 3" in message and "step 4" in message
     assert message in capsys.readouterr().out
 
 
@@ -128,7 +128,7 @@ def test_raise_error_raises_after_skipping_the_step_and_checkpoint_saves_the_goo
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), data,
                 loss_fn=nn.functional.mse_loss, device="cpu",
                 callbacks=[TerminateOnNaN(raise_error=True), Checkpoint(tmp_path)])
-    with pytest.raises(NonFiniteError, match="non-finite loss in epoch 0, batch 3.*after step 3"):
+    with pytest.raises(NonFiniteError, match="non-finite loss in epoch 1, batch 3.*after step 3"):
         loop.fit(2)
     expected = hand_written(data, steps=3)
     for ours, theirs in zip(model.parameters(), expected.parameters()):
@@ -220,7 +220,7 @@ def test_non_finite_gradients_with_a_finite_loss_stop_before_the_step(dtype: tor
 def test_check_gradients_false_lets_them_through() -> None:
     loop = _run(_data(), TerminateOnNaN(check_gradients=False), poison_call=3)
     # The NaN gradients of step 3 reached the weights; the next loss is what stops it.
-    assert loop.state.step == 3 and "non-finite loss in epoch 0, batch 3" in (loop.stop_reason or "")
+    assert loop.state.step == 3 and "non-finite loss in epoch 1, batch 3" in (loop.stop_reason or "")
     assert not torch.isfinite(loop.model.linear.weight).all()
     assert "check_gradients=False" in non_finite_weights_advice([TerminateOnNaN(check_gradients=False)])
     assert "Add TerminateOnNaN()" in non_finite_weights_advice([])

@@ -257,6 +257,9 @@ def test_example_runs_in_one_process_and_under_torchrun(tmp_path: Path) -> None:
     assert "epoch 1/1  step 12" in output  # 23 batches per rank, windows of 2
     assert "val_acc" in output
     assert len(list((tmp_path / "checkpoints").glob("epoch=*.pt"))) == 1
+    # Why training ended: one line, from rank 0 only.
+    assert output.count("hookloop: training ended at epoch 1/1, step 12: its 1 epoch is "
+                        "done.") == 1
 
 
 # ------------------------------------------------------------- launch: an exception on one rank

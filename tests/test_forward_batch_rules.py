@@ -1,0 +1,139 @@
+"""Loop(inputs=..., targets=...): pair-style training for mapping batches, checked against
+the same math by hand (torch.equal), and predict's dtype and unlabeled data (issue 19
+items 2 and 3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from hookloop import Callback, ConfigurationError, Loop
+from hookloop.callbacks import AMP, Metrics
+
+
+def _batches(count: int = 4, labeled: bool = True) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(count):
+        batch = {"image": torch.randn(6, 5, generator=generator)}
+        if labeled:
+            batch["label"] = torch.randint(0, 3, (6,), generator=generator)
+        batches.append(batch)
+    return batches
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("inputs, targets", [("image", "label"),
+                                             (lambda b: b["image"], lambda b: b["label"])],
+                         ids=["keys", "functions"])
+def test_dict_batches_train_pair_style_like_the_same_math_by_hand(inputs, targets) -> None:
+    model = _model()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(),
+                loss_fn=F.cross_entropy, inputs=inputs, targets=targets, device="cpu")
+    loop.fit(2)
+    by_hand = _model()
+    optimizer = torch.optim.SGD(by_hand.parameters(), lr=0.1)
+    for _ in range(2):
+        for batch in _batches():
+            F.cross_entropy(by_hand(batch["image"]), batch["label"]).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), by_hand.parameters()))
+
+
+def test_metrics_read_the_targets_rule() -> None:
+    model = _model()
+    accuracy = Metrics(acc=lambda outputs, targets: (outputs.argmax(-1) == targets).float().mean())
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(),
+                val_data=_batches(2), loss_fn=F.cross_entropy, inputs="image", targets="label",
+                callbacks=[accuracy], device="cpu")
+    metrics = loop.fit(1).metrics
+    with torch.no_grad():
+        right = sum(int((model(b["image"]).argmax(-1) == b["label"]).sum()) for b in _batches(2))
+    assert metrics["val_acc"] == pytest.approx(right / 12, abs=1e-6)  # float32 means
+
+
+class DictDataset(Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"image": torch.full((5,), float(index)), "label": torch.tensor(index % 3)}
+
+
+@pytest.mark.parametrize("data", [_batches(), DataLoader(DictDataset(), batch_size=4)],
+                         ids=["list", "dataloader"])
+def test_dict_batches_with_loss_fn_and_no_rule_fail_before_the_first_batch(data) -> None:
+    class FirstBatch(Callback):
+        batches = 0
+
+        def on_batch_start(self, loop):
+            FirstBatch.batches += 1
+
+    model = _model()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                loss_fn=F.cross_entropy, callbacks=[FirstBatch()], device="cpu")
+    before = torch.get_rng_state()
+    with pytest.raises(ConfigurationError, match=r"mapping \(keys 'image', 'label'\).*"
+                       r"inputs='<key>', targets='<key>'"):
+        loop.fit(1)
+    assert FirstBatch.batches == 0
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_rule_naming_a_missing_key_lists_the_keys() -> None:
+    model = _model()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(),
+                loss_fn=F.cross_entropy, inputs="pixels", targets="label", device="cpu")
+    with pytest.raises(ConfigurationError, match=r"Loop inputs='pixels': the batch has no such "
+                       r"key; its keys are 'image', 'label'"):
+        loop.fit(1)
+
+
+@pytest.mark.parametrize("bad", [3.5, "", nn.Linear], ids=["float", "empty", "class"])
+def test_bad_rules_are_refused_when_the_loop_is_built(bad) -> None:
+    model = _model()
+    with pytest.raises(ConfigurationError, match="Loop inputs must be"):
+        Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(),
+             loss_fn=F.cross_entropy, inputs=bad, device="cpu")
+
+
+# ----------------------------------------------------------------------- predict
+def test_predict_under_bf16_autocast_returns_float32_unless_asked() -> None:
+    model = _model()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(),
+                loss_fn=F.cross_entropy, inputs="image", targets="label",
+                callbacks=[AMP(torch.bfloat16)], device="cpu")
+    outputs = loop.predict(_batches(2))
+    assert outputs.dtype == torch.float32 and outputs.shape == (12, 3)
+    outputs.numpy()  # bfloat16 would fail here
+    assert loop.predict(_batches(2), dtype=None).dtype == torch.bfloat16
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = torch.cat([model(b["image"]) for b in _batches(2)]).float()
+    assert torch.equal(outputs, expected)
+
+
+def test_predict_on_unlabeled_data_with_the_inputs_rule_or_its_own_forward() -> None:
+    model = _model()
+
+    def needs_labels(loop, batch):
+        outputs = loop.model(batch["image"])
+        return outputs, F.cross_entropy(outputs, batch["label"])
+
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(),
+                forward=needs_labels, device="cpu")
+    unlabeled = _batches(2, labeled=False)
+    with torch.no_grad():
+        expected = torch.cat([model(b["image"]) for b in unlabeled])
+    mine = loop.predict(unlabeled, forward=lambda loop, batch: loop.model(batch["image"]))
+    assert torch.equal(mine, expected)
+    by_rule = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(),
+                   forward=needs_labels, inputs="image", device="cpu")
+    assert torch.equal(by_rule.predict(unlabeled), expected)
