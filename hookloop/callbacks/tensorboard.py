@@ -94,9 +94,10 @@ class TensorBoard(Callback):
     * with ``graph=True``: the model graph, traced from the first training batch in eval
       mode without gradients (modes, BatchNorm statistics and RNG streams are restored).
       A model that cannot be traced gives a warning, never an error.
-    * at fit end (not after an exception): hyper-parameters with the final metrics, for
-      the HPARAMS tab: ``hparams`` if given, else `gather_hparams` (optimizer, its
-      settings, batch size, epochs, callbacks' settings).
+    * at the run's end (not after an exception, nor at the end of a launch that a signal
+      or ``TimeLimit`` ended while the run goes on): hyper-parameters with the final
+      metrics, for the HPARAMS tab: ``hparams`` if given, else `gather_hparams` (optimizer,
+      its settings, batch size, epochs, callbacks' settings).
 
     The writer (``torch.utils.tensorboard.SummaryWriter``) is ``self.writer``; other
     callbacks may log through it (images, text...). It is opened at the first epoch of a
@@ -302,10 +303,13 @@ class TensorBoard(Callback):
         """Metrics not logged at this step yet (train_loss without validation), then flush.
 
         Without a validation at this step, the ``val_*`` values in ``loop.state.metrics``
-        are those of an earlier validation, already logged at its step: left out.
+        are those of an earlier validation, already logged at its step: left out. An epoch
+        that the end of a launch cut short logs nothing: the relaunch finishes the epoch and
+        logs its metrics at its end, as the uninterrupted run does.
         """
-        self._metrics(loop, only_new=True,
-                      stale_val=self._validated_step != loop.state.step)
+        if not (loop.stop_resumable and not loop.epoch_completed):
+            self._metrics(loop, only_new=True,
+                          stale_val=self._validated_step != loop.state.step)
         if self._writer is not None:
             self._writer.flush()
 
@@ -314,9 +318,12 @@ class TensorBoard(Callback):
         self._failed = True
 
     def on_fit_end(self, loop: Loop) -> None:
-        """Hyper-parameters with the final metrics (after a normal end), flush and close."""
+        """Hyper-parameters with the final metrics (after the run's end), flush and close.
+
+        A launch that ended while the run goes on (``loop.stop_resumable``) writes none:
+        the relaunch appends to the same run and writes them at the run's end."""
         try:
-            if self._epoch_ran and not self._failed:
+            if self._epoch_ran and not self._failed and not loop.stop_resumable:
                 self._add_hparams(loop)
         finally:
             self._close()
