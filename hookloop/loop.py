@@ -254,7 +254,7 @@ class Loop(Geometry):
         """
         checks.check_fit(self, epochs, max_steps)  # bad input, a stack that cannot work
         dispatch.bind(self, self.callbacks)
-        with self._end.launch():  # signals end the launch resumably; Suspended once it did
+        with self._end.launch(self.train_data, self.val_data):  # Suspended once it ended
             return self._fit(epochs, max_steps)
 
     def _fit(self, epochs: int, max_steps: int | None) -> LoopState:

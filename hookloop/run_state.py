@@ -101,12 +101,14 @@ class RunEnd:
             self.stop(f"max_steps={state.max_steps} reached")
 
     @contextmanager
-    def launch(self) -> Iterator[None]:
-        """Around a fit: signals ask `vote`; a fit that ended the launch raises `Suspended`
-        once it returned (every ``on_fit_end`` ran), unless the run ended at that boundary
-        too (its last epoch), which leaves nothing to continue."""
+    def launch(self, *loaders: Any) -> Iterator[None]:
+        """Around a fit: signals ask `vote` (the ``loaders``' workers ignore them); a fit
+        that ended the launch raises `Suspended` once it returned (every ``on_fit_end``
+        ran), unless the run ended at that boundary too (its last epoch), which leaves
+        nothing to continue."""
         self.vote.reset()
-        with published(self.vote), signals.handled() as taken:
+        with published(self.vote), signals.handled() as taken, \
+                signals.sparing_workers(loaders, taken):
             yield
         suspension, state = self.suspension, self._state
         if suspension is None or self.record(state.epochs, state.max_steps,

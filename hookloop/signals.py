@@ -29,10 +29,12 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
+from torch.utils.data import DataLoader
+
 from hookloop import distributed
 from hookloop.suspension import SIGINT, SIGTERM, SIGUSR1, Cause, current
 
-__all__ = ["handled", "quiet_until_exit", "scheduler_job", "SIGNALS"]
+__all__ = ["handled", "quiet_until_exit", "sparing_workers", "scheduler_job", "SIGNALS"]
 
 #: The signals `handled` takes over, with the cause each one asks for and its reason.
 SIGNALS: tuple[tuple[str, Cause, str], ...] = (
@@ -80,6 +82,68 @@ def _handler(name: str, cause: Cause, reason: str) -> Any:
              f"status {cause.status}; relaunch the same command to continue.{again}")
 
     return handle
+
+
+_fitting: Any = None  # shared with the DataLoader workers: how many fits run in this process
+
+
+def _fits() -> Any:
+    global _fitting
+    if _fitting is None:
+        import multiprocessing  # only for a loop whose loaders have workers
+
+        _fitting = multiprocessing.RawValue("i", 0)
+    return _fitting
+
+
+class _SparingWorkerInit:
+    """A DataLoader's ``worker_init_fn``: the worker ignores ``numbers`` while its main
+    process is inside a fit, then calls the loader's own ``worker_init_fn``."""
+
+    def __init__(self, numbers: tuple[int, ...], previous: Any, fitting: Any) -> None:
+        self.numbers, self.previous, self.fitting = numbers, previous, fitting
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.fitting.value > 0:
+            return  # the main process ends the launch at a step boundary, then stops us
+        signal.signal(signum, signal.SIG_DFL)  # the main process is exiting: end as asked
+        os.kill(os.getpid(), signum)
+
+    def __call__(self, worker_id: int) -> None:
+        for number in self.numbers:
+            signal.signal(number, self._handle)
+        if self.previous is not None:
+            self.previous(worker_id)
+
+
+@contextmanager
+def sparing_workers(loaders: tuple[Any, ...], numbers: list[int]) -> Iterator[None]:
+    """Within the block (a fit), the worker processes of these DataLoaders ignore the
+    signals `handled` took.
+
+    A scheduler signals every process of the job, DataLoader workers too; a worker that
+    SIGTERM ends makes the next fetch (torch checks on SIGCHLD) raise "DataLoader worker ...
+    is killed by signal" in the main process, at any line, and the launch would end on the
+    exception path instead of at a step boundary. The main process decides when to stop.
+    Outside the block (the process exiting, multiprocessing terminating its workers) the
+    signals end the workers as before. Wraps ``worker_init_fn`` of the loaders with workers
+    (once), for the workers started from now on (``DDP`` rebuilds its loaders with it).
+    """
+    spared = [loader for loader in loaders if isinstance(loader, DataLoader)
+              and loader.num_workers > 0]
+    if not numbers or not spared:
+        yield
+        return
+    fitting = _fits()
+    for loader in spared:
+        if not isinstance(loader.worker_init_fn, _SparingWorkerInit):
+            loader.worker_init_fn = _SparingWorkerInit(tuple(numbers), loader.worker_init_fn,
+                                                       fitting)
+    fitting.value += 1
+    try:
+        yield
+    finally:
+        fitting.value -= 1
 
 
 _ignoring: set[int] = set()  # signals quiet_until_exit set to SIG_IGN

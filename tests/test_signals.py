@@ -125,3 +125,46 @@ def test_a_sigterm_while_handling_an_exception_lets_the_others_finish(tmp_path: 
     assert isinstance(caught.value.__cause__, RuntimeError)
     assert Closes.closed  # every on_fit_end ran
     assert [path.name for path in tmp_path.glob("epoch=*.pt")] == ["epoch=0000-step=00000005.pt"]
+
+
+WORKERS_SCRIPT = textwrap.dedent("""
+    import sys, time, torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from hookloop import Callback, Loop
+    from hookloop.callbacks import Checkpoint
+
+    class Slow(Callback):
+        def on_batch_end(self, loop):
+            if loop.state.step == 3:
+                print("ready", flush=True)
+            time.sleep(0.05)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    data = DataLoader(TensorDataset(torch.randn(400, 3), torch.randn(400, 1)), batch_size=4,
+                      num_workers=2)
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                loss_fn=torch.nn.functional.mse_loss, device="cpu",
+                callbacks=[Slow(), Checkpoint(sys.argv[1])])
+    loop.fit(2)
+""")
+
+
+def test_sigterm_to_the_whole_job_spares_the_dataloader_workers(tmp_path: Path) -> None:
+    """A scheduler signals every process of the job: the workers must not die of it (their
+    death would raise in the main process at any line, on the exception path)."""
+    script = tmp_path / "train.py"
+    script.write_text(WORKERS_SCRIPT)
+    process = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt")],
+                               env=subprocess_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        os.killpg(process.pid, signal.SIGTERM)  # the main process and its workers
+        _, errors = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 143, errors[-3000:]
+    assert "killed by signal" not in errors and "Traceback" not in errors
+    assert len(list((tmp_path / "ckpt").glob("epoch=0000-step=*.pt"))) == 1
