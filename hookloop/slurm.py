@@ -18,13 +18,15 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from hookloop.errors import ConfigurationError
+from hookloop.suspension import SIGUSR1, Suspension
 
-__all__ = ["SlurmTask", "expand_hostlist", "first_host", "srun_task", "port_for_job",
-           "requeue_id", "check_scontrol", "requeue"]
+__all__ = ["SlurmTask", "expand_hostlist", "first_host", "srun_task", "adopt_srun_task",
+           "port_for_job", "requeue_id", "check_scontrol", "requeue", "requeue_on_sigusr1"]
 
 _BATCH_STEP = {"4294967294", "batch"}  # the batch script's step (0xfffffffe), not an srun task
 _RANGE = re.compile(r"\[([^\]]*)\]")
@@ -152,6 +154,24 @@ def srun_task(environ: Mapping[str, str] | None = None) -> SlurmTask | None:
     return SlurmTask(rank, size, local, address, port, env["SLURM_JOB_ID"])
 
 
+def adopt_srun_task() -> SlurmTask | None:
+    """When ``srun`` started this process (`srun_task`), describe it in torchrun's
+    variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``; ``MASTER_ADDR`` and
+    ``MASTER_PORT`` unless set), so ``init_process_group("env://")`` and the rest of the
+    script (``hookloop.distributed.rank()`` after the group is gone) see the task.
+
+    Returns:
+        The task, or None (not an srun task: nothing is set).
+    """
+    task = srun_task()
+    if task is not None:
+        os.environ.update(RANK=str(task.rank), WORLD_SIZE=str(task.world_size),
+                          LOCAL_RANK=str(task.local_rank))
+        os.environ.setdefault("MASTER_ADDR", task.address)
+        os.environ.setdefault("MASTER_PORT", str(task.port))
+    return task
+
+
 def requeue_id(environ: Mapping[str, str] | None = None) -> str | None:
     """The id ``scontrol requeue`` takes for this job: ``ARRAYJOBID_TASKID`` for a task of
     an array job (its own ``SLURM_JOB_ID`` is not the array's), else ``SLURM_JOB_ID``.
@@ -195,3 +215,34 @@ def requeue(job: str) -> str | None:
         return (f"scontrol requeue {job} failed with status {done.returncode}: "
                 f"{(done.stderr or done.stdout).strip()}")
     return None
+
+
+def requeue_on_sigusr1(owner: str, main: bool) -> Callable[[Suspension], None] | None:
+    """The action that requeues this SLURM job when SIGUSR1 ended the launch (for
+    `hookloop.suspension.Vote.at_end`), or None outside a SLURM job.
+
+    Checks now that ``scontrol`` is there, so a missing one fails before the first batch.
+
+    Args:
+        owner: The callback asking (``"DDP"``, ``"FSDP"``), named in errors.
+        main: Whether this process is rank 0, the one that requeues.
+
+    Raises:
+        ConfigurationError: ``scontrol`` is not on PATH.
+    """
+    job = requeue_id()
+    if job is None:
+        return None
+    check_scontrol(owner)
+
+    def act(suspension: Suspension) -> None:
+        if not main or SIGUSR1.name not in suspension.causes:
+            return
+        problem = requeue(job)
+        message = (f"{owner}: requeued SLURM job {job} (scontrol requeue); its next start "
+                   "resumes from the checkpoint." if problem is None else
+                   f"{owner}: the SLURM job {job} was not requeued: {problem}. Resubmit it; "
+                   "it resumes from the checkpoint.")
+        print(message, file=sys.stderr if problem else sys.stdout, flush=True)
+
+    return act

@@ -22,7 +22,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from hookloop import distributed
+from hookloop import distributed, slurm, suspension
 from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_int, check_name
 from hookloop.data import length_of
@@ -315,12 +315,26 @@ class DDP(Callback):
     After an exception nothing collective is called: the process exits with the traceback
     and torchrun stops the other ranks.
 
-    Outside torchrun it does nothing and says so once, so one script runs both ways.
+    Started by SLURM's ``srun`` without torchrun (`hookloop.slurm.srun_task`: one task per
+    process), it reads the rank, world size and local rank from SLURM's variables, the
+    group's address from the first node of the host list and its port from the job id, sets
+    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (and ``MASTER_ADDR``/``MASTER_PORT`` unless
+    set) for the rest of the script, and starts the same way. Rank 0 says which launcher
+    it found (``launcher``). The step's gradient all-reduce carries the ranks' vote on
+    ending the launch (`hookloop.suspension.carry_on_gradients`), unless the program
+    registers a communication hook of its own.
+
+    Outside torchrun and srun it does nothing and says so once, so one script runs both
+    ways.
 
     Args:
         backend: Process group backend; None means ``nccl`` on CUDA, else ``gloo``.
         find_unused_parameters: Passed to ``DistributedDataParallel``, for models whose
             forward does not use every parameter.
+        requeue: In a SLURM job, when SIGUSR1 (``#SBATCH --signal=USR1@90``) ends the
+            launch, rank 0 runs ``scontrol requeue`` (``ARRAYJOBID_TASKID`` for an array
+            task) once the checkpoint is written; ``scontrol`` missing from PATH is a
+            `ConfigurationError` at setup. Outside a SLURM job it does nothing.
 
     Example:
         >>> import torch
@@ -338,13 +352,16 @@ class DDP(Callback):
     unique: ClassVar[bool] = True
     roles: ClassVar[tuple[str, ...]] = ("distributed",)
 
-    def __init__(self, *, backend: str | None = None, find_unused_parameters: bool = False
-                 ) -> None:
+    def __init__(self, *, backend: str | None = None, find_unused_parameters: bool = False,
+                 requeue: bool = False) -> None:
         self.backend = check_name("DDP backend", backend,
                                   hint="A backend name is e.g. 'nccl' or 'gloo'; None picks "
                                        "nccl on CUDA, gloo on CPU.")
         self.find_unused_parameters = check_flag("DDP find_unused_parameters",
                                                  find_unused_parameters)
+        self.requeue = check_flag("DDP requeue", requeue)
+        #: The launcher this callback found at its last setup: "torchrun", "srun" or None.
+        self.launcher: str | None = None
         self._active = False
         self._noted = False
         self._created_group = False
@@ -355,19 +372,29 @@ class DDP(Callback):
 
     def __repr__(self) -> str:
         return (f"DDP(backend={self.backend!r}, "
-                f"find_unused_parameters={self.find_unused_parameters!r})")
+                f"find_unused_parameters={self.find_unused_parameters!r}, "
+                f"requeue={self.requeue!r})")
 
     # ------------------------------------------------------------------- setup
     def setup(self, loop: Loop) -> None:
         self._failed = False
-        self._active = distributed.is_initialized() or launched_by_torchrun()
+        task = None if launched_by_torchrun() else slurm.adopt_srun_task()
+        if task is not None or launched_by_torchrun():
+            self.launcher = "srun" if task is not None else "torchrun"
+        self._active = distributed.is_initialized() or self.launcher is not None
+        vote = suspension.current()
+        if self.requeue and loop.fitting and vote is not None:  # before any collective
+            action = slurm.requeue_on_sigusr1("DDP", main=distributed.is_main())
+            if action is not None:
+                vote.at_end(action)
         if not self._active:
             if not self._noted:
                 self._noted = True
                 warnings.warn(
-                    "DDP: not launched by torchrun (RANK, WORLD_SIZE, LOCAL_RANK unset), so "
-                    "training runs in this one process. Launch with "
-                    "`torchrun --nproc_per_node=N script.py` to train on N processes.",
+                    "DDP: not launched by torchrun (RANK, WORLD_SIZE, LOCAL_RANK unset) nor "
+                    "by srun (no SLURM task), so training runs in this one process. Launch "
+                    "with `torchrun --nproc_per_node=N script.py` (or `srun` with N tasks) to "
+                    "train on N processes.",
                     stacklevel=4)  # the user's fit() or validate() call
             return
         if loop.device.type == "cuda":
@@ -384,6 +411,12 @@ class DDP(Callback):
             backend = self.backend or ("nccl" if loop.device.type == "cuda" else "gloo")
             _init_process_group(backend)
             self._created_group = True
+            if distributed.is_main():
+                where = (f" (SLURM job {task.job_id})" if task is not None else "")
+                group = (f", group at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+                         if task is not None else "")
+                print(f"DDP: launched by {self.launcher}{where}: rank 0 of "
+                      f"{distributed.world_size()}{group}", flush=True)
         if not isinstance(loop.model, DistributedDataParallel):
             module = loop.model.to(loop.device)
             device_ids = [loop.device.index] if loop.device.type == "cuda" else None
