@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["host_copy", "BackgroundWriter"]
+from hookloop.checks import check_flag
+
+if TYPE_CHECKING:
+    from hookloop.checkpoint_files import CheckpointFiles
+
+__all__ = ["host_copy", "BackgroundWriter", "RotatingWrites"]
 
 
 def host_copy(payload: Any) -> Any:
@@ -134,3 +139,70 @@ class BackgroundWriter:
             raise error
         if on_done is not None:
             on_done(result)
+
+
+class RotatingWrites:
+    """How one `Checkpoint` writes its rotating files (`CheckpointFiles.write_resume`): now,
+    or with ``background=True`` from a host copy in a thread, one at a time. Once a file is
+    complete (in the main thread: `poll`, `wait`) it is `last_path` and the older files
+    beyond ``keep_last`` are pruned; a failed write calls its ``failed()`` and is raised.
+
+    Args:
+        files: The checkpoint's files.
+        keep_last: How many rotating files to keep (None: all).
+        background: Write in a thread (``Checkpoint(async_save=True)``).
+    """
+
+    def __init__(self, files: CheckpointFiles, keep_last: int | None, *, background: bool
+                 ) -> None:
+        self.files, self.keep_last = files, keep_last
+        self._writer = BackgroundWriter() if check_flag("Checkpoint async_save",
+                                                        background) else None
+        #: Path of the newest complete rotating checkpoint written (or resumed from).
+        self.last_path: str | None = None
+
+    def save(self, run: dict[str, Any], epoch: int, step: int, metrics: dict[str, float], *,
+             failed: Callable[[], None], now: bool = False) -> None:
+        """Write ``run`` (`Loop.state_dict`) as the file of ``epoch`` and ``step``; in the
+        background unless ``now`` (the exception path). A write in flight is waited for."""
+        metrics = dict(metrics)
+        if self._writer is None or now:
+            self.wait()
+            try:
+                path = self.files.write_resume(run, epoch, step, metrics)
+            except BaseException:
+                failed()
+                raise
+            self._written(path)
+            return
+        copied = host_copy(run)  # what the training step waits for
+        self._writer.submit(lambda: self.files.write_resume(copied, epoch, step, metrics),
+                            on_done=self._written, on_failure=lambda error: failed())
+
+    def _written(self, path: str) -> None:
+        self.last_path = path
+        self.files.prune_rotating(path, self.keep_last)  # only now that the new one is complete
+
+    def poll(self) -> None:
+        """At a step boundary: finish a write that completed; raise one that failed."""
+        if self._writer is not None:
+            self._writer.poll()
+
+    def wait(self, *, raising: bool = True) -> None:
+        """Wait for the write in flight; ``raising=False`` drops its failure (the exception
+        path saves that position again)."""
+        if self._writer is not None:
+            try:
+                self._writer.wait()
+            except Exception:
+                if raising:
+                    raise
+
+    def close(self, *, release: bool) -> None:
+        """At fit end: wait for the write in flight, then (``release``: rank 0) give the
+        directory back, also when that write failed."""
+        try:
+            self.wait()
+        finally:
+            if release:
+                self.files.release()

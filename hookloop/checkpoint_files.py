@@ -14,7 +14,7 @@ import re
 import time
 import warnings
 from contextlib import suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from hookloop.storage import (
     write_atomic,
     write_text_atomic,
 )
+
+if TYPE_CHECKING:
+    from hookloop.ranking import TopK
 
 __all__ = ["CheckpointFiles", "RETIRED_PREFIX", "file_meta"]
 
@@ -218,6 +221,24 @@ class CheckpointFiles:
                   "step": step, "file": os.path.basename(path)}
                  for value, step, path in self.scored() if os.path.basename(path) not in named]
         return kept, newer
+
+    def reconcile(self, ranking: TopK, *, single: bool) -> None:
+        """Make ``ranking`` agree with the disk: keep its entries whose weights are there and
+        rank the best files written after its state was saved (a kill before the next
+        rotating file). Every rank calls it: rank 0 reads the directory and tells the others.
+
+        Args:
+            ranking: The `Checkpoint`'s ranking of the best validations.
+            single: ``save_top_k=1``: ``best.pt`` is the only file.
+        """
+        found = self.recover(ranking.entries, single=single) if distributed.is_main() else None
+        kept, newer = distributed.broadcast_object(found)
+        ranking.load_state_dict(kept)
+        dropped, top = ranking.merge(newer), ranking.best
+        if distributed.is_main():
+            self.discard(dropped, ranking.files())
+            if top is not None and top["file"] is not None:
+                self.link_best(top["file"])  # a rollback may have retired a later best.pt
 
     def _put_back(self, entry: dict[str, Any], name: str) -> bool:
         """True when ``name`` holds ``entry``'s weights, after moving its set-aside file there."""
