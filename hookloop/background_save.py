@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hookloop import distributed
 from hookloop.checks import check_flag
+from hookloop.shard_files import contains_shards
 
 if TYPE_CHECKING:
     from hookloop.checkpoint_files import CheckpointFiles
@@ -163,17 +165,21 @@ class RotatingWrites:
 
     def save(self, run: dict[str, Any], epoch: int, step: int, metrics: dict[str, float], *,
              failed: Callable[[], None], now: bool = False) -> None:
-        """Write ``run`` (`Loop.state_dict`) as the file of ``epoch`` and ``step``; in the
-        background unless ``now`` (the exception path). A write in flight is waited for."""
+        """Write ``run`` (`Loop.state_dict`) as the file of ``epoch`` and ``step``; every rank
+        calls it (rank 0 writes a file; every rank its shards of a directory). In the
+        background unless ``now`` (the exception path), on a rank that writes nothing, or
+        for a directory of shards (its write is a collective of every rank, which must not
+        run beside the training's). A write in flight is waited for first."""
         metrics = dict(metrics)
-        if self._writer is None or now:
+        if self._writer is None or now or not distributed.is_main() or contains_shards(run):
             self.wait()
             try:
                 path = self.files.write_resume(run, epoch, step, metrics)
             except BaseException:
                 failed()
                 raise
-            self._written(path)
+            if path is not None:
+                self._written(path)
             return
         copied = host_copy(run)  # what the training step waits for
         self._writer.submit(lambda: self.files.write_resume(copied, epoch, step, metrics),

@@ -4,6 +4,11 @@
 names (rotating, scored, best and set-aside files), lists them, writes them atomically
 through `hookloop.storage`, prunes them, holds the directory for one job, and retires the
 files a rollback abandons (completely or not at all).
+
+A checkpoint of a model FSDP shards with ``state_dict="sharded"`` is a directory of shards
+(`hookloop.shard_files`) named as a file is, with ``.dcp`` for ``.pt``; every rule here
+(rotation, best, top k, set-aside, retirement) holds for such directories too, and a
+directory counts only once complete.
 """
 
 from __future__ import annotations
@@ -21,6 +26,15 @@ import torch
 from hookloop import distributed, suspension
 from hookloop.directory_lock import DirectoryLock
 from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.shard_files import (
+    clean_temporary,
+    contains_shards,
+    is_complete,
+    link_directory,
+    read_directory,
+    remove_entry,
+    write_directory,
+)
 from hookloop.storage import (
     FORMAT,
     find_unplain,
@@ -37,10 +51,31 @@ from hookloop.storage import (
 if TYPE_CHECKING:
     from hookloop.ranking import TopK
 
-__all__ = ["CheckpointFiles", "RETIRED_PREFIX", "file_meta"]
+__all__ = ["CheckpointFiles", "RETIRED_PREFIX", "file_meta", "read_checkpoint"]
 
 #: Folder (in the checkpoint directory) of the files a rollback abandoned.
 RETIRED_PREFIX = "retired-after-step="
+_FILE, _DIRECTORY = ".pt", ".dcp"
+_SUFFIX = r"\.(?:pt|dcp)"
+
+
+def read_checkpoint(path: str, map_location: Any) -> dict[str, Any]:
+    """A checkpoint file (`hookloop.storage.read_payload`) or directory of shards
+    (`hookloop.shard_files.read_directory`: its tensors are read when the run is restored).
+    """
+    if os.path.isdir(path):
+        return read_directory(path, map_location)
+    return read_payload(path, map_location)
+
+
+def _entries(dirpath: str, names: list[str]) -> list[str]:
+    """The paths of ``names`` that are checkpoints: regular files, complete directories."""
+    directories = {name for name in names if not os.path.islink(os.path.join(dirpath, name))
+                   and os.path.isdir(os.path.join(dirpath, name))}
+    files = set(regular_checkpoint_files(dirpath, [name for name in names
+                                                   if name not in directories]))
+    return [path for name in names for path in [os.path.join(dirpath, name)]
+            if path in files or (name in directories and is_complete(path))]
 
 
 def file_meta(kind: str) -> dict[str, Any]:
@@ -63,6 +98,19 @@ def _ranked_by(steps: list[int], reached: int, dropped_at: int) -> bool:
     return any(reached <= step <= dropped_at for step in steps)
 
 
+def _suffixed(name: str, suffix: str) -> str:
+    """``name`` with ``suffix`` for its own (a file's ``.pt`` or a directory's ``.dcp``)."""
+    return os.path.splitext(name)[0] + suffix
+
+
+def _link(source: str, path: str) -> None:
+    """`hookloop.storage.link_atomic` for a file, `link_directory` for a directory."""
+    if os.path.isdir(source):
+        link_directory(source, path)
+    else:
+        link_atomic(source, path)
+
+
 class CheckpointFiles:
     """Names, listing, atomic writes and pruning of one `Checkpoint`'s files.
 
@@ -75,8 +123,11 @@ class CheckpointFiles:
       kept rotating file needs them;
     * ``{prefix}rollback-in-progress.json`` while a rollback moves files (see `retire_after`).
 
-    Temporary ``.tmp-*.part`` files are never listed. Only rank 0 calls the methods that
-    write, move or delete.
+    Each checkpoint may instead be a directory of shards, ``.dcp`` for ``.pt`` (a model FSDP
+    shards with ``state_dict="sharded"``). Temporary ``.tmp-*.part`` files and directories,
+    and directories not complete, are never listed. Only rank 0 calls the methods that
+    move or delete; every rank calls `write_resume` and `write_best` (rank 0 writes a
+    file, every rank its shards of a directory).
 
     Args:
         dirpath: The checkpoint directory.
@@ -98,14 +149,14 @@ class CheckpointFiles:
         self.dirpath = dirpath
         self.prefix = prefix
         self.monitor = monitor
-        #: The name of ``best.pt`` (with the prefix).
-        self.best_name = f"{prefix}best.pt"
+        self._suffix = _FILE  # of the next file written: .dcp while the payloads hold shards
         start = re.escape(prefix)
-        self._rotating = re.compile(rf"^{start}epoch=(\d+)-step=(\d+)\.pt$")
+        self._rotating = re.compile(rf"^{start}epoch=(\d+)-step=(\d+){_SUFFIX}$")
         self._scored = re.compile(rf"^{start}best-{re.escape(monitor or '')}="
-                                  r"([-+0-9.eEinfa]+)-step=(\d+)\.pt$")
+                                  rf"([-+0-9.eEinfa]+)-step=(\d+){_SUFFIX}$")
         self._set_aside = re.compile(rf"^{start}dropped-at-step=(\d+)-(best-"
-                                     rf"{re.escape(monitor or '')}=[-+0-9.eEinfa]+-step=(\d+)\.pt)$")
+                                     rf"{re.escape(monitor or '')}=[-+0-9.eEinfa]+-step=(\d+)"
+                                     rf"{_SUFFIX})$")
         #: The marker of a rollback under way: what it moves, written before the first move.
         self.marker = self.path(f"{prefix}rollback-in-progress.json")
         self._lock = DirectoryLock(dirpath)
@@ -113,11 +164,11 @@ class CheckpointFiles:
     # ------------------------------------------------------------------ names
     def rotating_name(self, epoch: int, step: int) -> str:
         """Name of the rotating file of ``epoch`` (0-based) and optimizer ``step``."""
-        return f"{self.prefix}epoch={epoch:04d}-step={step:08d}.pt"
+        return f"{self.prefix}epoch={epoch:04d}-step={step:08d}{self._suffix}"
 
     def scored_name(self, value: float, step: int) -> str:
         """Name of a top-k file: ``best-val_acc=0.966667-step=00000046.pt``."""
-        return f"{self.prefix}best-{self.monitor}={value:.6g}-step={step:08d}.pt"
+        return f"{self.prefix}best-{self.monitor}={value:.6g}-step={step:08d}{self._suffix}"
 
     def set_aside_name(self, entry: dict[str, Any], dropped_at: int) -> str:
         """Name under which a dropped ranking entry waits for a rollback that may need it."""
@@ -125,8 +176,17 @@ class CheckpointFiles:
         return f"{self.prefix}dropped-at-step={dropped_at:08d}-{scored}"
 
     @property
+    def best_name(self) -> str:
+        """The name of ``best.pt`` (with the prefix): ``best.dcp`` when that is the one on
+        disk, or when the next checkpoints are directories of shards and none is."""
+        for suffix in (self._suffix, _DIRECTORY if self._suffix == _FILE else _FILE):
+            if os.path.lexists(self.path(f"{self.prefix}best{suffix}")):
+                return f"{self.prefix}best{suffix}"
+        return f"{self.prefix}best{self._suffix}"
+
+    @property
     def best(self) -> str:
-        """Path of ``best.pt``."""
+        """Path of ``best.pt`` (see `best_name`)."""
         return self.path(self.best_name)
 
     def path(self, name: str) -> str:
@@ -152,16 +212,18 @@ class CheckpointFiles:
             match = self._rotating.match(name)
             if match:
                 found.append(((int(match.group(2)), int(match.group(1))), name))
-        return regular_checkpoint_files(self.dirpath, [name for _, name in sorted(found)])
+        return _entries(self.dirpath, [name for _, name in sorted(found)])
 
     def scored(self) -> list[tuple[float, int, str]]:
         """Top-k files as ``(value, step, path)``, oldest first, read from the names only."""
         if self.monitor is None:
             return []
         found = []
-        for name in self._names():
+        names = self._names()
+        complete = set(_entries(self.dirpath, names))
+        for name in names:
             match = self._scored.match(name)
-            if match:
+            if match and self.path(name) in complete:
                 with suppress(ValueError):
                     found.append((float(match.group(1)), int(match.group(2)), self.path(name)))
         return sorted(found, key=lambda item: item[1])
@@ -179,13 +241,13 @@ class CheckpointFiles:
         """Every file of this callback: rotating, scored, set aside, ``best.pt``, a marker."""
         files = (self.rotating() + [path for _, _, path in self.scored()]
                  + [path for _, _, path in self.set_aside()])
-        return files + [path for path in (self.best, self.marker) if os.path.isfile(path)]
+        return files + [path for path in (self.best, self.marker) if os.path.exists(path)]
 
     def best_info(self) -> tuple[float, int, int] | None:
         """``(value, epoch, step)`` that ``best.pt`` holds for this monitor, or None."""
         if not os.path.exists(self.best):
             return None
-        payload = read_payload(self.best, "cpu")
+        payload = read_checkpoint(self.best, "cpu")
         meta = payload["hookloop"]
         if meta.get("monitor") != self.monitor or meta.get("value") is None:
             return None
@@ -217,7 +279,7 @@ class CheckpointFiles:
                 if entry["file"] is not None and self._put_back(entry, entry["file"])]
         named = {entry["file"] for entry in kept}
         # Few files, written after the state: their epoch is read from them, not guessed.
-        newer = [{"value": value, "epoch": int(read_payload(path, "cpu").get("epoch", -1)),
+        newer = [{"value": value, "epoch": int(read_checkpoint(path, "cpu").get("epoch", -1)),
                   "step": step, "file": os.path.basename(path)}
                  for value, step, path in self.scored() if os.path.basename(path) not in named]
         return kept, newer
@@ -242,11 +304,12 @@ class CheckpointFiles:
 
     def _put_back(self, entry: dict[str, Any], name: str) -> bool:
         """True when ``name`` holds ``entry``'s weights, after moving its set-aside file there."""
-        if os.path.isfile(self.path(name)):
+        if os.path.exists(self.path(name)):
             return True
         wanted = self.scored_name(entry["value"], entry["step"])[len(self.prefix):]
+        wanted = wanted[:-len(self._suffix)]  # either kind: a file or a directory of shards
         for _, _, path in self.set_aside():
-            if path.endswith(f"-{wanted}"):
+            if os.path.splitext(path)[0].endswith(f"-{wanted}"):
                 os.replace(path, self.path(name))
                 return True
         return False
@@ -260,7 +323,7 @@ class CheckpointFiles:
         """
         # Onto the CPU, never the device recorded in the file; the loop copies each tensor
         # to where its model, optimizer or callback lives.
-        payload = read_payload(path, torch.device("cpu"))
+        payload = read_checkpoint(path, torch.device("cpu"))
         meta = payload["hookloop"]
         if meta.get("kind") != "resume" or "loop" not in payload:
             raise CheckpointError(
@@ -295,9 +358,8 @@ class CheckpointFiles:
                     "end or stop it (its lock goes with the process, even a SIGKILLed one), "
                     "or give this run another directory.")
         for name in self._names():
-            if is_temporary(name):
-                with suppress(OSError):
-                    os.unlink(self.path(name))
+            if is_temporary(name):  # a killed save's file or directory (or a set-aside one)
+                clean_temporary(self.dirpath, name)
         if self._finish_retirement():
             warnings.warn(f"Checkpoint: finished the rollback an earlier launch began in "
                           f"{self.dirpath} (it was killed while moving the abandoned files).",
@@ -308,30 +370,44 @@ class CheckpointFiles:
         """Give back the directory `prepare` held (at the fit's end)."""
         self._lock.release()
 
-    def write(self, payload: dict[str, Any], name: str) -> str:
-        """Write ``payload`` atomically under ``name``; return its path.
+    def write(self, payload: dict[str, Any], name: str) -> str | None:
+        """Write ``payload`` atomically under ``name``; return its path (on rank 0).
+
+        Every rank calls it. A payload holding shards (DTensors) is a directory every rank
+        writes its shards into (a collective); any other is a file rank 0 writes (the
+        other ranks return None at once).
 
         Raises:
             CheckpointError: the payload holds something ``torch.load(weights_only=True)``
                 would refuse (nothing is written).
             CheckpointWriteError: the file system failed.
         """
+        path = self.path(name)
+        if contains_shards(payload):
+            write_directory(payload, path)
+            return path if distributed.is_main() else None
+        if not distributed.is_main():
+            return None
         problem = find_unplain(payload, "checkpoint")
         if problem:
             raise CheckpointError(
                 f"Cannot write a checkpoint that torch.load(weights_only=True) can read: "
                 f"{problem}. State must hold only tensors, numbers, strings and "
                 "lists/tuples/dicts of them; convert that value in the state_dict that returns it.")
-        path = self.path(name)
         write_atomic(payload, path)
         return path
 
-    def write_resume(self, run: dict[str, Any], epoch: int, step: int,
-                     metrics: dict[str, float]) -> str:
-        """Write the rotating file of ``epoch`` and ``step`` holding ``run`` (`Loop.state_dict`).
+    def _kind_of(self, payload: dict[str, Any]) -> None:
+        """The names given from now on: ``.dcp`` while the payloads hold shards."""
+        self._suffix = _DIRECTORY if contains_shards(payload) else _FILE
 
-        Its duration is noted in the running fit's vote (`TimeLimit` keeps time for it)."""
+    def write_resume(self, run: dict[str, Any], epoch: int, step: int,
+                     metrics: dict[str, float]) -> str | None:
+        """Write the rotating file of ``epoch`` and ``step`` holding ``run`` (`Loop.state_dict`);
+        every rank calls it (see `write`). Its duration is noted in the running fit's vote
+        (`TimeLimit` keeps time for it)."""
         started = time.monotonic()
+        self._kind_of(run)
         payload = {"hookloop": {**file_meta("resume"), "epoch": epoch, "step": step}, **run,
                    "metrics": dict(metrics)}
         path = self.write(payload, self.rotating_name(epoch, step))
@@ -341,11 +417,24 @@ class CheckpointFiles:
         return path
 
     def write_best(self, weights: dict[str, Any], value: float, epoch: int, step: int,
-                   metrics: dict[str, float], name: str | None) -> str:
-        """Write validated ``weights`` scoring ``value`` under ``name`` (None: ``best.pt``)."""
+                   metrics: dict[str, float], name: str | None) -> str | None:
+        """Write validated ``weights`` scoring ``value`` under ``name`` (None: ``best.pt``);
+        return the name used (``.dcp`` for shards), or None for ``best.pt``. Every rank
+        calls it (see `write`)."""
+        self._kind_of({"model": weights})
         payload = {"hookloop": {**file_meta("best"), "monitor": self.monitor, "value": value},
                    "model": weights, "epoch": epoch, "step": step, "metrics": dict(metrics)}
-        return self.write(payload, name or self.best_name)
+        name = None if name is None else _suffixed(name, self._suffix)
+        self.write(payload, name or f"{self.prefix}best{self._suffix}")
+        if name is None and distributed.is_main():
+            self._drop_other_best()
+        return name
+
+    def _drop_other_best(self) -> None:
+        """After best.pt of one kind is complete, the other kind's (an earlier layout) goes."""
+        other = _DIRECTORY if self._suffix == _FILE else _FILE
+        with suppress(FileNotFoundError):
+            remove_entry(self.path(f"{self.prefix}best{other}"))
 
     def earlier_run_error(self, found: list[str]) -> ConfigurationError:
         """The error of a new run (``resume=False``) over the files ``found`` of an earlier one."""
@@ -361,12 +450,16 @@ class CheckpointFiles:
             "directory (or delete those files) to start a new one.")
 
     def link_best(self, name: str) -> None:
-        """Make ``best.pt`` the file ``name`` (a hard link, or an atomic copy), unless it is."""
+        """Make ``best.pt`` the file ``name`` (a hard link, or an atomic copy), unless it is;
+        ``best.dcp`` the directory ``name``, for a directory of shards."""
         source = self.path(name)
+        target = self.path(f"{self.prefix}best{os.path.splitext(name)[1]}")
         with suppress(OSError):
-            if os.path.samefile(source, self.best):
+            if os.path.samefile(source, target):
                 return
-        link_atomic(source, self.best)
+        _link(source, target)
+        self._suffix = os.path.splitext(name)[1]
+        self._drop_other_best()
 
     def discard(self, dropped: list[tuple[int, dict[str, Any]]], kept: set[str]) -> None:
         """The files of ranking entries that dropped out, each with the step it dropped at
@@ -378,16 +471,20 @@ class CheckpointFiles:
                 continue
             with suppress(FileNotFoundError):
                 if _ranked_by(steps, entry["step"], at):
-                    os.replace(self.path(entry["file"]), self.path(self.set_aside_name(entry, at)))
+                    aside = _suffixed(self.set_aside_name(entry, at),
+                                      os.path.splitext(entry["file"])[1])
+                    os.replace(self.path(entry["file"]), self.path(aside))
                 else:
-                    os.unlink(self.path(entry["file"]))
+                    remove_entry(self.path(entry["file"]))
         self._prune_set_aside()
 
     def set_best_aside(self, entry: dict[str, Any], at: int) -> None:
         """Before ``best.pt`` (``save_top_k=1``) is replaced at step ``at``: keep what it holds
         (``entry``) under its set-aside name while a kept rotating file still ranks it."""
-        if _ranked_by(self._rotating_steps(), entry["step"], at) and os.path.isfile(self.best):
-            link_atomic(self.best, self.path(self.set_aside_name(entry, at)))
+        best = self.best
+        if _ranked_by(self._rotating_steps(), entry["step"], at) and os.path.exists(best):
+            aside = _suffixed(self.set_aside_name(entry, at), os.path.splitext(best)[1])
+            _link(best, self.path(aside))
 
     def _rotating_steps(self) -> list[int]:
         """The steps of the rotating files, from the names alone (no file is opened)."""
@@ -399,7 +496,7 @@ class CheckpointFiles:
         for reached, dropped_at, path in self.set_aside():
             if not _ranked_by(steps, reached, dropped_at):
                 with suppress(FileNotFoundError):
-                    os.unlink(path)
+                    remove_entry(path)
 
     def prune_rotating(self, newest: str, keep_last: int | None) -> None:
         """Delete rotating files older than the newest ``keep_last`` (after ``newest`` is complete)."""
@@ -411,7 +508,7 @@ class CheckpointFiles:
         older = files[: files.index(newest) + 1]
         for path in older[: max(len(older) - keep_last, 0)]:
             with suppress(FileNotFoundError):
-                os.unlink(path)
+                remove_entry(path)
         self._prune_set_aside()  # what only the deleted files ranked is not needed any more
 
     # ------------------------------------------------------------- retirement
@@ -435,9 +532,9 @@ class CheckpointFiles:
                  if (self.step_of(path) or 0) > step and os.path.abspath(path) != resumed]
         later += [path for _, found, path in self.scored() if found > step]
         later += [path for found, _, path in self.set_aside() if found > step]
-        if os.path.isfile(self.best):
+        if os.path.exists(self.best):
             with suppress(CheckpointError):  # an unreadable best.pt stays where it is
-                if int(read_payload(self.best, "cpu").get("step", -1)) > step:
+                if int(read_checkpoint(self.best, "cpu").get("step", -1)) > step:
                     later.append(self.best)
         if not later:
             return

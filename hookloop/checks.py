@@ -38,7 +38,7 @@ __all__ = ["check_int", "check_optional_int", "check_flag", "check_number", "che
            "check_name",
            "check_choice", "check_path", "check_console", "check_loop_arguments",
            "check_fit", "check_fit_arguments", "check_fit_data", "check_evaluation", "check_setup", "resolve_device",
-           "available_devices"]
+           "available_devices", "check_that"]
 
 
 def _refuse(label: str, requirement: str, value: Any, hint: str = "") -> ConfigurationError:
@@ -201,6 +201,20 @@ def check_choice(label: str, value: Any, choices: Iterable[Any], *, hint: str = 
     if isinstance(value, bool) or value not in options:
         listed = ", ".join(repr(option) for option in options)
         raise _refuse(label, f"one of {listed}", value, hint)
+    return value
+
+
+def check_that(label: str, value: Any, ok: bool, requirement: str, *, hint: str = "") -> Any:
+    """``value`` when ``ok``: a check whose condition the caller computes, in the one form.
+
+    Example:
+        >>> check_that("FSDP wrap", 3, False, "a set of nn.Module classes")
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: FSDP wrap must be a set of nn.Module classes, got 3.
+    """
+    if not ok:
+        raise _refuse(label, requirement, value, hint)
     return value
 
 

@@ -22,7 +22,15 @@ from hookloop.dispatch import annotate
 from hookloop.errors import CheckpointError, ConfigurationError, Suspended, Terminated
 from hookloop.ordering import overrides
 from hookloop.rng import rng_state_problem
-from hookloop.storage import expect_field, find_unplain, load_model_weights, load_optimizer_state
+from hookloop.sharded import gather_for_rank_zero, layout_of, model_state, optimizer_state
+from hookloop.storage import (
+    SHARDS_KEY,
+    expect_field,
+    find_unplain,
+    load_model_weights,
+    load_optimizer_state,
+    load_weights,
+)
 from hookloop.suspension import REQUESTED, SIGTERM, Suspension, Vote, published
 
 if TYPE_CHECKING:
@@ -210,7 +218,25 @@ def check_mapping(state: Any, source: str | None) -> Mapping[str, Any]:
 
 def capture(loop: Loop, position: Position, ended: Mapping[str, Any] | None, *,
             gather: bool = True) -> dict[str, Any]:
-    """`Loop.state_dict`: the whole run, as tensors and plain values."""
+    """`Loop.state_dict`: the whole run, as tensors and plain values.
+
+    The model and the optimizer come as `hookloop.sharded` gives them: a model FSDP
+    shards is gathered to rank 0 (``state_dict="full"``: rank 0 holds the state, the
+    other ranks none) or kept as this rank's shards (``"sharded"``); so are the DTensors in
+    the callbacks' states. Either way every rank must call it.
+
+    Raises:
+        CheckpointError: ``gather=False`` (the exception path) with a sharded model, whose
+            state cannot be read without every rank.
+    """
+    module, optimizer = loop.unwrapped_model, loop.optimizer
+    layout = layout_of(module)
+    if layout is not None and not gather:
+        raise CheckpointError(
+            "no checkpoint of the exception: the state of a model FSDP shards is read by "
+            "every rank together, and on the exception path the other ranks may be dead or "
+            "elsewhere. The newest checkpoint stays the one to resume from; a stop every "
+            "rank agrees on (loop.stop(), a stop signal) writes one.")
     shared, own = position.parts()
     world = distributed.world_size()
     if gather:
@@ -219,10 +245,14 @@ def capture(loop: Loop, position: Position, ended: Mapping[str, Any] | None, *,
         if world > 1:  # the other ranks' sums are unknown: the resumed epoch recounts
             own.update(train_loss_sum=None, train_samples=0)
         ranks = [own]
-    optimizer = loop.optimizer
+    callbacks = {callback.state_key: callback.state_dict() for callback in loop.callbacks
+                 if overrides(callback, "state_dict")}
+    extra = {name: item.state_dict() for name, item in loop.extra_state.items()}
+    if layout == "full":  # a callback's DTensors (an EMA over shards) gathered as the model
+        callbacks, extra = gather_for_rank_zero((callbacks, extra), distributed.rank())
     return {
-        "model": loop.unwrapped_model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": model_state(module),
+        "optimizer": optimizer_state(module, optimizer),
         "loop": {
             **shared,
             "world_size": world,
@@ -235,9 +265,8 @@ def capture(loop: Loop, position: Position, ended: Mapping[str, Any] | None, *,
             "history": [dict(row) for row in loop.state.history],
         },
         "ranks": ranks,
-        "callbacks": {callback.state_key: callback.state_dict() for callback in loop.callbacks
-                      if overrides(callback, "state_dict")},
-        "state": {name: item.state_dict() for name, item in loop.extra_state.items()},
+        "callbacks": callbacks,
+        "state": extra,
         "state_classes": {name: type(item).__qualname__
                           for name, item in loop.extra_state.items()},
     }
@@ -283,8 +312,10 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
     check_optimizer_fits(loop.optimizer, loop_part, payload["optimizer"], source)
     check_same_data(loop, loop_part, source)
     _check_extra_state(loop, payload, source)
-    load_model_weights(source, loop.unwrapped_model, payload["model"])
-    load_optimizer_state(source, loop.optimizer, payload["optimizer"])
+    # A file or a directory of shards, into a sharded model or not (hookloop.storage).
+    load_weights(source, loop.unwrapped_model, loop.optimizer, payload)
+    if payload.get(SHARDS_KEY) is not None:  # DTensors of the callbacks' and extra states
+        payload = payload[SHARDS_KEY].resolve(payload)
     ranks = payload.get("ranks") or [{}]
     rank, world = distributed.rank(), distributed.world_size()
     saved_world = int(loop_part.get("world_size", 1))

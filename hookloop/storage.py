@@ -18,12 +18,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookloop import distributed
 from hookloop.errors import CheckpointError, CheckpointWriteError, ConfigurationError
 from hookloop.modules import unwrap
+from hookloop.sharded import (
+    is_sharded_module,
+    is_sharded_tensor,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
 
 __all__ = ["FORMAT", "TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "find_unplain", "write_atomic",
            "write_text_atomic", "link_atomic", "fsync_directory",
            "read_payload", "load_model_weights", "load_optimizer_state", "load_checkpoint",
+           "load_weights", "SHARDS_KEY",
            "all_finite", "describe_os_error", "prepare_directory", "regular_checkpoint_files",
            "verify_archive", "check_payload", "expect_field"]
 
@@ -31,6 +39,9 @@ __all__ = ["FORMAT", "TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "find_unplain
 FORMAT = 2
 TEMP_PREFIX = ".tmp-"
 TEMP_SUFFIX = ".part"
+#: The key under which a payload read from a sharded checkpoint directory carries the
+#: object that reads its tensors (`hookloop.shard_files.Shards`).
+SHARDS_KEY = "shards"
 _PRIMITIVES = (int, float, bool, str, bytes, complex, type(None))
 _LEAVES = (torch.dtype, torch.device, torch.Size)
 
@@ -621,8 +632,10 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
     model is on, never the device recorded in the file.
 
     Args:
-        path: The checkpoint file.
-        model: The module to load into; unwrap DDP/compile wrappers or pass the module.
+        path: The checkpoint file, or a sharded checkpoint directory (``.dcp``).
+        model: The module to load into (unwrapped from DDP and compile wrappers), sharded
+            by FSDP or not: a file written by ``FSDP(state_dict="full")`` loads into an
+            unsharded model for inference, and a directory of shards into either.
         optimizer: Also restore this optimizer (rotating checkpoints only).
         map_location: Where to put the loaded tensors; default: the model's device.
 
@@ -654,18 +667,73 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
     model = unwrap(model)
     path = os.fspath(path)
     location = _default_location(model) if map_location is None else map_location
-    payload = read_payload(path, location)
-    load_model_weights(path, model, payload["model"])
-    if optimizer is not None:
-        if "optimizer" not in payload:
-            raise CheckpointError(
-                f"{path}: holds no optimizer state (best.pt keeps only the validated weights); "
-                "load a rotating checkpoint to restore the optimizer.")
-        load_optimizer_state(path, optimizer, payload["optimizer"])
+    if os.path.isdir(path):
+        from hookloop.shard_files import read_directory  # it builds on this module
+
+        payload = read_directory(path, location)
+    else:
+        payload = read_payload(path, location)
+    if optimizer is not None and "optimizer" not in payload:
+        raise CheckpointError(
+            f"{path}: holds no optimizer state (best.pt keeps only the validated weights); "
+            "load a rotating checkpoint to restore the optimizer.")
+    load_weights(path, model, optimizer, payload)
     return payload
 
 
-def all_finite(weights: Mapping[str, Any]) -> bool:
-    checks = [torch.isfinite(value).all() for value in weights.values()
-              if isinstance(value, torch.Tensor) and value.is_floating_point()]
-    return bool(torch.stack([check.cpu() for check in checks]).all()) if checks else True
+def load_weights(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 payload: Mapping[str, Any]) -> None:
+    """Load the weights (and the optimizer's state) of a checkpoint's ``payload`` into
+    ``model``, whatever the pair: a file or a directory of shards, into a sharded (FSDP) or
+    an unsharded model.
+
+    A file's full tensors go into a sharded model each rank keeping its shards; a
+    directory's shards are read by DCP, re-sharded to this run's ranks (or read whole for
+    an unsharded model). A file into an unsharded model is ``load_state_dict``.
+
+    Raises:
+        CheckpointError: the weights or the optimizer state do not fit, naming ``path``.
+    """
+    shards = payload.get(SHARDS_KEY)
+    if shards is not None:
+        groups = payload["optimizer"].get("param_groups") if optimizer is not None else None
+        shards.load(model, optimizer, groups)
+        return
+    if not is_sharded_module(model):
+        load_model_weights(path, model, payload["model"])
+        if optimizer is not None:
+            load_optimizer_state(path, optimizer, payload["optimizer"])
+        return
+    try:
+        load_full_model_state(model, payload["model"])
+    except (RuntimeError, KeyError, ValueError, TypeError) as error:
+        detail = " ".join(str(error).split())[:600]
+        raise CheckpointError(
+            f"{path}: the weights do not fit the model (wrong architecture): {detail}") from None
+    if optimizer is not None:
+        try:
+            load_full_optimizer_state(model, optimizer, payload["optimizer"])
+        except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as error:
+            raise CheckpointError(
+                f"{path}: the optimizer state does not fit this optimizer ({error}). Create "
+                "the same optimizer over the same parameters as the run that saved it.") from None
+
+
+def all_finite(weights: Mapping[str, Any], *, agree: bool = False) -> bool:
+    """True when every floating tensor of ``weights`` is finite.
+
+    Shards (FSDP's DTensors) are checked on this rank and the answer is agreed by every
+    rank, as it is with ``agree`` (a collective then: every rank must call it; rank 0 may
+    hold the gathered weights while the others hold none).
+
+    Example:
+        >>> all_finite({"w": torch.tensor([1.0, float("nan")])})
+        False
+    """
+    tensors = [value for value in weights.values() if isinstance(value, torch.Tensor)]
+    checks = [torch.isfinite(value.to_local() if is_sharded_tensor(value) else value).all()
+              for value in tensors if value.is_floating_point()]
+    finite = bool(torch.stack([check.cpu() for check in checks]).all()) if checks else True
+    if agree or any(is_sharded_tensor(value) for value in tensors):
+        finite = not distributed.any_true(not finite)
+    return finite

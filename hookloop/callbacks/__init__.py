@@ -13,6 +13,7 @@ from hookloop.callbacks.ddp import DDP
 from hookloop.callbacks.detect_anomaly import DetectAnomaly
 from hookloop.callbacks.early_stopping import EarlyStopping
 from hookloop.callbacks.ema import EMA
+from hookloop.callbacks.fsdp import FSDP
 from hookloop.callbacks.grad_accumulation import GradAccumulation
 from hookloop.callbacks.grad_clip import GradClip
 from hookloop.callbacks.lr_scheduler import LRScheduler
@@ -29,5 +30,5 @@ __all__: list[str] = []
 __all__ += ["AMP", "EMA", "GradAccumulation", "GradClip", "LRScheduler"]
 __all__ += ["Checkpoint", "EarlyStopping", "Metrics", "TerminateOnNaN"]
 __all__ += ["DetectAnomaly", "ShortRun", "TimeLimit"]
-__all__ += ["DDP"]
+__all__ += ["DDP", "FSDP"]
 __all__ += ["CSVLogger", "ModelSummary", "Profiler", "ProgressBar", "TensorBoard"]

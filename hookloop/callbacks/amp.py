@@ -13,6 +13,7 @@ from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_int, check_name, check_number
 from hookloop.compat import generic_grad_scaler_step
 from hookloop.errors import ConfigurationError
+from hookloop.sharded import grad_scaler
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -124,6 +125,9 @@ class AMP(Callback):
     """
 
     unique = True
+    runs_after = {"FSDP": "AMP gives a model FSDP shards its sharded GradScaler (a step with an "
+                          "inf/NaN in any rank's shards is skipped on every rank), so FSDP must "
+                          "have sharded the model when AMP sets up"}
 
     def __init__(self, dtype: torch.dtype | str = torch.bfloat16,
                  scaler: bool | Mapping[str, Any] | None = None, *, name: str | None = None) -> None:
@@ -186,9 +190,11 @@ class AMP(Callback):
                 "optimizer) and let autocast compute in half precision, or use "
                 "AMP(torch.bfloat16) without a scaler.")
         device_type = loop.device.type
-        if self._scaler is None or self._scaler_device != device_type:
+        wanted = grad_scaler(loop.unwrapped_model, device_type, **self._scaler_kwargs)
+        if self._scaler is None or self._scaler_device != device_type or \
+                type(self._scaler) is not type(wanted):
             previous = self._scaler.state_dict() if self._scaler is not None else None
-            self._scaler = torch.amp.GradScaler(device_type, **self._scaler_kwargs)
+            self._scaler = wanted
             self._scaler_device = device_type
             if previous:
                 self._scaler.load_state_dict(previous)

@@ -21,6 +21,7 @@ from hookloop.errors import ConfigurationError
 from hookloop.grads import non_finite_weights_advice
 from hookloop.monitor import MODES, Monitor
 from hookloop.ranking import TopK
+from hookloop.sharded import model_state
 from hookloop.storage import all_finite, load_checkpoint
 
 if TYPE_CHECKING:
@@ -247,13 +248,11 @@ class Checkpoint(Callback):
         position = loop.position
         if position == self._saved_at:
             return  # this position is on disk already (or is where the run started)
-        run = loop.state_dict(gather=collective)  # a collective under DDP when gathering
+        run = loop.state_dict(gather=collective)  # a collective under DDP/FSDP when gathering
         previous, self._saved_at = self._saved_at, position
-        if not distributed.is_main():
-            return
         state = loop.state
-        if not all_finite(run["model"]):
-            if not self._warned_not_finite:
+        if not all_finite(run["model"], agree=collective):  # every rank skips, or none
+            if not self._warned_not_finite and distributed.is_main():
                 warnings.warn(f"Checkpoint: the weights at epoch {state.epoch}, step {state.step}"
                               " are not finite (NaN/inf); no checkpoint written, the older files "
                               "are kept. " + non_finite_weights_advice(loop.callbacks),
@@ -273,17 +272,17 @@ class Checkpoint(Callback):
             return
         self._writes.wait()  # which rotating files exist decides what a drop sets aside
         # Every rank asks (the weights agree under DDP), so the rankings stay the same.
-        weights = loop.unwrapped_model.state_dict()
-        if not all_finite(weights):
+        weights = model_state(loop.unwrapped_model)  # gathered or shards under FSDP
+        if not all_finite(weights, agree=True):
             return
         is_best = ranking.best is None or monitor.better(value, ranking.best["value"])
-        name = None if self.save_top_k == 1 else self.files.scored_name(value, state.step)
-        if distributed.is_main():
-            if name is None and ranking.best is not None:  # best.pt is about to be replaced
-                self.files.set_best_aside(ranking.best, at=state.step)
-            self.files.write_best(weights, value, state.epoch, state.step, state.metrics, name)
-            if name is not None and is_best:
-                self.files.link_best(name)
+        if distributed.is_main() and self.save_top_k == 1 and ranking.best is not None:
+            self.files.set_best_aside(ranking.best, at=state.step)  # best.pt is to be replaced
+        name = self.files.write_best(weights, value, state.epoch, state.step, state.metrics,
+                                     None if self.save_top_k == 1 else
+                                     self.files.scored_name(value, state.step))
+        if distributed.is_main() and name is not None and is_best:
+            self.files.link_best(name)
         dropped = ranking.offer(value, state.epoch, state.step, name)
         if distributed.is_main():  # only now that the new file is complete
             self.files.discard([(state.step, entry) for entry in dropped], ranking.files())

@@ -21,6 +21,7 @@ from hookloop.checks import (
 from hookloop.compat import foreach_copy_, foreach_lerp_
 from hookloop.errors import ConfigurationError
 from hookloop.modules import unwrap
+from hookloop.sharded import is_sharded_tensor, place_like, regather
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -174,10 +175,11 @@ class EMA(Callback):
                 raise ConfigurationError(
                     f"The EMA state for {name!r} has shape {tuple(value.shape)} but the model's "
                     f"is {tuple(tensor.shape)}. Load an EMA state saved from this model.")
-            if source is not None and value.device == tensor.device and value.dtype == dtype:
+            if source is not None and value.device == tensor.device and value.dtype == dtype \
+                    and is_sharded_tensor(value) == is_sharded_tensor(tensor):
                 placed = value  # an existing shadow already in place: keep the same tensor
-            else:
-                placed = value.to(device=tensor.device, dtype=dtype, copy=True)
+            else:  # under FSDP, a whole tensor (a full checkpoint's) cut to this rank's shard
+                placed = place_like(value, tensor, dtype)
             by_tensor[id(tensor)] = shadow[name] = placed
         self._shadow = shadow
         self._model = model
@@ -309,6 +311,7 @@ class EMA(Callback):
             backup = {name: tensor.detach().clone() for name, tensor in _entries(target).items()}
         try:
             self.copy_to(target)
+            regather(target)  # FSDP gathered the training weights for this pass: again
             yield target
         finally:
             with torch.no_grad():

@@ -11,7 +11,7 @@ import torch
 from hookloop.callback import Callback
 from hookloop.checks import check_number
 from hookloop.errors import ConfigurationError
-from hookloop.grads import total_norm
+from hookloop.grads import clip_grad_norm, parameters_in_model_order, total_norm
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -24,9 +24,17 @@ class GradClip(Callback):
 
     Runs once per optimizer step, on the accumulated gradients, after `AMP` has unscaled
     them (it must come after AMP in the list; the stack check enforces it). The parameters
-    clipped are those of ``loop.optimizer``. The pre-clip total norm (``norm_type``) is put
-    in ``loop.state.grad_norm`` as a tensor on the device, with no host sync: loggers read
-    it when they log. Clipping by value computes that norm too.
+    clipped are those of ``loop.optimizer``, taken in the model's order (those of
+    ``loop.unwrapped_model`` first, as ``model.parameters()`` lists them, then any others in
+    param-group order): so the result is bit for bit that of a hand-written
+    ``clip_grad_norm_(model.parameters(), max_norm)``, whatever the order of the param
+    groups (weight decay on, off). The pre-clip total norm (``norm_type``) is put in
+    ``loop.state.grad_norm`` as a tensor on the device, with no host sync: loggers read it
+    when they log. Clipping by value computes that norm too.
+
+    Under `FSDP` the gradients are shards (DTensors): the norm is the global one, over every
+    shard of every rank (the same value on every rank, and in ``grad_norm``), and every
+    shard is scaled by it, as one process holding the whole model would.
 
     When every parameter's ``.grad`` is None at a step (a detached graph, a frozen model),
     it warns once (``RuntimeWarning``) instead of silently clipping nothing, and
@@ -80,24 +88,35 @@ class GradClip(Callback):
                 "which is what 'fro' means for a vector.")
         self.norm_type = float(norm_type)
         self._warned_no_grad = False
+        self._order: tuple[tuple[int, int], list[torch.Tensor]] | None = None
 
     def __repr__(self) -> str:
         if self.max_norm is not None:
             return f"GradClip(max_norm={self.max_norm})"
         return f"GradClip(max_value={self.max_value})"
 
+    def on_fit_start(self, loop: Loop) -> None:
+        # After every setup: FSDP re-points the optimizer at the sharded parameters there.
+        self._order = None
+
+    def _parameters(self, loop: Loop) -> list[torch.Tensor]:
+        """The optimizer's parameters in the model's order, worked out once per fit (and
+        again if the optimizer's groups change)."""
+        key = (id(loop.optimizer), sum(len(group["params"]) for group in loop.optimizer.param_groups))
+        if self._order is None or self._order[0] != key:
+            self._order = (key, parameters_in_model_order(loop.unwrapped_model, loop.optimizer))
+        return self._order[1]
+
     def before_step(self, loop: Loop) -> None:
         """Record the pre-clip total norm in ``loop.state.grad_norm``, then clip."""
-        params = [param for group in loop.optimizer.param_groups for param in group["params"]
-                  if param.grad is not None]
+        params = [param for param in self._parameters(loop) if param.grad is not None]
         if not params:  # only `.grad is None` was read: no sync
             # Nothing to clip (clip_grad_value_ would raise on an empty list): norm 0.
             loop.state.grad_norm = torch.zeros((), device=loop.device)
             self._warn_no_grad(loop)
             return
         if self.max_norm is not None:
-            loop.state.grad_norm = torch.nn.utils.clip_grad_norm_(
-                params, self.max_norm, norm_type=self.norm_type)
+            loop.state.grad_norm = clip_grad_norm(params, self.max_norm, self.norm_type)
         else:
             loop.state.grad_norm = total_norm([param.grad for param in params], self.norm_type)
             torch.nn.utils.clip_grad_value_(params, self.max_value)

@@ -20,6 +20,7 @@ from hookloop.callbacks import (
     CSVLogger,
     Checkpoint,
     DDP,
+    FSDP,
     EMA,
     DetectAnomaly,
     EarlyStopping,
@@ -41,6 +42,7 @@ from builders import accuracy, classification_dataset, make_loop, sgd, shuffled,
 
 # DDP outside torchrun is a no-op that says so; here that is expected.
 pytestmark = [pytest.mark.filterwarnings("ignore:DDP. not launched by torchrun"),
+              pytest.mark.filterwarnings("ignore:FSDP. not launched by torchrun"),
               # the same TensorBoard twice in a row writes into one log_dir: it says so
               pytest.mark.filterwarnings("ignore:TensorBoard. .* already holds event files")]
 
@@ -61,6 +63,7 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
     "Checkpoint": lambda tmp: Checkpoint(tmp / "checkpoints", monitor="val_loss", keep_last=2),
     "TerminateOnNaN": lambda tmp: TerminateOnNaN(),
     "DDP": lambda tmp: DDP(),
+    "FSDP": lambda tmp: FSDP(state_dict="sharded"),
     "TensorBoard": lambda tmp: TensorBoard(tmp / "tb", every_n_steps=2, graph=True,
                                            histograms_every_n_epochs=2),
     "ProgressBar": lambda tmp: ProgressBar(console=Console(file=io.StringIO(), force_terminal=True)),

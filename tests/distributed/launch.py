@@ -26,10 +26,11 @@ SCRIPTS = ROOT / "tests" / "distributed" / "scripts"
 TIMEOUT = 150  # seconds per launch; a healthy one takes ~10 s on 2 busy cores
 
 
-def start(script: Path, *args: str) -> subprocess.Popen[str]:
-    """Start ``script`` on 2 processes without waiting; its own process group, for a kill."""
+def start(script: Path, *args: str, processes: int = 2) -> subprocess.Popen[str]:
+    """Start ``script`` on 2 processes (or ``processes``) without waiting; its own process
+    group, for a kill."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", str(script), *args]
+               f"--nproc_per_node={processes}", str(script), *args]
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env["PYTHONPATH"]])
     env.pop("RANK", None)
@@ -37,10 +38,11 @@ def start(script: Path, *args: str) -> subprocess.Popen[str]:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def torchrun(script: Path, *args: str, timeout: float = TIMEOUT
+def torchrun(script: Path, *args: str, timeout: float = TIMEOUT, processes: int = 2
              ) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` on 2 processes; kill the whole process group if it overruns."""
-    process = start(script, *args)
+    """Run ``script`` on 2 processes (or ``processes``); kill the whole process group if it
+    overruns."""
+    process = start(script, *args, processes=processes)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -50,9 +52,9 @@ def torchrun(script: Path, *args: str, timeout: float = TIMEOUT
     return subprocess.CompletedProcess(process.args, process.returncode, output, "")
 
 
-def run_ok(script: Path, *args: str) -> str:
+def run_ok(script: Path, *args: str, processes: int = 2) -> str:
     """`torchrun`, and fail the test unless every process exited 0; returns the output."""
-    result = torchrun(script, *args)
+    result = torchrun(script, *args, processes=processes)
     assert result.returncode == 0, f"{script.name} failed:\n{result.stdout[-8000:]}"
     return result.stdout
 
