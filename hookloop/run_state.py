@@ -122,6 +122,9 @@ class RunEnd:
         if suspension is None or self.record(state.epochs, state.max_steps,
                                              self._position.epoch) is not None:
             return
+        # The epoch's live iterator goes now: its DataLoader workers stop through their
+        # queues, not by a signal at the interpreter's exit (a later fit replays instead).
+        self._position.rewind()
         self.vote.run_actions(suspension)
         signals.quiet_until_exit(taken)
         message = (f"this launch ended at step {state.step} ({suspension.reason}); the run "

@@ -166,5 +166,5 @@ def test_sigterm_to_the_whole_job_spares_the_dataloader_workers(tmp_path: Path) 
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 143, errors[-3000:]
-    assert "killed by signal" not in errors and "Traceback" not in errors
+    assert "killed by signal" not in errors and "Traceback" not in errors, errors[-3000:]
     assert len(list((tmp_path / "ckpt").glob("epoch=0000-step=*.pt"))) == 1
