@@ -17,6 +17,7 @@ from hookloop.errors import (
     HookloopError,
     LogWriteError,
     NonFiniteError,
+    Suspended,
     Terminated,
 )
 from hookloop.events import Event
@@ -42,6 +43,7 @@ __all__ = [
     "LoopState",
     "NonFiniteError",
     "Phase",
+    "Suspended",
     "Terminated",
     "__version__",
     "describe",

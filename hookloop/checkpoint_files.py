@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import warnings
 from contextlib import suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop import distributed
+from hookloop import distributed, suspension
 from hookloop.directory_lock import DirectoryLock
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.shard_files import (
@@ -46,6 +47,9 @@ from hookloop.storage import (
     write_atomic,
     write_text_atomic,
 )
+
+if TYPE_CHECKING:
+    from hookloop.ranking import TopK
 
 __all__ = ["CheckpointFiles", "RETIRED_PREFIX", "file_meta", "read_checkpoint"]
 
@@ -280,6 +284,24 @@ class CheckpointFiles:
                  for value, step, path in self.scored() if os.path.basename(path) not in named]
         return kept, newer
 
+    def reconcile(self, ranking: TopK, *, single: bool) -> None:
+        """Make ``ranking`` agree with the disk: keep its entries whose weights are there and
+        rank the best files written after its state was saved (a kill before the next
+        rotating file). Every rank calls it: rank 0 reads the directory and tells the others.
+
+        Args:
+            ranking: The `Checkpoint`'s ranking of the best validations.
+            single: ``save_top_k=1``: ``best.pt`` is the only file.
+        """
+        found = self.recover(ranking.entries, single=single) if distributed.is_main() else None
+        kept, newer = distributed.broadcast_object(found)
+        ranking.load_state_dict(kept)
+        dropped, top = ranking.merge(newer), ranking.best
+        if distributed.is_main():
+            self.discard(dropped, ranking.files())
+            if top is not None and top["file"] is not None:
+                self.link_best(top["file"])  # a rollback may have retired a later best.pt
+
     def _put_back(self, entry: dict[str, Any], name: str) -> bool:
         """True when ``name`` holds ``entry``'s weights, after moving its set-aside file there."""
         if os.path.exists(self.path(name)):
@@ -382,11 +404,17 @@ class CheckpointFiles:
     def write_resume(self, run: dict[str, Any], epoch: int, step: int,
                      metrics: dict[str, float]) -> str | None:
         """Write the rotating file of ``epoch`` and ``step`` holding ``run`` (`Loop.state_dict`);
-        every rank calls it (see `write`)."""
+        every rank calls it (see `write`). Its duration is noted in the running fit's vote
+        (`TimeLimit` keeps time for it)."""
+        started = time.monotonic()
         self._kind_of(run)
         payload = {"hookloop": {**file_meta("resume"), "epoch": epoch, "step": step}, **run,
                    "metrics": dict(metrics)}
-        return self.write(payload, self.rotating_name(epoch, step))
+        path = self.write(payload, self.rotating_name(epoch, step))
+        vote = suspension.current()
+        if vote is not None:
+            vote.last_save = time.monotonic() - started
+        return path
 
     def write_best(self, weights: dict[str, Any], value: float, epoch: int, step: int,
                    metrics: dict[str, float], name: str | None) -> str | None:

@@ -14,9 +14,11 @@ constructor reads ``self.patience = check_int("EarlyStopping patience", patience
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import math
 import os
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -32,7 +34,8 @@ from hookloop.forward import check_batch_rule
 from hookloop.ordering import check_callbacks
 from hookloop.untouched import untouched
 
-__all__ = ["check_int", "check_optional_int", "check_flag", "check_number", "check_name",
+__all__ = ["check_int", "check_optional_int", "check_flag", "check_number", "check_duration",
+           "check_name",
            "check_choice", "check_path", "check_console", "check_loop_arguments",
            "check_fit", "check_fit_arguments", "check_fit_data", "check_evaluation", "check_setup", "resolve_device",
            "available_devices", "check_that"]
@@ -125,6 +128,43 @@ def check_number(label: str, value: Any, *, minimum: float | None = None,
             or (below is not None and value >= below) or (maximum is not None and value > maximum)):
         raise _refuse(label, requirement, value, hint)
     return float(value)
+
+
+_SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def check_duration(label: str, value: Any, *, hint: str = "") -> float:
+    """``value`` as seconds > 0: a number of seconds, a ``datetime.timedelta``, or a string
+    in SLURM's ``--time`` forms (``"MM"``, ``"MM:SS"``, ``"HH:MM:SS"``, ``"D-HH"``,
+    ``"D-HH:MM"``, ``"D-HH:MM:SS"``).
+
+    Example:
+        >>> check_duration("TimeLimit duration", "1-02:30:00")
+        95400.0
+        >>> check_duration("TimeLimit duration", "90")  # minutes, as SLURM reads it
+        5400.0
+        >>> check_duration("TimeLimit duration", "soon")
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: TimeLimit duration must be seconds > 0, a timedelta or a time like '4:00:00' or '1-12:00:00', got 'soon'.
+    """
+    seconds: float | None = None
+    if isinstance(value, datetime.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _SLURM_TIME.match(value.strip())):
+        days, first, second, third = (int(part) if part else None for part in match.groups())
+        if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
+            seconds = float(days * 86400 + first * 3600 + (second or 0) * 60 + (third or 0))
+        elif third is not None:  # HH:MM:SS
+            seconds = float(first * 3600 + (second or 0) * 60 + third)
+        else:  # MM or MM:SS
+            seconds = float(first * 60 + (second or 0))
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        raise _refuse(label, "seconds > 0, a timedelta or a time like '4:00:00' or "
+                      "'1-12:00:00'", value, hint)
+    return seconds
 
 
 def check_name(label: str, value: Any, *, optional: bool = True, hint: str = "") -> str | None:

@@ -8,7 +8,7 @@ import re
 __all__ = ["HookloopError", "CallbackOrderError", "CheckpointError", "CheckpointWriteError",
            "LogWriteError",
            "NonFiniteError",
-           "ConfigurationError", "Terminated", "with_article"]
+           "ConfigurationError", "Suspended", "Terminated", "with_article"]
 
 # Words spelt with a vowel that start with a consonant sound ("a unit", "a one-shot"), and
 # the reverse ("an hour").
@@ -129,17 +129,40 @@ class NonFiniteError(HookloopError, ArithmeticError):
     """
 
 
-class Terminated(SystemExit):
-    """The process received SIGTERM during ``fit`` (a scheduler preempting the job).
+class Suspended(SystemExit):
+    """This launch ended at a step boundary and the run goes on: relaunch the same command.
 
-    Raised inside ``fit`` by `hookloop.signals.terminate_on_sigterm`, at the Python line
-    the main thread was running, so the usual exception path runs: ``on_exception`` (where
-    `Checkpoint` saves the last completed step), then ``on_fit_end``. It then propagates.
+    ``fit`` raises it after every ``on_fit_end`` ran, when the launch was ended resumably
+    (``loop.stop(reason, resumable=True)``, `hookloop.callbacks.TimeLimit`, SIGTERM,
+    SIGUSR1, or SIGINT under a batch scheduler). Every rank agreed on the step boundary and
+    `Checkpoint` wrote that step there, so a relaunch with the same command continues the
+    run exactly. It is a `SystemExit`: left uncaught, the process exits with ``code``
+    without a traceback (``except Exception`` does not swallow it; the ``finally`` blocks
+    of the script still run). ``code`` is 143 for SIGTERM, 138 for SIGUSR1, 130 for
+    SIGINT and 75 (``EX_TEMPFAIL``: "try again") for a time limit or a callback.
 
-    It is a `SystemExit` whose code is 143 (128 + SIGTERM's 15, the status a shell reports
-    for a process that SIGTERM ended): left uncaught, the process exits with that status
-    and without a traceback, as a terminated job should; ``except Exception`` does not
-    swallow it. Catch it (or `SystemExit`) to do something else, e.g. in a notebook.
+    Example:
+        >>> from hookloop.errors import Suspended
+        >>> Suspended("TimeLimit: 10 minutes").code
+        75
+    """
+
+    def __init__(self, message: str | None = None, code: int = 75) -> None:
+        super().__init__(code)
+        self.message = message or "this launch ended; the run goes on"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class Terminated(Suspended):
+    """The launch ended because the process received SIGTERM during ``fit``.
+
+    SIGTERM is what schedulers (Slurm, Kubernetes) and spot reclaimers send before they kill
+    a job. ``fit`` ends the launch at the next step boundary, as every `Suspended` launch
+    ends, and raises this `Suspended` with code 143 (128 + SIGTERM's 15, the status a shell
+    reports for a process that SIGTERM ended). Catch it (or `SystemExit`) to do something
+    else, e.g. in a notebook.
 
     Example:
         >>> from hookloop.errors import Terminated
@@ -148,8 +171,4 @@ class Terminated(SystemExit):
     """
 
     def __init__(self, message: str | None = None) -> None:
-        super().__init__(143)
-        self.message = message or "SIGTERM received during fit"
-
-    def __str__(self) -> str:
-        return self.message
+        super().__init__(message or "SIGTERM received during fit", 143)

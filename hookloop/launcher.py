@@ -2,8 +2,9 @@
 data sharded over the ranks, and tearing it down.
 
 `DDP` and `FSDP` both start through a `Launch`: the same rules (torchrun's ``RANK``,
-``WORLD_SIZE`` and ``LOCAL_RANK``; ``nccl`` on CUDA, ``gloo`` on CPU; ``cuda:LOCAL_RANK``),
-the same message when the script was not launched by torchrun, the same sharding of the
+``WORLD_SIZE`` and ``LOCAL_RANK``, or the task SLURM's ``srun`` describes, `hookloop.slurm`;
+``nccl`` on CUDA, ``gloo`` on CPU; ``cuda:LOCAL_RANK``), the same message when the script
+was launched by neither, the same SLURM requeue on SIGUSR1, the same sharding of the
 training and validation data, and the same teardown (only the group a launch created, only
 after a fit that ended cleanly: on the error path nothing collective is called).
 """
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hookloop import distributed
+from hookloop import distributed, slurm, suspension
 from hookloop.samplers import check_equal_batches, set_epoch, shard_loader
 
 if TYPE_CHECKING:
@@ -72,15 +73,20 @@ class Launch:
 
     Args:
         owner: The callback's name (``"DDP"``, ``"FSDP"``), in messages.
+        requeue: In a SLURM job, requeue it when SIGUSR1 ends the launch
+            (`hookloop.slurm.requeue_on_sigusr1`).
 
     Example:
         >>> launch = Launch("DDP")
-        >>> launch.active, launch.created_group
-        (False, False)
+        >>> launch.active, launch.created_group, launch.launcher
+        (False, False, None)
     """
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, *, requeue: bool = False) -> None:
         self.owner = owner
+        self.requeue = requeue
+        #: The launcher the last `start` found: ``"torchrun"``, ``"srun"`` or None.
+        self.launcher: str | None = None
         #: True between a `start` that found a launcher and the end of the fit.
         self.active = False
         #: True when `start` created the default process group (`finish` destroys it).
@@ -99,14 +105,23 @@ class Launch:
         model), rather than setting up a group that nothing would tear down.
         """
         self._failed = False
-        self.active = distributed.is_initialized() or launched_by_torchrun()
+        task = None if launched_by_torchrun() else slurm.adopt_srun_task()
+        if task is not None or launched_by_torchrun():
+            self.launcher = "srun" if task is not None else "torchrun"
+        self.active = distributed.is_initialized() or self.launcher is not None
+        vote = suspension.current()
+        if self.requeue and loop.fitting and vote is not None:  # before any collective
+            action = slurm.requeue_on_sigusr1(self.owner, main=distributed.is_main())
+            if action is not None:
+                vote.at_end(action)
         if not self.active:
             if not self._noted:
                 self._noted = True
                 warnings.warn(
                     f"{self.owner}: not launched by torchrun (RANK, WORLD_SIZE, LOCAL_RANK "
-                    "unset), so training runs in this one process. Launch with "
-                    "`torchrun --nproc_per_node=N script.py` to train on N processes.",
+                    "unset) nor by srun (no SLURM task), so training runs in this one "
+                    "process. Launch with `torchrun --nproc_per_node=N script.py` (or `srun` "
+                    "with N tasks) to train on N processes.",
                     stacklevel=5)  # the user's fit() or validate() call
             return False
         if loop.device.type == "cuda":
@@ -118,6 +133,12 @@ class Launch:
         if not distributed.is_initialized():
             init_process_group(backend or ("nccl" if loop.device.type == "cuda" else "gloo"))
             self.created_group = True
+            if distributed.is_main():
+                found = (f"srun (SLURM job {task.job_id})" if task is not None else "torchrun")
+                group = (f", group at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+                         if task is not None else "")
+                print(f"{self.owner}: launched by {found}: rank 0 of "
+                      f"{distributed.world_size()}{group}", flush=True)
         return True
 
     def shard_data(self, loop: Loop) -> None:

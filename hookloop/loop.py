@@ -31,7 +31,6 @@ from hookloop.ordering import check_callbacks, overrides
 from hookloop.phase import Phase, Phases
 from hookloop.position import EpochPass, Position, RunPosition
 from hookloop.run_state import RunEnd
-from hookloop.signals import terminate_on_sigterm
 from hookloop.state import LoopState
 from hookloop.stepper import OptimizerStep
 from hookloop.untouched import untouched
@@ -130,31 +129,45 @@ class Loop(Geometry):
         self._position = Position()  # where the weights are, in data terms (see state_dict)
         self._cadence = Cadence()
         self._stepper = OptimizerStep()
-        self._end = RunEnd(self.state)
+        self._end = RunEnd(self.state, self._position)
         self._epoch_completed = False
         self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
 
     # ------------------------------------------------------------------ control
-    def stop(self, reason: str | None = None) -> None:
+    def stop(self, reason: str | None = None, *, resumable: bool = False) -> None:
         """End training at the next step boundary; ``on_epoch_end``/``on_fit_end`` still fire.
 
         Without accumulation every batch ends a step; with ``GradAccumulation`` the current
         window is finished first, so no gradient is thrown away. A later ``fit`` of this loop
-        continues the epoch where it stopped, with the same data order. The run is recorded
-        as ended by ``reason``: relaunched from a checkpoint with the same ``epochs``, it
-        trains nothing and says why.
+        continues the epoch where it stopped, with the same data order.
+
+        A plain stop ends the run: it is recorded as ended by ``reason``, and relaunched
+        from a checkpoint with the same ``epochs`` it trains nothing and says why (early
+        stopping, a NaN). ``resumable=True`` ends only this launch (a time limit, a
+        preemption): the request is voted on by every rank, training ends at the first step
+        boundary where all agree, `Checkpoint` saves that step, every ``on_fit_end`` runs,
+        and ``fit`` then raises `hookloop.errors.Suspended` (exit status 75); relaunched
+        with the same command, the run continues exactly. SIGTERM, SIGUSR1 and
+        `hookloop.callbacks.TimeLimit` end a launch this way.
         """
-        self._end.stop(reason)
+        self._end.stop(reason, resumable=resumable)
 
     @property
     def stop_requested(self) -> bool:
-        """True once `stop` was called in this fit."""
+        """True once `stop` was called in this fit, or once every rank agreed to end the
+        launch (a resumable stop is True from the boundary where all agreed)."""
         return self._end.requested
 
     @property
     def stop_reason(self) -> str | None:
         """The reason given to `stop` in this fit (None before a stop, or without one)."""
         return self._end.reason
+
+    @property
+    def stop_resumable(self) -> bool:
+        """True when the stop ends only this launch and the run goes on (a signal,
+        ``TimeLimit``, ``stop(resumable=True)``): a logger keeps its run open."""
+        return self._end.suspension is not None
 
     def cancel_step(self) -> None:
         """From ``before_step``: skip the coming optimizer step (gradients are dropped)."""
@@ -237,10 +250,14 @@ class Loop(Geometry):
         Raises:
             ConfigurationError: bad input, before the first batch where it can be seen then.
             CallbackOrderError: a callback stack that cannot work, before the first batch.
+            Suspended: after every ``on_fit_end``, when this launch ended while the run goes
+                on (``stop(resumable=True)``, ``TimeLimit``, SIGTERM, SIGUSR1): a
+                `SystemExit` with the documented status, so the script exits without a
+                traceback; relaunch the same command to continue.
         """
         checks.check_fit(self, epochs, max_steps)  # bad input, a stack that cannot work
         dispatch.bind(self, self.callbacks)
-        with terminate_on_sigterm():  # a preempted job leaves a checkpoint like Ctrl-C does
+        with self._end.launch(self.train_data, self.val_data):  # Suspended once it ended
             return self._fit(epochs, max_steps)
 
     def _fit(self, epochs: int, max_steps: int | None) -> LoopState:
@@ -448,7 +465,7 @@ class Loop(Geometry):
         state = self.state
         self.model.train()
         state.training = True
-        batches = self._position.start_epoch(self, stop_due=self._end.due)
+        batches = self._position.start_epoch(self, stop_due=self._end.due_at_boundary)
         if self._cadence.owed_on_resume(batches.start, state.step, self._position.validated):
             self._step_validation(batches)  # the run stopped during the one due at this step
         for batch_idx, batch, state.step_boundary in batches:

@@ -10,15 +10,22 @@ public methods.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop import distributed
+from hookloop import distributed, signals
 from hookloop.callback import Callback
 from hookloop.dispatch import annotate
-from hookloop.errors import CheckpointError, ConfigurationError, with_article
+from hookloop.errors import (
+    CheckpointError,
+    ConfigurationError,
+    Suspended,
+    Terminated,
+    with_article,
+)
 from hookloop.ordering import overrides
 from hookloop.rng import rng_state_problem
 from hookloop.sharded import gather_for_rank_zero, layout_of, model_state, optimizer_state
@@ -30,6 +37,7 @@ from hookloop.storage import (
     load_optimizer_state,
     load_weights,
 )
+from hookloop.suspension import REQUESTED, SIGTERM, Suspension, Vote, published
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -41,19 +49,22 @@ __all__ = ["RunEnd", "apply", "capture", "restore", "check_mapping", "check_call
 
 
 class RunEnd:
-    """Whether and why the run ended: a stop, its epochs or ``max_steps``; and the end the
-    run being resumed recorded, which decides whether a relaunch trains at all.
+    """Whether and why the run ended: a stop, its epochs or ``max_steps``; whether this
+    launch ends while the run goes on (a `Suspension`); and the end the run being resumed
+    recorded, which decides whether a relaunch trains at all.
 
     A run that ended stays ended when relaunched with the same command: a fit with the same
     ``epochs`` (and no larger ``max_steps``) trains nothing and says why; a larger
-    ``epochs``, or a larger or absent ``max_steps``, continues it.
+    ``epochs``, or a larger or absent ``max_steps``, continues it. A suspended launch
+    records no end: the relaunch continues where it stopped.
     """
 
-    __slots__ = ("requested", "reason", "restored", "idle", "_state")
+    __slots__ = ("requested", "reason", "restored", "idle", "suspension", "vote", "_state",
+                 "_position")
 
-    def __init__(self, state: LoopState) -> None:
-        self._state = state  # the loop's: its step and max_steps
-        #: `Loop.stop` was called in this fit.
+    def __init__(self, state: LoopState, position: Position) -> None:
+        self._state, self._position = state, position  # the loop's: step, epochs done...
+        #: `Loop.stop` was called in this fit, or every rank agreed to end the launch.
         self.requested = False
         #: The reason given to it.
         self.reason: str | None = None
@@ -61,18 +72,41 @@ class RunEnd:
         self.restored: Mapping[str, Any] | None = None
         #: This fit had nothing to train (it said so before on_fit_start).
         self.idle = False
+        #: The launch end every rank agreed on in this fit (None: none).
+        self.suspension: Suspension | None = None
+        #: The ranks' vote on ending the launch, asked by signals and resumable stops.
+        self.vote = Vote()
 
     def begin(self) -> None:
         """At every fit start: no stop requested yet."""
-        self.requested, self.reason = False, None
+        self.requested, self.reason, self.suspension = False, None, None
 
-    def stop(self, reason: str | None) -> None:
-        self.requested, self.reason = True, reason
+    def stop(self, reason: str | None, *, resumable: bool = False) -> None:
+        if resumable:  # takes effect where every rank agrees (see `due`)
+            self.vote.ask(REQUESTED, reason or "loop.stop(resumable=True) was called")
+        else:
+            self.requested, self.reason = True, reason
 
     def due(self) -> bool:
-        """True when training must end at the next step boundary: a stop, or ``max_steps``."""
+        """True when training must end: a stop, ``max_steps``, or an agreed launch end."""
         state = self._state
         return self.requested or (state.max_steps is not None and state.step >= state.max_steps)
+
+    def due_at_boundary(self) -> bool:
+        """`due` at a step boundary of the training pass, where the ranks also vote on
+        ending the launch (a collective under a process group: every rank asks at the same
+        boundaries). An end agreed before an epoch's first batch ends that epoch there, so
+        its ``on_epoch_end`` (where `Checkpoint` saves) still runs."""
+        if self.due():
+            return True
+        agreed = self.vote.agree()
+        if agreed is not None:
+            self.requested, self.reason, self.suspension = True, agreed.reason, agreed
+            if distributed.is_main():
+                print(f"hookloop: ending this launch at step {self._state.step} "
+                      f"({agreed.reason}); the process exits with status {agreed.status} "
+                      "once the checkpoint is written.", flush=True)
+        return self.requested
 
     def check_steps(self) -> None:
         """After a step: stop once ``max_steps`` is reached."""
@@ -80,9 +114,34 @@ class RunEnd:
         if state.max_steps is not None and state.step >= state.max_steps:
             self.stop(f"max_steps={state.max_steps} reached")
 
+    @contextmanager
+    def launch(self, *loaders: Any) -> Iterator[None]:
+        """Around a fit: signals ask `vote` (the ``loaders``' workers ignore them); a fit
+        that ended the launch raises `Suspended` once it returned (every ``on_fit_end``
+        ran), unless the run ended at that boundary too (its last epoch), which leaves
+        nothing to continue."""
+        self.vote.reset()
+        with published(self.vote), signals.handled() as taken, \
+                signals.sparing_workers(loaders, taken):
+            yield
+        suspension, state = self.suspension, self._state
+        if suspension is None or self.record(state.epochs, state.max_steps,
+                                             self._position.epoch) is not None:
+            return
+        # The epoch's live iterator goes now: its DataLoader workers stop through their
+        # queues, not by a signal at the interpreter's exit (a later fit replays instead).
+        self._position.rewind()
+        self.vote.run_actions(suspension)
+        signals.quiet_until_exit(taken)
+        message = (f"this launch ended at step {state.step} ({suspension.reason}); the run "
+                   "goes on: relaunch the same command to continue it")
+        if suspension.status == SIGTERM.status:
+            raise Terminated(message)
+        raise Suspended(message, suspension.status)
+
     def record(self, epochs: int, max_steps: int | None, epochs_done: int) -> dict[str, Any] | None:
         """Why the run ended (for `Loop.state_dict`), or None while it goes on."""
-        if self.requested:
+        if self.requested and self.suspension is None:
             reason = self.reason or "loop.stop() was called"
         elif epochs and epochs_done >= epochs:
             reason = _all_epochs(epochs)
@@ -110,6 +169,12 @@ class RunEnd:
             return
         why = (self.reason or "loop.stop() was called") if self.requested else \
             _all_epochs(state.epochs)
+        if self.suspension is not None and self.record(
+                state.epochs, state.max_steps, self._position.epoch) is None:
+            print(f"hookloop: this launch ended at epoch {state.epoch + 1}/{state.epochs}, "
+                  f"step {state.step}: {why.rstrip('.')}; the run goes on, relaunch the same "
+                  "command to continue it.", flush=True)
+            return
         print(f"hookloop: training ended at epoch {state.epoch + 1}/{state.epochs}, step "
               f"{state.step}: {why.rstrip('.')}.", flush=True)
 

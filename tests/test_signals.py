@@ -1,5 +1,6 @@
-"""SIGTERM (hookloop/signals.py): raised as Terminated inside fit, saved like Ctrl-C, exit
-status 143, the program's own handler left alone; and a SIGTERM while another exception is
+"""SIGTERM (hookloop/signals.py): inside fit it asks to end the launch at the next step
+boundary, where the checkpoint is written, and the process exits with status 143; the
+program's own handler is left alone; and a Terminated raised while another exception is
 being handled."""
 
 from __future__ import annotations
@@ -16,35 +17,37 @@ import torch
 
 from hookloop import Callback, Loop
 from hookloop.callbacks import Checkpoint
-from hookloop.errors import Terminated
-from hookloop.signals import terminate_on_sigterm
+from hookloop.signals import handled
+from hookloop.suspension import Vote, published
 
 from builders import RaiseAtBatch, shuffled_run
 from conftest import subprocess_env
 
 
-def test_terminate_on_sigterm_raises_and_restores_the_handler() -> None:
+def test_sigterm_inside_fit_asks_to_end_the_launch_and_the_handler_is_restored() -> None:
     previous = signal.getsignal(signal.SIGTERM)
     assert previous is signal.SIG_DFL
-    with pytest.raises(Terminated) as caught, terminate_on_sigterm():
-        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-        with terminate_on_sigterm():  # nested: installs nothing more
+    with published(Vote()) as vote, handled():
+        installed = signal.getsignal(signal.SIGTERM)
+        assert installed is not signal.SIG_DFL
+        with handled():  # nested: installs nothing more
+            assert signal.getsignal(signal.SIGTERM) is installed
             os.kill(os.getpid(), signal.SIGTERM)
-            for _ in range(10**7):
+            for _ in range(10**6):  # the handler runs here, raising nothing
                 pass
-    assert caught.value.code == 143 and not isinstance(caught.value, Exception)
+        assert [cause.name for cause in vote.asked] == ["SIGTERM"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def test_terminate_on_sigterm_leaves_a_program_handler_alone() -> None:
+def test_a_program_handler_for_sigterm_is_left_alone() -> None:
     seen: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
     try:
-        with terminate_on_sigterm():
+        with published(Vote()) as vote, handled():
             os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(10**6):
                 pass
-        assert seen == [signal.SIGTERM]
+        assert seen == [signal.SIGTERM] and not vote.asked
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -121,3 +124,46 @@ def test_a_sigterm_while_handling_an_exception_lets_the_others_finish(tmp_path: 
     assert isinstance(caught.value.__cause__, RuntimeError)
     assert Closes.closed  # every on_fit_end ran
     assert [path.name for path in tmp_path.glob("epoch=*.pt")] == ["epoch=0000-step=00000005.pt"]
+
+
+WORKERS_SCRIPT = textwrap.dedent("""
+    import sys, time, torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from hookloop import Callback, Loop
+    from hookloop.callbacks import Checkpoint
+
+    class Slow(Callback):
+        def on_batch_end(self, loop):
+            if loop.state.step == 3:
+                print("ready", flush=True)
+            time.sleep(0.05)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    data = DataLoader(TensorDataset(torch.randn(400, 3), torch.randn(400, 1)), batch_size=4,
+                      num_workers=2)
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                loss_fn=torch.nn.functional.mse_loss, device="cpu",
+                callbacks=[Slow(), Checkpoint(sys.argv[1])])
+    loop.fit(2)
+""")
+
+
+def test_sigterm_to_the_whole_job_spares_the_dataloader_workers(tmp_path: Path) -> None:
+    """A scheduler signals every process of the job: the workers must not die of it (their
+    death would raise in the main process at any line, on the exception path)."""
+    script = tmp_path / "train.py"
+    script.write_text(WORKERS_SCRIPT)
+    process = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt")],
+                               env=subprocess_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        os.killpg(process.pid, signal.SIGTERM)  # the main process and its workers
+        _, errors = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 143, errors[-3000:]
+    assert "killed by signal" not in errors and "Traceback" not in errors, errors[-3000:]
+    assert len(list((tmp_path / "ckpt").glob("epoch=0000-step=*.pt"))) == 1

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.checkpoint_files import CheckpointFiles
+from hookloop.background_save import RotatingWrites
 from hookloop.checks import check_choice, check_name, check_number, check_optional_int, check_path
 from hookloop.errors import ConfigurationError
 from hookloop.grads import non_finite_weights_advice
@@ -39,6 +40,8 @@ class Checkpoint(Callback):
     ``monitor``, ``best.pt`` holds the best validated weights (for `load_checkpoint`), and
     ``save_top_k=k`` keeps the ``k`` best as ``best-<monitor>=<value>-step=S.pt``. Writes
     are atomic; rank 0 writes, every rank loads. It comes after every stateful callback.
+    ``async_save=True`` writes rotating files in a thread from a host copy (docs/callbacks/
+    checkpoint.md: the step waits for the copy; a failure is raised at the next step).
 
     Args:
         dirpath: Directory of the checkpoints (created when missing).
@@ -52,6 +55,7 @@ class Checkpoint(Callback):
         name: State key, and a prefix of the file names, for a second ``Checkpoint``.
         save_top_k: How many best-scoring files to keep (with ``monitor``); None: all.
         initial_value_threshold: No best file until the monitored score beats this value.
+        async_save: Write the rotating files in the background (see above).
 
     Raises:
         ConfigurationError: a bad argument; at fit start, ``resume=False`` over an earlier
@@ -81,8 +85,8 @@ class Checkpoint(Callback):
                  mode: str = "auto", every_n_epochs: int | None = 1,
                  every_n_steps: int | None = None, keep_last: int | None = 1,
                  resume: bool | str | os.PathLike[str] = False, name: str | None = None,
-                 save_top_k: int | None = 1, initial_value_threshold: float | None = None
-                 ) -> None:
+                 save_top_k: int | None = 1, initial_value_threshold: float | None = None,
+                 async_save: bool = False) -> None:
         self.dirpath = check_path("Checkpoint dirpath", dirpath)
         self.mode = check_choice("Checkpoint mode", mode, MODES)
         self._monitor = Monitor(monitor, mode, owner="Checkpoint") if monitor is not None else None
@@ -102,9 +106,8 @@ class Checkpoint(Callback):
             "Checkpoint resume", resume, hint="Or True (the newest file in dirpath) or False.")
         self.name = check_name("Checkpoint name", name)
         self.files = CheckpointFiles(self.dirpath, f"{name}-" if name else "", monitor)
+        self._writes = RotatingWrites(self.files, self.keep_last, background=async_save)
         self._ranking = TopK(self._monitor.better, save_top_k) if self._monitor else None
-        #: Path of the newest complete rotating checkpoint this callback wrote (or resumed).
-        self.last_path: str | None = None
         self._started = False  # the first fit chose between resuming and a new run
         self._saved_at: RunPosition | None = None
         self._resumed_from: str | None = None
@@ -124,6 +127,11 @@ class Checkpoint(Callback):
         """The kept best validations, best first: ``{"value", "epoch", "step", "file"}``
         (``file``: the scored file's name; None with ``save_top_k=1``, where best.pt is it)."""
         return self._ranking.entries if self._ranking is not None else []
+
+    @property
+    def last_path(self) -> str | None:
+        """Path of the newest complete rotating checkpoint this callback wrote (or resumed)."""
+        return self._writes.last_path
 
     @property
     def best(self) -> float | None:
@@ -177,6 +185,7 @@ class Checkpoint(Callback):
 
     def on_batch_end(self, loop: Loop) -> None:
         state = loop.state
+        self._writes.poll()  # a background write that failed is raised here, naming its file
         if (self.every_n_steps is not None and state.step_boundary and state.step
                 and state.step % self.every_n_steps == 0):
             self._save(loop, collective=True)
@@ -194,9 +203,8 @@ class Checkpoint(Callback):
                 or loop.stop_requested:
             self._save(loop, collective=True)
 
-    def on_fit_end(self, loop: Loop) -> None:
-        if distributed.is_main():
-            self.files.release()  # the directory is free for the next launch
+    def on_fit_end(self, loop: Loop) -> None:  # also a launch's: its last file is complete
+        self._writes.close(release=distributed.is_main())  # the directory is free again
 
     def on_exception(self, loop: Loop, exc: BaseException) -> None:
         if not loop.fitting or self._saved_at is None or not distributed.is_main():
@@ -208,6 +216,7 @@ class Checkpoint(Callback):
                           "resume from.", RuntimeWarning, stacklevel=2)
             return
         try:  # no collectives here: the other ranks may be dead or stuck elsewhere
+            self._writes.wait(raising=False)  # a failed background write is saved below
             self._save(loop, collective=False)
         except KeyboardInterrupt:  # a second Ctrl-C: fit stops at once, without on_fit_end
             self.files.release()
@@ -233,7 +242,7 @@ class Checkpoint(Callback):
         loop.load_state_dict(payload, source=path)
         self._resumed_from = path  # said at on_fit_start, once the loop has applied it
         if self.files.step_of(path) is not None:
-            self.last_path = path
+            self._writes.last_path = path
 
     def _save(self, loop: Loop, *, collective: bool) -> None:
         position = loop.position
@@ -250,14 +259,8 @@ class Checkpoint(Callback):
                               RuntimeWarning, stacklevel=2)
                 self._warned_not_finite = True
             return
-        try:  # every rank: rank 0 writes a file, or each rank its shards of a directory
-            path = self.files.write_resume(run, state.epoch, state.step, state.metrics)
-        except BaseException:
-            self._saved_at = previous  # not on disk: on_exception writes it
-            raise
-        if path is not None:  # on rank 0
-            self.last_path = path
-            self.files.prune_rotating(path, self.keep_last)
+        self._writes.save(run, state.epoch, state.step, state.metrics, now=not collective,
+                          failed=lambda: setattr(self, "_saved_at", previous))  # redone then
 
     def _consider_best(self, loop: Loop) -> None:
         monitor, ranking, state = self._monitor, self._ranking, loop.state
@@ -267,6 +270,7 @@ class Checkpoint(Callback):
         if not math.isfinite(value) or not ranking.admits(value, state.step) or (
                 threshold is not None and not monitor.better(value, threshold)):
             return
+        self._writes.wait()  # which rotating files exist decides what a drop sets aside
         # Every rank asks (the weights agree under DDP), so the rankings stay the same.
         weights = model_state(loop.unwrapped_model)  # gathered or shards under FSDP
         if not all_finite(weights, agree=True):
@@ -285,16 +289,5 @@ class Checkpoint(Callback):
 
     def _reconcile(self) -> None:
         """Keep the entries whose weights are on disk; rank the newer files (after a kill)."""
-        ranking = self._ranking
-        if ranking is None:
-            return
-        found = None
-        if distributed.is_main():
-            found = self.files.recover(ranking.entries, single=self.save_top_k == 1)
-        kept, newer = distributed.broadcast_object(found)
-        ranking.load_state_dict(kept)
-        dropped, top = ranking.merge(newer), ranking.best
-        if distributed.is_main():
-            self.files.discard(dropped, ranking.files())
-            if top is not None and top["file"] is not None:
-                self.files.link_best(top["file"])  # a rollback may have retired a later best.pt
+        if self._ranking is not None:
+            self.files.reconcile(self._ranking, single=self.save_top_k == 1)

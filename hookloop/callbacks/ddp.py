@@ -1,4 +1,4 @@
-"""Distributed data parallel training on torch.distributed, launched with torchrun."""
+"""Distributed data parallel training on torch.distributed, launched with torchrun or srun."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hookloop import distributed
+from hookloop import distributed, slurm
 from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_name
 from hookloop.errors import ConfigurationError
 from hookloop.launcher import Launch, launched_by_torchrun
 from hookloop.samplers import UnpaddedDistributedSampler, check_equal_batches
+from hookloop.suspension import carry_on_gradients
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -50,8 +51,21 @@ def sync_batchnorm(module: nn.Module) -> nn.Module:
     return nn.SyncBatchNorm.convert_sync_batchnorm(module) if plain else module
 
 
+def _carry_vote(model: DistributedDataParallel) -> None:
+    """Let the gradient all-reduce carry the ranks' vote on ending the launch
+    (`hookloop.suspension.carry_on_gradients`), unless the program registered a
+    communication hook of its own (DDP takes one only): the vote then runs an all-reduce
+    of its own at each step boundary."""
+    try:
+        model.register_comm_hook(None, carry_on_gradients)
+    except RuntimeError as error:
+        if "only be called once" not in str(error):
+            raise
+
+
 class DDP(Callback):
-    """Data-parallel training over processes and machines, launched with ``torchrun``.
+    """Data-parallel training over processes and machines, launched with ``torchrun`` or
+    ``srun``.
 
     Under torchrun (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set) ``setup``:
 
@@ -80,7 +94,16 @@ class DDP(Callback):
     After an exception nothing collective is called: the process exits with the traceback
     and torchrun stops the other ranks.
 
-    Outside torchrun it does nothing and says so once, so one script runs both ways.
+    Started by SLURM's ``srun`` without torchrun (one task per process), it reads the
+    rank, world size and local rank from SLURM's variables, the group's address from the
+    first node of the host list and its port from the job id (`hookloop.slurm`), and starts
+    the same way; rank 0 says which launcher it found (``launcher``). The step's gradient
+    all-reduce carries the ranks' vote on ending the launch
+    (`hookloop.suspension.carry_on_gradients`), unless the program registers a
+    communication hook of its own.
+
+    Outside torchrun and srun it does nothing and says so once, so one script runs both
+    ways.
 
     Args:
         backend: Process group backend; None means ``nccl`` on CUDA, else ``gloo``.
@@ -92,6 +115,10 @@ class DDP(Callback):
             tensors in training, so on CPU it is refused at setup, before the first batch.
             Without it each rank normalises with its own batch's statistics
             (docs/distributed.md says what that changes).
+        requeue: In a SLURM job, when SIGUSR1 (``#SBATCH --signal=USR1@90``) ends the
+            launch, rank 0 runs ``scontrol requeue`` (``ARRAYJOBID_TASKID`` for an array
+            task) once the checkpoint is written; ``scontrol`` missing from PATH is a
+            `ConfigurationError` at setup. Outside a SLURM job it does nothing.
 
     Raises:
         ConfigurationError: under torchrun, ``sync_batchnorm=True`` on a device that is not
@@ -114,23 +141,32 @@ class DDP(Callback):
     roles: ClassVar[tuple[str, ...]] = ("distributed",)
 
     def __init__(self, *, backend: str | None = None, find_unused_parameters: bool = False,
-                 sync_batchnorm: bool = False) -> None:
+                 sync_batchnorm: bool = False, requeue: bool = False) -> None:
         self.backend = check_name("DDP backend", backend,
                                   hint="A backend name is e.g. 'nccl' or 'gloo'; None picks "
                                        "nccl on CUDA, gloo on CPU.")
         self.find_unused_parameters = check_flag("DDP find_unused_parameters",
                                                  find_unused_parameters)
         self.sync_batchnorm = check_flag("DDP sync_batchnorm", sync_batchnorm)
-        self._launch = Launch("DDP")
+        self.requeue = check_flag("DDP requeue", requeue)
+        self._launch = Launch("DDP", requeue=self.requeue)
+        self._unhooked: DistributedDataParallel | None = None  # to carry the vote (below)
 
     def __repr__(self) -> str:
         return (f"DDP(backend={self.backend!r}, "
-                f"find_unused_parameters={self.find_unused_parameters!r}"
-                + (", sync_batchnorm=True)" if self.sync_batchnorm else ")"))
+                f"find_unused_parameters={self.find_unused_parameters!r}, "
+                + ("sync_batchnorm=True, " if self.sync_batchnorm else "")
+                + f"requeue={self.requeue!r})")
+
+    @property
+    def launcher(self) -> str | None:
+        """The launcher the last setup found: ``"torchrun"``, ``"srun"`` or None."""
+        return self._launch.launcher
 
     # ------------------------------------------------------------------- setup
     def setup(self, loop: Loop) -> None:
-        distributed_run = distributed.is_initialized() or launched_by_torchrun()
+        distributed_run = (distributed.is_initialized() or launched_by_torchrun()
+                           or slurm.srun_task() is not None)
         if self.sync_batchnorm and distributed_run and loop.device.type != "cuda":
             raise ConfigurationError(
                 f"DDP(sync_batchnorm=True) needs CUDA, but this run trains on {loop.device}: "
@@ -149,6 +185,7 @@ class DDP(Callback):
             loop.model = DistributedDataParallel(
                 module, device_ids=device_ids,
                 find_unused_parameters=self.find_unused_parameters)
+            self._unhooked = loop.model
         self._launch.shard_data(loop)
 
     # ------------------------------------------------------------------ events
@@ -156,11 +193,15 @@ class DDP(Callback):
         self._launch.set_epoch(loop)
 
     def train_step_context(self, loop: Loop) -> AbstractContextManager[Any] | None:
+        model = loop.model
+        if not isinstance(model, DistributedDataParallel):
+            return None
+        if model is self._unhooked:  # the first training batch of the wrapper setup made
+            self._unhooked = None
+            _carry_vote(model)
         # Forward and backward both inside no_sync: DDP decides in forward whether the
         # coming backward all-reduces.
-        if loop.state.step_boundary or not isinstance(loop.model, DistributedDataParallel):
-            return None
-        return loop.model.no_sync()
+        return None if loop.state.step_boundary else model.no_sync()
 
     def validation_context(self, loop: Loop) -> AbstractContextManager[Any] | None:
         if not isinstance(loop.model, DistributedDataParallel):
@@ -193,5 +234,6 @@ class DDP(Callback):
             dist.broadcast(buffer.data, src=0)
         if isinstance(loop.model, DistributedDataParallel):
             loop.model = loop.model.module
+        self._unhooked = None
         self._launch.restore_data(loop)
         self._launch.destroy_group()

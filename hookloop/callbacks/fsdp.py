@@ -93,10 +93,10 @@ class FSDP(Callback):
     """Shard the model, its gradients and its optimizer state over processes and machines
     (torch's ``fully_shard``), launched with ``torchrun``.
 
-    Under torchrun (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set) ``setup`` starts the
-    process group as `DDP` does (the same rules: ``nccl`` on CUDA, ``gloo`` on CPU,
-    ``cuda:LOCAL_RANK``; the same message when not launched by torchrun, where it does
-    nothing, so one script runs both ways), then:
+    Under torchrun (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set), or as a task of
+    SLURM's ``srun``, ``setup`` starts the process group as `DDP` does (the same rules:
+    ``nccl`` on CUDA, ``gloo`` on CPU, ``cuda:LOCAL_RANK``; the same message when launched
+    by neither, where it does nothing, so one script runs both ways), then:
 
     * applies ``fully_shard`` to each block (``wrap``) and to the root, on a one-dimensional
       device mesh over all ranks: each rank keeps ``1/world`` of every parameter (a DTensor)
@@ -150,6 +150,8 @@ class FSDP(Callback):
             this is ignored, with a warning.
         state_dict: ``"full"`` or ``"sharded"``: the checkpoint layout (above).
         backend: Process group backend; None means ``nccl`` on CUDA, else ``gloo``.
+        requeue: In a SLURM job, requeue it with ``scontrol`` when SIGUSR1 ends the launch,
+            as ``DDP(requeue=True)`` does.
 
     Raises:
         ConfigurationError: a bad argument; at setup, an optimizer holding tensors the
@@ -180,7 +182,7 @@ class FSDP(Callback):
     def __init__(self, *, wrap: Iterable[type[nn.Module]] | Callable[[nn.Module], bool]
                  | None = None, mixed_precision: Any = None, reshard_after_forward: bool = True,
                  cpu_offload: bool = False, state_dict: str = "full",
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, requeue: bool = False) -> None:
         if wrap is not None and not (callable(wrap) and not isinstance(wrap, type)):
             kinds = list(wrap) if isinstance(wrap, (set, frozenset, list, tuple)) else None
             check_that("FSDP wrap", wrap, kinds is not None and all(
@@ -200,7 +202,8 @@ class FSDP(Callback):
         self.backend = check_name("FSDP backend", backend,
                                   hint="A backend name is e.g. 'nccl' or 'gloo'; None picks "
                                        "nccl on CUDA, gloo on CPU.")
-        self._launch = Launch("FSDP")
+        self.requeue = check_flag("FSDP requeue", requeue)
+        self._launch = Launch("FSDP", requeue=self.requeue)
         self._syncing = True  # gradients reduce-scattered at the coming backward
         self._even: dict[int, bool] = {}  # validation loader -> same batch count on all ranks
         self._warned_offload = False

@@ -195,7 +195,9 @@ class TensorBoard(Callback):
       accumulation, each callback's constructor arguments by callback name). They are
       written as the hparams plugin's session start, and the ``metrics/*`` (and
       ``step/*``) scalars of the same directory are the metrics the tab links them to: it
-      shows each one's latest value. At a normal fit end the session is marked finished.
+      shows each one's latest value. At the run's end the session is marked finished
+      (not after an exception, nor at the end of a launch that a signal or ``TimeLimit``
+      ended while the run goes on).
       Each run directory holds its own session, so ``tensorboard --logdir runs`` compares
       the runs under ``runs/``; TensorBoard keeps the first launch's values of a resumed run.
 
@@ -472,10 +474,13 @@ class TensorBoard(Callback):
         """Metrics not logged at this step yet (train_loss without validation), then flush.
 
         Without a validation at this step, the ``val_*`` values in ``loop.state.metrics``
-        are those of an earlier validation, already logged at its step: left out.
+        are those of an earlier validation, already logged at its step: left out. An epoch
+        that the end of a launch cut short logs nothing: the relaunch finishes the epoch and
+        logs its metrics at its end, as the uninterrupted run does.
         """
-        self._metrics(loop, only_new=True,
-                      stale_val=self._validated_step != loop.state.step)
+        if not (loop.stop_resumable and not loop.epoch_completed):
+            self._metrics(loop, only_new=True,
+                          stale_val=self._validated_step != loop.state.step)
         self._flush()
 
     def on_exception(self, loop: Loop, exc: BaseException) -> None:
@@ -483,12 +488,16 @@ class TensorBoard(Callback):
         self._failed = True
 
     def on_fit_end(self, loop: Loop) -> None:
-        """Mark the hparams session finished (after a normal end), flush and close.
+        """Mark the hparams session finished (after the run's end), flush and close.
+
+        A launch that ended while the run goes on (``loop.stop_resumable``) leaves the
+        session open: the relaunch appends to the same run and finishes it.
 
         A failed write nobody was told of yet (a flush for a checkpoint) is raised here.
         """
         try:
-            if self._epoch_ran and not self._failed and self._writer is not None:
+            if (self._epoch_ran and not self._failed and not loop.stop_resumable
+                    and self._writer is not None):
                 self._add_session_end()
         finally:
             self._close()

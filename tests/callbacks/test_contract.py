@@ -38,6 +38,7 @@ from hookloop.callbacks import (
     TensorBoard,
     TerminateOnNaN,
     ThroughputMonitor,
+    TimeLimit,
 )
 from hookloop.schedules import warmup_cosine
 
@@ -85,6 +86,7 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
     "ThroughputMonitor": lambda tmp: ThroughputMonitor(every_n_steps=2, flops_per_sample="measure",
                                                        peak_flops=1e12),
     "MemoryMonitor": lambda tmp: MemoryMonitor(),
+    "TimeLimit": lambda tmp: TimeLimit("1:00:00"),
 }
 
 

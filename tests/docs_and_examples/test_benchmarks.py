@@ -54,3 +54,14 @@ def test_the_gpu_check_says_when_there_is_no_gpu() -> None:
         return
     assert result.returncode == 0, result.stderr
     assert "no CUDA device" in result.stdout
+
+
+def test_async_save_benchmark_runs_and_reports_both_ways() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "async_save.py"), "--width", "64",
+         "--saves", "2", "--every", "2", "--rounds", "1"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for name in ("sync", "async"):
+        assert re.search(rf"^{name}\s+step waits median\s+\d+\.\d ms", result.stdout, re.MULTILINE)
+    assert re.search(r"^async/sync blocking ratio \d+\.\d+", result.stdout, re.MULTILINE)

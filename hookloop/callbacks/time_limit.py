@@ -1,0 +1,98 @@
+"""End the launch before its wall-clock budget runs out, with time left for the save."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import TYPE_CHECKING
+
+from hookloop.callback import Callback
+from hookloop.checks import check_duration, check_number
+from hookloop.suspension import current
+
+if TYPE_CHECKING:
+    from hookloop.loop import Loop
+
+__all__ = ["TimeLimit"]
+
+
+class TimeLimit(Callback):
+    """End this launch resumably before ``duration`` has passed, leaving time for the save.
+
+    For jobs with a wall-time limit (SLURM's ``--time``, a reservation, a CI slot). The
+    budget counts from the creation of this callback, so create it at the top of the
+    script: loading the data counts too. At every step boundary the launch is ended with
+    ``loop.stop(reason, resumable=True)`` when the time left is less than the reserve:
+
+    * the longest time between two step boundaries of this launch (the next step may still
+      run before every rank agrees; a validation or a save between two steps counts), plus
+    * the save: ``margin`` seconds if given, else twice the duration of the last checkpoint
+      save of this fit (`Checkpoint` measures each, from its start to a complete file);
+      before the first save that part is 0, so pass ``margin`` when the end of the launch
+      may come before any periodic save.
+
+    Every rank agrees on that step boundary, `Checkpoint` saves it, every ``on_fit_end``
+    runs, and ``fit`` raises `hookloop.errors.Suspended` (exit status 75). Relaunched
+    with the same command, the run continues exactly; each launch gets the whole budget
+    again (this callback keeps no state across launches). Under SLURM, give the job's
+    ``--time``: the job's start-up before this callback's creation is the only part it
+    does not see (or let SLURM time it: ``--signal=USR1@90`` and ``DDP(requeue=True)``).
+
+    Args:
+        duration: The budget: seconds, a ``datetime.timedelta``, or SLURM's time forms
+            (``"4:00:00"``, ``"1-12:00:00"``, ``"90"`` for 90 minutes).
+        margin: Seconds kept for the final save; None measures it (twice the last save).
+
+    Raises:
+        ConfigurationError: a duration that is not > 0, or a negative margin.
+
+    Example:
+        >>> import torch
+        >>> from hookloop import Loop
+        >>> model = torch.nn.Linear(2, 1)
+        >>> data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(10)]
+        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+        ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
+        ...             callbacks=[TimeLimit("4:00:00")])
+        >>> loop.fit(2).step  # far from the limit: nothing changes
+        20
+    """
+
+    def __init__(self, duration: float | datetime.timedelta | str, *,
+                 margin: float | None = None) -> None:
+        self.duration = check_duration("TimeLimit duration", duration)
+        self.margin = check_number("TimeLimit margin", margin, minimum=0.0, optional=True)
+        self.started = time.monotonic()
+        self._longest = 0.0
+        self._last = self.started
+        self._asked = False
+
+    def __repr__(self) -> str:
+        return f"TimeLimit({self.duration:g}, margin={self.margin!r})"
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since this callback was created."""
+        return time.monotonic() - self.started
+
+    def reserve(self) -> float:
+        """Seconds the end of the launch needs: the longest step interval and the save."""
+        vote = current()
+        last_save = vote.last_save if vote is not None else None
+        save = self.margin if self.margin is not None else 2.0 * (last_save or 0.0)
+        return self._longest + save
+
+    def on_fit_start(self, loop: Loop) -> None:
+        self._last, self._asked = time.monotonic(), False
+
+    def on_batch_end(self, loop: Loop) -> None:
+        if not loop.state.step_boundary:
+            return
+        now = time.monotonic()
+        self._longest = max(self._longest, now - self._last)
+        self._last = now
+        left, reserve = self.duration - (now - self.started), self.reserve()
+        if left <= reserve and not self._asked:
+            self._asked = True
+            loop.stop(f"TimeLimit: {max(left, 0.0):.1f} s of {self.duration:g} s left, "
+                      f"{reserve:.1f} s kept for the last step and the save", resumable=True)

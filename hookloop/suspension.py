@@ -1,0 +1,225 @@
+"""Ending this launch while the run goes on: the causes, every rank's agreement at one step
+boundary, and the exit.
+
+A launch end is asked on one rank or on all of them: a signal (SIGTERM, SIGUSR1, SIGINT
+under a batch scheduler; `hookloop.signals`), `hookloop.callbacks.TimeLimit`, or a callback
+calling ``loop.stop(reason, resumable=True)``. Asking changes nothing yet. At every step
+boundary of the training pass the ranks vote: each one contributes one flag per cause, and
+one all-reduce sums them, so every rank learns the same causes at the same boundary and ends
+the training pass there. The checkpoint is then written (collectively when it is sharded),
+every ``on_fit_end`` runs, and ``fit`` raises `hookloop.errors.Suspended` with the exit
+status of the first agreed cause (`CAUSES` is in that order).
+
+Which collective carries the flags: under ``DDP`` the gradient all-reduce of the step does
+(`carry_on_gradients`, a DDP communication hook appends them to the last gradient bucket),
+so the vote costs no collective of its own. Where the step has no all-reduce hookloop owns
+(FSDP's reduce-scatter, a process group without DDP, the check before an epoch's first
+batch) a dedicated all-reduce of the flags runs at the boundary. On CPU (gloo) the result
+is read at once; on CUDA it is copied to the host without waiting and read at the next
+step boundary, so that the vote never makes the host wait for the GPU: the launch then ends
+one step later, on every rank alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from hookloop import distributed
+
+__all__ = ["Cause", "CAUSES", "SIGTERM", "SIGUSR1", "SIGINT", "REQUESTED", "Suspension",
+           "Vote", "current", "published", "carry_on_gradients"]
+
+
+class Cause(NamedTuple):
+    """One reason a launch may end resumably, and the exit status it gives the process."""
+
+    name: str
+    status: int
+    #: How another rank names it in its messages (it knows only that the cause was agreed).
+    elsewhere: str
+
+
+SIGTERM = Cause("SIGTERM", 143, "SIGTERM received by another rank")
+SIGUSR1 = Cause("SIGUSR1", 138, "SIGUSR1 received by another rank")
+SIGINT = Cause("SIGINT", 130, "SIGINT received by another rank")
+REQUESTED = Cause("requested", 75, "a launch end asked on another rank (TimeLimit, "
+                                   "loop.stop(resumable=True))")
+#: Every cause, in the order that decides the exit status when several are agreed at once.
+CAUSES = (SIGTERM, SIGUSR1, SIGINT, REQUESTED)
+
+
+class Suspension(NamedTuple):
+    """The launch end every rank agreed on: the exit status, why, and the causes by name."""
+
+    status: int
+    reason: str
+    causes: tuple[str, ...]
+
+
+_current: list[Vote] = []  # the votes of the fits running in this process, innermost last
+
+
+class Vote:
+    """This rank's launch-end requests, and the ranks' agreement at each step boundary.
+
+    Example:
+        >>> vote = Vote()
+        >>> vote.agree() is None  # nothing asked
+        True
+        >>> vote.ask(REQUESTED, "TimeLimit: 2 hours")
+        True
+        >>> vote.agree()  # one process: agreed at once
+        Suspension(status=75, reason='TimeLimit: 2 hours', causes=('requested',))
+    """
+
+    __slots__ = ("asked", "last_save", "_actions", "_carried", "_host", "_event", "_late")
+
+    def __init__(self) -> None:
+        #: The causes this rank asked for, with this rank's reason for each.
+        self.asked: dict[Cause, str] = {}
+        #: Seconds the last checkpoint save of this fit took, from its start to a complete
+        #: file (`hookloop.callbacks.TimeLimit` keeps that much time for the final save).
+        self.last_save: float | None = None
+        self._actions: list[Callable[[Suspension], None]] = []
+        self._carried: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None  # pinned: the late read of a CUDA result
+        self._event: Any = None
+        self._late = False
+
+    def reset(self) -> None:
+        """At every fit start: nothing asked or measured, nothing in flight, no action."""
+        self.asked.clear()
+        self.last_save = None
+        self._actions.clear()
+        self._carried, self._late = None, False
+
+    def ask(self, cause: Cause, reason: str) -> bool:
+        """Ask this rank to end the launch for ``cause``; False when it was asked already."""
+        if cause in self.asked:
+            return False
+        self.asked[cause] = reason
+        return True
+
+    def at_end(self, action: Callable[[Suspension], None]) -> None:
+        """Call ``action(suspension)`` when this fit ends a launch, after every
+        ``on_fit_end`` and before the process exits (a SLURM requeue)."""
+        self._actions.append(action)
+
+    def run_actions(self, suspension: Suspension) -> None:
+        """Run the actions `at_end` registered (at the end of a suspended fit)."""
+        actions, self._actions = list(self._actions), []
+        for action in actions:
+            action(suspension)
+
+    def flags(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """One element per cause of `CAUSES`: 1 where this rank asked, else 0."""
+        if not self.asked:
+            return torch.zeros(len(CAUSES), dtype=dtype, device=device)
+        return torch.tensor([1.0 if cause in self.asked else 0.0 for cause in CAUSES],
+                            dtype=dtype, device=device)
+
+    def carried(self, summed: torch.Tensor) -> None:
+        """The flags of every rank, summed by the step's gradient all-reduce."""
+        self._carried = summed
+
+    def agree(self) -> Suspension | None:
+        """At a step boundary, on every rank: the launch end all ranks agreed on, or None.
+
+        A collective under a process group: every rank calls it at the same boundaries.
+        """
+        if distributed.world_size() == 1:
+            self._carried = None
+            return self._suspension(set(self.asked))
+        seen: set[Cause] = set()
+        if self._late:  # a CUDA result of the previous boundary: complete by now
+            self._late = False
+            self._event.synchronize()
+            seen |= _decode(self._host)
+        summed, self._carried = self._carried, None
+        if summed is None:
+            summed = self._dedicated()
+        if summed.device.type == "cpu":
+            seen |= _decode(summed)
+        else:
+            if self._host is None:
+                self._host = torch.empty(len(CAUSES), dtype=torch.float32, pin_memory=True)
+                self._event = torch.cuda.Event()
+            self._host.copy_(summed.float(), non_blocking=True)
+            self._event.record()
+            self._late = True
+        return self._suspension(seen)
+
+    def _dedicated(self) -> torch.Tensor:
+        flags = self.flags(torch.float32, _collective_device())
+        work = dist.all_reduce(flags, async_op=True)
+        work.wait()  # on CUDA the stream waits, not the host
+        return flags
+
+    def _suspension(self, causes: set[Cause]) -> Suspension | None:
+        agreed = [cause for cause in CAUSES if cause in causes]
+        if not agreed:
+            return None
+        reason = "; ".join(self.asked.get(cause, cause.elsewhere) for cause in agreed)
+        return Suspension(agreed[0].status, reason, tuple(cause.name for cause in agreed))
+
+
+def _decode(summed: torch.Tensor) -> set[Cause]:
+    return {cause for cause, count in zip(CAUSES, summed.tolist()) if count > 0}
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def current() -> Vote | None:
+    """The vote of the fit running in this process (the innermost one), or None."""
+    return _current[-1] if _current else None
+
+
+@contextmanager
+def published(vote: Vote) -> Iterator[Vote]:
+    """Make ``vote`` the `current` one for the block: signals and the gradient hook reach
+    the fit through it."""
+    _current.append(vote)
+    try:
+        yield vote
+    finally:
+        _current.remove(vote)
+
+
+def carry_on_gradients(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+                       ) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook: the gradient all-reduce, carrying the vote's flags.
+
+    Averages the gradients as DDP's own all-reduce does (multiply by ``1 / world``, sum);
+    the last bucket of a backward also carries one flag per cause, summed, which the
+    `current` vote reads at the next step boundary. Registered by ``DDP`` on the models it
+    wraps.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer().mul_(1.0 / dist.get_world_size(group))
+    vote = current()
+    if not bucket.is_last() or vote is None:
+        future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        return future.then(lambda done: done.value()[0])
+    size = buffer.numel()
+    joined = torch.cat([buffer, vote.flags(buffer.dtype, buffer.device)])
+
+    def split(done: Any) -> torch.Tensor:
+        summed = done.value()[0]
+        vote.carried(summed[size:])
+        return summed[:size]
+
+    return dist.all_reduce(joined, group=group, async_op=True).get_future().then(split)
+
+
+# DDP checks a hook's annotations against the objects themselves; here they are strings.
+carry_on_gradients.__annotations__.update(
+    {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})

@@ -1,0 +1,177 @@
+"""Checkpoint(async_save=True): the rotating files written in the background hold what a
+synchronous save writes, one write at a time; a failed write is raised at the next step
+boundary, naming the file, and the exception path writes that step again; fit end waits;
+and 20 SIGKILLs during background writes leave no unreadable file and resume exactly."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hookloop import Callback, CheckpointWriteError, Loop
+from hookloop import checkpoint_files as checkpoint_module  # where Checkpoint's writes go
+from hookloop.callbacks import Checkpoint
+from hookloop.directory_lock import LOCK_NAME
+from hookloop.storage import read_payload
+
+from builders import adam, dropout_loop, make_loop, regression_dataset, shuffled
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.glob("*.pt"))
+
+
+def _same(first: object, second: object) -> bool:
+    if isinstance(first, torch.Tensor):
+        return isinstance(second, torch.Tensor) and torch.equal(first, second)
+    if isinstance(first, dict):
+        return isinstance(second, dict) and first.keys() == second.keys() and all(
+            _same(first[key], second[key]) for key in first)
+    if isinstance(first, (list, tuple)):
+        return len(first) == len(second) and all(map(_same, first, second))
+    return first == second
+
+
+def test_background_files_hold_what_a_synchronous_save_writes(tmp_path: Path) -> None:
+    for kind, background in (("sync", False), ("async", True)):
+        loop = dropout_loop([Checkpoint(tmp_path / kind, every_n_steps=1, keep_last=3,
+                                        async_save=background)])
+        loop.fit(2)
+        assert not any(thread.name == "hookloop-checkpoint-writer" and thread.is_alive()
+                       for thread in threading.enumerate())  # fit end waited
+    assert _files(tmp_path / "sync") == _files(tmp_path / "async") == [
+        "epoch=0001-step=00000006.pt", "epoch=0001-step=00000007.pt",
+        "epoch=0001-step=00000008.pt"]
+    for name in _files(tmp_path / "sync"):
+        sync = read_payload(tmp_path / "sync" / name, "cpu")
+        written = read_payload(tmp_path / "async" / name, "cpu")
+        sync.pop("hookloop"), written.pop("hookloop")  # the versions' entries are the same too
+        assert _same(sync, written), name
+
+
+def test_one_write_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spans: list[tuple[float, float]] = []
+    real = checkpoint_module.write_atomic
+
+    def slow(payload: object, path: str) -> None:
+        start = time.monotonic()
+        time.sleep(0.05)  # longer than a step: the next save must wait for it
+        real(payload, path)
+        spans.append((start, time.monotonic()))
+
+    monkeypatch.setattr(checkpoint_module, "write_atomic", slow)
+    dropout_loop([Checkpoint(tmp_path, every_n_steps=1, async_save=True)]).fit(2)
+    assert len(spans) >= 8  # every step (and each epoch end, its position being another)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+
+
+def test_a_failed_write_is_raised_at_the_next_step_naming_the_file_and_saved_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real, calls = checkpoint_module.write_atomic, []
+
+    def full_once(payload: object, path: str) -> None:
+        calls.append(os.path.basename(path))
+        if len(calls) == 3:  # what write_atomic raises on a full disk
+            raise CheckpointWriteError(f"Cannot write the checkpoint {path}: writing failed: "
+                                       "no space left on the device (the disk is full)")
+        real(payload, path)
+
+    class Slow(Callback):  # the failed write is over long before the next step ends
+        def on_batch_end(self, loop: Loop) -> None:
+            time.sleep(0.05)
+
+    monkeypatch.setattr(checkpoint_module, "write_atomic", full_once)
+    loop = dropout_loop([Slow(), Checkpoint(tmp_path, every_n_steps=1, keep_last=None,
+                                            async_save=True)])
+    with pytest.raises(CheckpointWriteError, match=r"epoch=0000-step=00000003\.pt.*disk is full"):
+        loop.fit(2)
+    assert loop.state.step == 4  # raised at the step boundary after the failed write
+    # The exception path wrote the last completed step, synchronously; nothing else changed.
+    assert calls == [f"epoch=0000-step={step:08d}.pt" for step in (1, 2, 3, 4)]
+    assert _files(tmp_path) == [f"epoch=0000-step={step:08d}.pt" for step in (1, 2, 4)]
+
+
+# ------------------------------------------------------------ SIGKILL during writes
+TOTAL_STEPS = 60  # 20 batches x 3 epochs
+
+
+def train_until_done(directory: str | None, out: str, started: object = None) -> None:
+    """A training script, run in a forkserver child; ``directory=None``: no checkpoints."""
+    torch.set_num_threads(1)
+    loader = shuffled(regression_dataset(160, features=256, seed=1), 8, seed=2)
+
+    def model() -> nn.Module:  # ~1.3M parameters: with Adam a file is ~16 MB, tens of ms
+        return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Dropout(0.2),
+                             nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1))
+
+    class Started(Callback):
+        def on_batch_end(self, loop: Loop) -> None:
+            if started is not None:
+                started.set()  # type: ignore[attr-defined]
+
+    callbacks: list[Callback] = [Started()]
+    if directory is not None:
+        callbacks.insert(0, Checkpoint(directory, every_n_steps=1, keep_last=2, resume=True,
+                                       async_save=True))
+    loop = make_loop(callbacks, model=model, train=loader, optimizer=adam(1e-4))
+    loop.fit(3)
+    assert loop.state.step == TOTAL_STEPS
+    torch.save(loop.model.state_dict(), out)
+
+
+def check_directory(directory: Path) -> int:
+    """Every entry under a final name reads back as a training state; returns the temporary
+    files (a killed write's) seen."""
+    temporary = 0
+    for path in directory.iterdir():
+        if path.name.startswith(".tmp-"):
+            temporary += 1
+        elif path.name != LOCK_NAME:
+            assert read_payload(path, "cpu")["hookloop"]["kind"] == "resume", path
+    return temporary
+
+
+def test_twenty_sigkills_during_background_writes(tmp_path: Path) -> None:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch._dynamo", "hookloop.callbacks", __name__])
+    directory = tmp_path / "checkpoints"
+    chooser = random.Random(0)
+    kills = killed_mid_write = 0
+    deadline = time.monotonic() + 90
+    while kills < 20 and time.monotonic() < deadline:
+        started = context.Event()
+        child = context.Process(target=train_until_done,
+                                args=(str(directory), str(tmp_path / "w.pt"), started))
+        child.start()
+        while not started.wait(0.05) and child.is_alive():
+            pass
+        if not child.is_alive():
+            break  # it finished before it could be killed
+        time.sleep(chooser.uniform(0.0, 0.2))  # every step has a write in flight
+        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        child.join(30)
+        if child.exitcode == -signal.SIGKILL:
+            kills += 1
+            killed_mid_write += check_directory(directory) > 0
+    assert kills == 20, f"only {kills} kills before the run finished or the time ran out"
+    assert killed_mid_write >= 1, "no kill landed in the middle of a write"
+    for target, out in ((str(directory), "resumed.pt"), (None, "reference.pt")):
+        child = context.Process(target=train_until_done, args=(target, str(tmp_path / out)))
+        child.start()
+        child.join(180)
+        assert child.exitcode == 0
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    expected = torch.load(tmp_path / "reference.pt", weights_only=True)
+    for name, value in expected.items():
+        assert torch.equal(resumed[name], value), name
+    assert check_directory(directory) == 0
+    print(f"{kills} kills, {killed_mid_write} in the middle of a write")
