@@ -18,10 +18,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from hookloop import distributed
 from hookloop.checks import check_flag
 from hookloop.shard_files import contains_shards
+from hookloop.sharded import is_sharded_tensor
 
 if TYPE_CHECKING:
     from hookloop.checkpoint_files import CheckpointFiles
@@ -61,6 +63,10 @@ def _copy(value: Any, storages: dict[tuple[str, int], torch.Tensor]) -> Any:
 
 def _copy_tensor(tensor: torch.Tensor, storages: dict[tuple[str, int], torch.Tensor]
                  ) -> torch.Tensor:
+    if is_sharded_tensor(tensor):  # a shard stays a DTensor, its local part on the host
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        return BlockingAsyncStager().stage({"shard": tensor})["shard"]
     tensor = tensor.detach()
     if tensor.layout is not torch.strided or tensor.is_quantized or tensor.is_meta:
         return tensor.cpu().clone()  # sparse and other layouts: a plain copy, unshared
@@ -160,6 +166,7 @@ class RotatingWrites:
         self.files, self.keep_last = files, keep_last
         self._writer = BackgroundWriter() if check_flag("Checkpoint async_save",
                                                         background) else None
+        self._side: tuple[Any, Any] | None = None  # (default group, its gloo twin)
         #: Path of the newest complete rotating checkpoint written (or resumed from).
         self.last_path: str | None = None
 
@@ -167,11 +174,13 @@ class RotatingWrites:
              failed: Callable[[], None], now: bool = False) -> None:
         """Write ``run`` (`Loop.state_dict`) as the file of ``epoch`` and ``step``; every rank
         calls it (rank 0 writes a file; every rank its shards of a directory). In the
-        background unless ``now`` (the exception path), on a rank that writes nothing, or
-        for a directory of shards (its write is a collective of every rank, which must not
-        run beside the training's). A write in flight is waited for first."""
+        background unless ``now`` (the exception path) or on a rank that writes nothing. A
+        directory of shards is written by every rank's thread together, over a gloo group
+        of its own (`side_group`), so its collectives never meet the training's. A write
+        in flight is waited for first."""
         metrics = dict(metrics)
-        if self._writer is None or now or not distributed.is_main() or contains_shards(run):
+        shards = contains_shards(run)
+        if self._writer is None or now or not (shards or distributed.is_main()):
             self.wait()
             try:
                 path = self.files.write_resume(run, epoch, step, metrics)
@@ -181,9 +190,23 @@ class RotatingWrites:
             if path is not None:
                 self._written(path)
             return
+        group = self._side_group() if shards and distributed.is_initialized() else None
+        self.wait()
         copied = host_copy(run)  # what the training step waits for
-        self._writer.submit(lambda: self.files.write_resume(copied, epoch, step, metrics),
-                            on_done=self._written, on_failure=lambda error: failed())
+
+        def write() -> str | None:
+            return self.files.write_resume(copied, epoch, step, metrics, group=group)
+
+        self._writer.submit(write, on_failure=lambda error: failed(),
+                            on_done=lambda path: None if path is None else self._written(path))
+
+    def _side_group(self) -> Any:
+        """A gloo group over every rank, made once per default group (every rank makes it
+        at the same save: `new_group` is a collective)."""
+        world = dist.group.WORLD
+        if self._side is None or self._side[0] is not world:
+            self._side = (world, dist.new_group(backend="gloo"))
+        return self._side[1]
 
     def _written(self, path: str) -> None:
         self.last_path = path

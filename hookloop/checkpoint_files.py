@@ -370,12 +370,12 @@ class CheckpointFiles:
         """Give back the directory `prepare` held (at the fit's end)."""
         self._lock.release()
 
-    def write(self, payload: dict[str, Any], name: str) -> str | None:
+    def write(self, payload: dict[str, Any], name: str, *, group: Any = None) -> str | None:
         """Write ``payload`` atomically under ``name``; return its path (on rank 0).
 
         Every rank calls it. A payload holding shards (DTensors) is a directory every rank
-        writes its shards into (a collective); any other is a file rank 0 writes (the
-        other ranks return None at once).
+        writes its shards into (a collective, over ``group`` when given); any other is a
+        file rank 0 writes (the other ranks return None at once).
 
         Raises:
             CheckpointError: the payload holds something ``torch.load(weights_only=True)``
@@ -384,7 +384,7 @@ class CheckpointFiles:
         """
         path = self.path(name)
         if contains_shards(payload):
-            write_directory(payload, path)
+            write_directory(payload, path, group=group)
             return path if distributed.is_main() else None
         if not distributed.is_main():
             return None
@@ -402,7 +402,7 @@ class CheckpointFiles:
         self._suffix = _DIRECTORY if contains_shards(payload) else _FILE
 
     def write_resume(self, run: dict[str, Any], epoch: int, step: int,
-                     metrics: dict[str, float]) -> str | None:
+                     metrics: dict[str, float], *, group: Any = None) -> str | None:
         """Write the rotating file of ``epoch`` and ``step`` holding ``run`` (`Loop.state_dict`);
         every rank calls it (see `write`). Its duration is noted in the running fit's vote
         (`TimeLimit` keeps time for it)."""
@@ -410,7 +410,7 @@ class CheckpointFiles:
         self._kind_of(run)
         payload = {"hookloop": {**file_meta("resume"), "epoch": epoch, "step": step}, **run,
                    "metrics": dict(metrics)}
-        path = self.write(payload, self.rotating_name(epoch, step))
+        path = self.write(payload, self.rotating_name(epoch, step), group=group)
         vote = suspension.current()
         if vote is not None:
             vote.last_save = time.monotonic() - started

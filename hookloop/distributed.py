@@ -108,12 +108,14 @@ def any_true(flag: bool) -> bool:
     return bool(all_reduce_max(tensor).item() > 0)
 
 
-def broadcast_object(obj: T, src: int = 0) -> T:
-    """``obj`` as rank ``src`` has it, on every rank (picklable objects)."""
+def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
+    """``obj`` as rank ``src`` has it, on every rank (picklable objects); over ``group``
+    (a CPU group of its own: a background checkpoint write) instead of the default one."""
     if world_size() == 1:
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=src, device=_collective_device())
+    device = _collective_device() if group is None else torch.device("cpu")
+    dist.broadcast_object_list(holder, src=src, group=group, device=device)
     return holder[0]
 
 

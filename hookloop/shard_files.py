@@ -190,13 +190,14 @@ def clean_temporary(dirpath: str, name: str) -> None:
             os.unlink(path)
 
 
-def write_directory(payload: Mapping[str, Any], path: str) -> None:
+def write_directory(payload: Mapping[str, Any], path: str, *, group: Any = None) -> None:
     """Write ``payload`` (a state holding DTensors) as the sharded checkpoint ``path``.
 
     A collective: every rank calls it and writes its own shards into one temporary
     directory (on a file system every rank reaches); rank 0 then writes ``hookloop.pt``
     and renames the directory to ``path``. Every rank returns once the directory is in
-    place, or raises if any part failed.
+    place, or raises if any part failed. ``group``: the process group of its collectives
+    (a gloo group of its own for a write in the background); None: the default one.
 
     Raises:
         CheckpointError: the plain part holds what ``torch.load(weights_only=True)`` refuses.
@@ -214,10 +215,11 @@ def write_directory(payload: Mapping[str, Any], path: str) -> None:
     directory = os.path.dirname(path) or "."
     main = distributed.is_main()
     temporary = distributed.broadcast_object(
-        os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}{TEMP_SUFFIX}") if main else None)
+        os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}{TEMP_SUFFIX}") if main else None,
+        group=group)
     try:
         # DCP gathers every rank's outcome: a failure on one rank raises on all of them.
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temporary))
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temporary), process_group=group)
     except Exception as error:
         if main:
             shutil.rmtree(temporary, ignore_errors=True)
@@ -233,7 +235,7 @@ def write_directory(payload: Mapping[str, Any], path: str) -> None:
             shutil.rmtree(temporary, ignore_errors=True)
             failure = error
     # Every rank learns whether the directory is in place, so none goes on believing it is.
-    said = distributed.broadcast_object(None if failure is None else str(failure))
+    said = distributed.broadcast_object(None if failure is None else str(failure), group=group)
     if failure is not None:
         if isinstance(failure, (CheckpointError, CheckpointWriteError)):
             raise failure

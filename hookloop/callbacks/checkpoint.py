@@ -202,6 +202,7 @@ class Checkpoint(Callback):
         if (loop.epoch_completed and (due or state.epoch + 1 >= state.epochs)) \
                 or loop.stop_requested:
             self._save(loop, collective=True)
+            self._writes.wait()  # the training's end: before DDP/FSDP tear their group down
 
     def on_fit_end(self, loop: Loop) -> None:  # also a launch's: its last file is complete
         self._writes.close(release=distributed.is_main())  # the directory is free again

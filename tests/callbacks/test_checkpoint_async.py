@@ -24,6 +24,7 @@ from hookloop.directory_lock import LOCK_NAME
 from hookloop.storage import read_payload
 
 from builders import adam, dropout_loop, make_loop, regression_dataset, shuffled
+from test_fsdp import _entries as entries, _loop as fsdp_loop, one_process_group  # noqa: F401
 
 
 def _files(directory: Path) -> list[str]:
@@ -175,3 +176,25 @@ def test_twenty_sigkills_during_background_writes(tmp_path: Path) -> None:
         assert torch.equal(resumed[name], value), name
     assert check_directory(directory) == 0
     print(f"{kills} kills, {killed_mid_write} in the middle of a write")
+
+
+# ------------------------------------------------------- directories of shards (FSDP)
+def test_sharded_directories_written_in_the_background_resume_exactly(
+        one_process_group: None, tmp_path: Path) -> None:
+    """A one-process gloo group: the shards are staged on the host and written by the
+    writer thread over a gloo group of its own; the directories are complete and the
+    relaunch ends with the weights of the synchronous, uninterrupted run."""
+    from hookloop.callbacks import FSDP
+
+    whole = fsdp_loop([FSDP(state_dict="sharded"), Checkpoint(tmp_path / "whole")])
+    whole.fit(3)
+    directory = tmp_path / "ckpt"
+    first = fsdp_loop([FSDP(state_dict="sharded"),
+                       Checkpoint(directory, every_n_steps=2, keep_last=2, async_save=True)])
+    first.fit(2)
+    assert entries(directory) == ["epoch=0001-step=00000010.dcp", "epoch=0001-step=00000012.dcp"]
+    resumed = fsdp_loop([FSDP(state_dict="sharded"),
+                         Checkpoint(directory, every_n_steps=2, async_save=True, resume=True)])
+    resumed.fit(3)
+    for name, value in whole.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name].full_tensor(), value.full_tensor())

@@ -22,12 +22,9 @@ from common import make_model, make_optimizer, regression_data, shuffled_loader
 from hookloop import Callback, Loop, Suspended, distributed
 from hookloop.callbacks import DDP, Checkpoint
 
-OUT = Path(sys.argv[1])
-TASK = os.environ["SLURM_PROCID"]
-
-
 def write(name: str, value: object) -> None:
-    (OUT / f"{name}.task{TASK}.json").write_text(json.dumps(value))
+    out, task = Path(sys.argv[1]), os.environ["SLURM_PROCID"]
+    (out / f"{name}.task{task}.json").write_text(json.dumps(value))
 
 
 class Slow(Callback):
@@ -46,7 +43,8 @@ if __name__ == "__main__":
     slow = Slow()
     loop = Loop(model, make_optimizer(model), shuffled_loader(regression_data(96, seed=2), 3, 3),
                 loss_fn=nn.functional.mse_loss, device="cpu",
-                callbacks=[DDP(requeue=True), slow, Checkpoint(OUT / "ckpt", resume=True)])
+                callbacks=[DDP(requeue=True), slow, Checkpoint(Path(sys.argv[1]) / "ckpt",
+                                                               resume=True)])
     try:
         loop.fit(20)
     except Suspended as ended:
