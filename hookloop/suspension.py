@@ -132,8 +132,8 @@ class Vote:
 
         A collective under a process group: every rank calls it at the same boundaries.
         """
-        if distributed.world_size() == 1:
-            self._carried = None
+        if distributed.world_size() == 1 or not distributed.is_initialized():
+            self._carried = None  # no group to agree over: this process decides alone
             return self._suspension(set(self.asked))
         seen: set[Cause] = set()
         if self._late:  # a CUDA result of the previous boundary: complete by now

@@ -85,6 +85,7 @@ class Compile(Callback):
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...             callbacks=[Compile(backend="eager")])
         >>> loop.fit(1).step
+        hookloop: training ended at epoch 1/1, step 3: its 1 epoch is done.
         3
         >>> sorted(loop.state_dict()["model"])[:2]  # the model's own keys
         ['0.bias', '0.weight']

@@ -64,6 +64,7 @@ class CudaSpeedups(Callback):
         >>> with warnings.catch_warnings(record=True) as said:
         ...     warnings.simplefilter("always")
         ...     _ = loop.fit(1)
+        hookloop: training ended at epoch 1/1, step 1: its 1 epoch is done.
         >>> "nothing to switch" in str(said[0].message)
         True
     """

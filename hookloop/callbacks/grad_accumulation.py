@@ -79,6 +79,7 @@ class GradAccumulation(Callback):
         3
         >>> loop.callbacks = [GradAccumulation(4, last_window="drop")]
         >>> loop.fit(2).step - 3
+        hookloop: training ended at epoch 2/2, step 5: all 2 epochs are done.
         2
     """
 

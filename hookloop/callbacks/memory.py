@@ -59,6 +59,7 @@ class MemoryMonitor(Callback):
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...             callbacks=[MemoryMonitor()])
         >>> loop.fit(1).metrics["peak_memory_mib"] > 0
+        hookloop: training ended at epoch 1/1, step 4: its 1 epoch is done.
         True
     """
 

@@ -199,7 +199,8 @@ class TensorBoard(Callback):
       (not after an exception, nor at the end of a launch that a signal or ``TimeLimit``
       ended while the run goes on).
       Each run directory holds its own session, so ``tensorboard --logdir runs`` compares
-      the runs under ``runs/``; TensorBoard keeps the first launch's values of a resumed run.
+      the runs under ``runs/``. A relaunch that resumes the run from a checkpoint writes
+      no second session start: the tab keeps the first launch's values.
 
     The writer (``torch.utils.tensorboard.SummaryWriter``) is ``self.writer``; other
     callbacks may log through it (images, text...). It is opened at the first epoch of a
@@ -287,6 +288,7 @@ class TensorBoard(Callback):
         self._gradient_histograms: dict[str, bytes] = {}
         self._epoch_ran = False
         self._failed = False
+        self._continued = False  # a checkpoint restored this run: its session started before
         self._file: str | None = None  # this writer's event file, named in errors
         self._files_before: set[str] = set()  # the event files log_dir held before it
         self._failure: LogWriteError | None = None  # the first failed write of this writer
@@ -349,7 +351,7 @@ class TensorBoard(Callback):
             self._files_before = _event_files(self.log_dir)
         self._open_writer(loop, bool(self._files_before))
         self._event_file()
-        if self._epoch_ran:  # the fit trains: its settings, before the first batch
+        if self._epoch_ran and not self._continued:  # its settings, before the first batch
             self._add_session_start(loop)
 
     def _open_writer(self, loop: Loop, earlier: bool) -> None:
@@ -426,7 +428,7 @@ class TensorBoard(Callback):
         first, self._epoch_ran = not self._epoch_ran, True
         if self._writer is None:
             self._open(loop)
-        elif first:  # another callback opened the writer before training
+        elif first and not self._continued:  # another callback opened the writer first
             self._add_session_start(loop)
 
     def on_batch_start(self, loop: Loop) -> None:
@@ -530,6 +532,7 @@ class TensorBoard(Callback):
         self._histogram_step = int(state.get("histogram_step", -1))  # older checkpoints lack it
         self._gradient_histograms = {str(tag): bytes(value) for tag, value
                                      in state.get("gradient_histograms", {}).items()}
+        self._continued = True
 
     # ------------------------------------------------------------------ inside
     def _metrics(self, loop: Loop, *, only_new: bool, stale_val: bool = False) -> None:

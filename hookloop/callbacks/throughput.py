@@ -79,6 +79,7 @@ class ThroughputMonitor(Callback):
         >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu", callbacks=[monitor])
         >>> metrics = loop.fit(1).metrics
+        hookloop: training ended at epoch 1/1, step 4: its 1 epoch is done.
         >>> sorted(name for name in metrics if name != "train_loss")
         ['batches_per_s', 'mfu', 'samples_per_s']
         >>> monitor.flops_per_sample  # forward 2*4*1, the weight's gradient 2*4*1

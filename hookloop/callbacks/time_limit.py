@@ -55,6 +55,7 @@ class TimeLimit(Callback):
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
         ...             callbacks=[TimeLimit("4:00:00")])
         >>> loop.fit(2).step  # far from the limit: nothing changes
+        hookloop: training ended at epoch 2/2, step 20: all 2 epochs are done.
         20
     """
 

@@ -1,7 +1,7 @@
 """FSDP: real 2-process runs under torchrun (gloo, CPU) checked against a hand-written
 single-process loop, and kills and relaunches checked against an uninterrupted run.
 
-One module-scoped fixture runs the phases of scripts/fsdp.py in order (five launches, one
+One module-scoped fixture runs the phases of scripts/fsdp.py in order (six launches, one
 of them on a single process); each test reads what they wrote. Reduce-scatters are counted
 by wrapping ``torch.distributed.reduce_scatter_single`` in the script: FSDP2's default
 reduce-scatter calls it once per sharded parameter group and gradient reduction.
@@ -34,7 +34,7 @@ SCRIPT = SCRIPTS / "fsdp.py"
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("fsdp")
     outputs: dict[str, Any] = {"out": out, "train": run_ok(SCRIPT, str(out), "train")}
-    for phase in ("kill-full", "resume-full-kill-sharded"):
+    for phase in ("kill-full", "resume-full-kill-sharded", "kill-async"):
         result = torchrun(SCRIPT, str(out), phase)
         outputs[phase] = result
     # The first checkpoint of the sharded run, for a one-process relaunch (copied before the
@@ -161,7 +161,7 @@ def test_bf16_policy_and_fp16_with_the_sharded_grad_scaler_train(runs: dict[str,
         read(runs["out"], "precision", 1)["fp16-amp"]["steps"]
 
 
-def _assert_equal_run(out: Path, label: str, first_step: int) -> None:
+def _assert_equal_run(out: Path, label: str, first_step: int | tuple[int, ...]) -> None:
     """The relaunched run ends with the uninterrupted run's weights and EMA shadow, bit for
     bit, and each of its steps had the same loss."""
     for kind in ("weights", "ema"):
@@ -172,7 +172,8 @@ def _assert_equal_run(out: Path, label: str, first_step: int) -> None:
     for rank in (0, 1):
         losses = read(out, f"{label}-log", rank)["losses"]
         reference = read(out, "reference-log", rank)["losses"]
-        assert min(map(int, losses)) == first_step
+        assert min(map(int, losses)) in (first_step if isinstance(first_step, tuple)
+                                         else (first_step,))
         assert {step: reference[step] for step in losses} == losses
 
 
@@ -195,6 +196,19 @@ def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_which_resum
     assert "epoch=0000-step=00000004.dcp" in runs["resume-sharded"]
     assert "step=00000006" not in runs["resume-sharded"]
     _assert_equal_run(runs["out"], "resumed-sharded", first_step=5)
+
+
+def test_async_sharded_saves_resume_bit_exactly_after_a_kill_of_both_ranks(
+        runs: dict[str, Any]) -> None:
+    """Checkpoint(async_save=True) with sharded directories: the writer threads of both
+    ranks save over their own gloo group while training goes on; SIGKILL after step 5 (the
+    save of step 4 complete, or in flight and then left as a temporary that is never
+    listed), and the relaunch ends on the uninterrupted run's weights and EMA."""
+    killed = runs["kill-async"]
+    assert killed.returncode != 0 and "SIGKILL" in killed.stdout
+    assert "resumed from" in runs["resume-sharded"]
+    # From step 4's directory, or step 2's when the kill came while step 4's was in flight.
+    _assert_equal_run(runs["out"], "resumed-async", first_step=(3, 5))
 
 
 def test_a_sharded_checkpoint_of_two_ranks_resumes_on_one_with_the_same_next_loss(

@@ -12,7 +12,9 @@ PHASE:
   kill-full   a run with Checkpoint(state_dict="full") SIGKILLed by both ranks mid-epoch
   resume-full-kill-sharded   the full run resumed to its end; then a sharded run
               SIGKILLed by both ranks while it writes its second checkpoint
-  resume-sharded   the sharded run resumed (from its first checkpoint) to its end
+  kill-async  a sharded run with Checkpoint(async_save=True) SIGKILLed after step 5
+  resume-sharded   the sharded run resumed (from its first checkpoint) to its end; then
+              the async run resumed to its end
   one-rank    (1 process) one step from a copy of the sharded run's first checkpoint
 """
 
@@ -191,13 +193,14 @@ STEPS_PER_EPOCH = 8  # 64 samples, 4 per rank and batch
 
 def resume_run(directory: str, layout: str, *, epochs: int = 2, batch_size: int = 4,
                kill_after_step: int | None = None, kill_in_save_at: int | None = None,
-               max_steps: int | None = None, label: str) -> None:
+               max_steps: int | None = None, async_save: bool = False, label: str) -> None:
     model = make_model(seed=7)
     log = StepLog()
     ema = EMA(0.9)
     train = shuffled_loader(regression_data(64, seed=8), batch_size, seed=9)
     callbacks: list[Callback] = [FSDP(state_dict=layout), GradClip(MAX_NORM), ema,
-                                 Checkpoint(directory, every_n_steps=2, resume=True), log]
+                                 Checkpoint(directory, every_n_steps=2, resume=True,
+                                            async_save=async_save), log]
     if kill_after_step is not None:
         callbacks.append(KillAfterStep(kill_after_step))
     if kill_in_save_at is not None:
@@ -264,8 +267,12 @@ def main() -> None:
     elif phase == "resume-full-kill-sharded":
         resume_run(str(directory / "full"), "full", label="resumed-full")
         resume_run(str(directory / "sharded"), "sharded", kill_in_save_at=6, label="killed")
+    elif phase == "kill-async":
+        resume_run(str(directory / "async"), "sharded", async_save=True, kill_after_step=5,
+                   label="killed")
     elif phase == "resume-sharded":
         resume_run(str(directory / "sharded"), "sharded", label="resumed-sharded")
+        resume_run(str(directory / "async"), "sharded", async_save=True, label="resumed-async")
     elif phase == "one-rank":
         resume_run(str(directory / "sharded-copy"), "sharded", batch_size=8, max_steps=5,
                    label="one-rank")
