@@ -44,6 +44,9 @@ def _replicated_value(norm: torch.Tensor) -> torch.Tensor:
 
 
 def _split(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    plain = torch.Tensor
+    if all(type(tensor) is plain for tensor in tensors):  # gradients, unsharded: every step
+        return [], list(tensors)
     sharded = [tensor for tensor in tensors if is_sharded_tensor(tensor)]
     return sharded, [tensor for tensor in tensors if not is_sharded_tensor(tensor)]
 

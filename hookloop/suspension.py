@@ -132,9 +132,9 @@ class Vote:
 
         A collective under a process group: every rank calls it at the same boundaries.
         """
-        if distributed.world_size() == 1 or not distributed.is_initialized():
+        if not distributed.is_initialized() or distributed.world_size() == 1:
             self._carried = None  # no group to agree over: this process decides alone
-            return self._suspension(set(self.asked))
+            return self._suspension(set(self.asked)) if self.asked else None
         seen: set[Cause] = set()
         if self._late:  # a CUDA result of the previous boundary: complete by now
             self._late = False
