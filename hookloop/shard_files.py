@@ -74,6 +74,9 @@ def contains_shards(value: Any) -> bool:
         >>> contains_shards({"model": {"w": torch.ones(1)}})
         False
     """
+    kind = type(value)
+    if kind is torch.Tensor or kind is int or kind is float:  # the leaves of most states
+        return False
     if is_sharded_tensor(value):
         return True
     if isinstance(value, Mapping):
