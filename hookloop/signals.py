@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -85,14 +86,19 @@ def _handler(name: str, cause: Cause, reason: str) -> Any:
 
 
 _fitting: Any = None  # shared with the DataLoader workers: how many fits run in this process
+_ended: Any = None  # ... and when the last one ended (time.monotonic(), the same clock)
+#: Seconds after a fit's end during which a worker still ignores the signals: a signal sent
+#: during the fit may reach a worker's handler only once the main process has left it.
+GRACE = 5.0
 
 
 def _fits() -> Any:
-    global _fitting
+    global _fitting, _ended
     if _fitting is None:
         import multiprocessing  # only for a loop whose loaders have workers
 
         _fitting = multiprocessing.RawValue("i", 0)
+        _ended = multiprocessing.RawValue("d", float("-inf"))
     return _fitting
 
 
@@ -100,11 +106,12 @@ class _SparingWorkerInit:
     """A DataLoader's ``worker_init_fn``: the worker ignores ``numbers`` while its main
     process is inside a fit, then calls the loader's own ``worker_init_fn``."""
 
-    def __init__(self, numbers: tuple[int, ...], previous: Any, fitting: Any) -> None:
-        self.numbers, self.previous, self.fitting = numbers, previous, fitting
+    def __init__(self, numbers: tuple[int, ...], previous: Any, fitting: Any, ended: Any
+                 ) -> None:
+        self.numbers, self.previous, self.fitting, self.ended = numbers, previous, fitting, ended
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.fitting.value > 0:
+        if self.fitting.value > 0 or time.monotonic() - self.ended.value < GRACE:
             return  # the main process ends the launch at a step boundary, then stops us
         signal.signal(signum, signal.SIG_DFL)  # the main process is exiting: end as asked
         os.kill(os.getpid(), signum)
@@ -126,7 +133,8 @@ def sparing_workers(loaders: tuple[Any, ...], numbers: list[int]) -> Iterator[No
     is killed by signal" in the main process, at any line, and the launch would end on the
     exception path instead of at a step boundary. The main process decides when to stop.
     Outside the block (the process exiting, multiprocessing terminating its workers) the
-    signals end the workers as before. Wraps ``worker_init_fn`` of the loaders with workers
+    signals end the workers as before, from `GRACE` seconds after the fit's end: a worker
+    busy in a C call runs its handler late, and a signal of the fit must not end it then. Wraps ``worker_init_fn`` of the loaders with workers
     (once), for the workers started from now on (``DDP`` rebuilds its loaders with it).
     """
     spared = [loader for loader in loaders if isinstance(loader, DataLoader)
@@ -138,11 +146,12 @@ def sparing_workers(loaders: tuple[Any, ...], numbers: list[int]) -> Iterator[No
     for loader in spared:
         if not isinstance(loader.worker_init_fn, _SparingWorkerInit):
             loader.worker_init_fn = _SparingWorkerInit(tuple(numbers), loader.worker_init_fn,
-                                                       fitting)
+                                                       fitting, _ended)
     fitting.value += 1
     try:
         yield
     finally:
+        _ended.value = time.monotonic()
         fitting.value -= 1
 
 

@@ -18,7 +18,10 @@ def test_refused_on_cpu_under_torchrun_by_name(tmp_path: Path) -> None:
     result = torchrun(SCRIPT, str(tmp_path), "cpu", "sync")
     assert result.returncode != 0
     message = "DDP(sync_batchnorm=True) needs CUDA, but this run trains on cpu"
-    assert result.stdout.count(message) >= 2, result.stdout[-6000:]  # on both ranks
+    # Each rank refuses on its own, before any process group exists (so none waits for
+    # the other); torchrun stops the other rank once the first exits, so it may not print.
+    assert result.stdout.count(message) >= 1, result.stdout[-6000:]
+    assert "Timeout" not in result.stdout and "timed out" not in result.stdout
     assert "ConfigurationError" in result.stdout
     assert not list(tmp_path.glob("result.*"))  # refused before training
 
