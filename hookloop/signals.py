@@ -92,14 +92,15 @@ _ended: Any = None  # ... and when the last one ended (time.monotonic(), the sam
 GRACE = 5.0
 
 
-def _fits() -> Any:
+def _shared() -> tuple[Any, Any]:
+    """The values shared with the workers: the running fits, the last fit's end."""
     global _fitting, _ended
     if _fitting is None:
         import multiprocessing  # only for a loop whose loaders have workers
 
         _fitting = multiprocessing.RawValue("i", 0)
         _ended = multiprocessing.RawValue("d", float("-inf"))
-    return _fitting
+    return _fitting, _ended
 
 
 class _SparingWorkerInit:
@@ -134,24 +135,25 @@ def sparing_workers(loaders: tuple[Any, ...], numbers: list[int]) -> Iterator[No
     exception path instead of at a step boundary. The main process decides when to stop.
     Outside the block (the process exiting, multiprocessing terminating its workers) the
     signals end the workers as before, from `GRACE` seconds after the fit's end: a worker
-    busy in a C call runs its handler late, and a signal of the fit must not end it then. Wraps ``worker_init_fn`` of the loaders with workers
-    (once), for the workers started from now on (``DDP`` rebuilds its loaders with it).
+    busy in a C call runs its handler late, and a signal of the fit must not end it then.
+    Wraps ``worker_init_fn`` of the loaders with workers (once), for the workers started
+    from now on (``DDP`` rebuilds its loaders with it).
     """
     spared = [loader for loader in loaders if isinstance(loader, DataLoader)
               and loader.num_workers > 0]
     if not numbers or not spared:
         yield
         return
-    fitting = _fits()
+    fitting, ended = _shared()
     for loader in spared:
         if not isinstance(loader.worker_init_fn, _SparingWorkerInit):
             loader.worker_init_fn = _SparingWorkerInit(tuple(numbers), loader.worker_init_fn,
-                                                       fitting, _ended)
+                                                       fitting, ended)
     fitting.value += 1
     try:
         yield
     finally:
-        _ended.value = time.monotonic()
+        ended.value = time.monotonic()
         fitting.value -= 1
 
 
