@@ -223,14 +223,6 @@ class Loop(Geometry):
         """
         return self._position.public
 
-    def enable_resume_snapshots(self) -> None:
-        """Also record Python's and NumPy's generators at every step boundary.
-
-        Torch's generators are always recorded; ``Checkpoint`` calls this so that a resumed
-        run draws exactly what an uninterrupted one would (about 30 microseconds per step).
-        """
-        self._position.full_snapshots = True
-
     # --------------------------------------------------------------- public API
     def fit(self, epochs: int, *, max_steps: int | None = None) -> LoopState:
         """Train until ``epochs`` epochs are done in all (a resumed run does what is left).
@@ -534,7 +526,8 @@ class Loop(Geometry):
         assert contexts is not None
         table = events if events is not None else contexts
         phase = self._phases.current
-        phase = Phase.VALIDATE if phase is Phase.TRAIN else phase
+        if phase is Phase.TRAIN:  # its data may draw from Python's and NumPy's generators
+            phase, self._position.host_now = Phase.VALIDATE, False
         with self._phases.entered(phase), state.kept("prefix"):
             self.model.eval()
             state.training, state.prefix = False, prefix

@@ -11,7 +11,7 @@ import torch
 
 from hookloop.data import Lookahead, LossMark, LossSum, length_of
 from hookloop.errors import ConfigurationError
-from hookloop.rng import capture_rng, loader_generators, restore_rng
+from hookloop.rng import capture_rng, host_rng, loader_generators, restore_host_rng, restore_rng
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -39,26 +39,31 @@ class Position:
     on, and is told at every step boundary where the weights now are (`EpochPass.record`).
     A checkpoint taken mid-window or mid-batch resumes from the last boundary, and the
     batches after it are trained again with the same data order and the same random draws:
-    the generators are recorded at every step boundary and at every epoch start. Torch's
-    generators (CPU, CUDA, the DataLoader's) are always recorded, so ``fit()`` after an
-    exception replays exactly; with ``full_snapshots`` (turned on by ``Checkpoint``)
-    Python's and NumPy's global generators are recorded too.
+    torch's generators (CPU, CUDA, the DataLoader's) are recorded at every step boundary, and
+    every generator, Python's and NumPy's too, at every epoch start. Python's and NumPy's
+    cost tens of microseconds to copy, so the position's own copy of them is taken when it
+    is read (`parts`, at a save) while nothing has drawn for the run since the boundary
+    (`host_now`). Read later (a save at an exception, mid-window), the position holds none
+    of them: a resume, like ``fit()`` after an exception, replays the epoch from its start's
+    generators and fetches the trained batches again, so the data's draws from Python's and
+    NumPy's generators repeat (draws the model itself made from them do not); a validation
+    inside the epoch captures them in full once it ended (`host_mark`), and the replay puts
+    them back there, since it does not validate again.
 
     An epoch that ``stop()`` cut short keeps its live iterator (`EpochPass` suspends it),
     so a later ``fit`` in this process continues it; after an exception (`rewind`) or a
     restore (`load`) the epoch is replayed from the recorded generators instead.
     """
 
-    __slots__ = ("epoch", "batches_done", "step", "loss_sum", "samples", "full_snapshots",
-                 "rng", "epoch_rng", "prefetch_rng", "validated", "generators", "_replay",
-                 "_live")
+    __slots__ = ("epoch", "batches_done", "step", "loss_sum", "samples",
+                 "rng", "epoch_rng", "prefetch_rng", "validated", "generators", "host_now",
+                 "host_mark", "_replay", "_live")
 
     def __init__(self) -> None:
         self.epoch = self.batches_done = self.step = self.samples = 0
         #: The training loss sum at the position: a `LossMark` (resolved when read) or,
         #: after a load, the saved tensor.
         self.loss_sum: LossMark | torch.Tensor | None = None
-        self.full_snapshots = False
         self.rng: dict[str, Any] | None = None
         self.epoch_rng: dict[str, Any] | None = None
         #: Data without a length, read one batch ahead: the random state the batch after
@@ -68,6 +73,12 @@ class Position:
         self.validated = False
         #: The generators the training data draws its order from (set at every setup).
         self.generators: list[torch.Generator] = []
+        #: Nothing drew for the run since `record` (no batch fetched, no validation): Python's
+        #: and NumPy's generators can be read for this position as they are now.
+        self.host_now = False
+        #: ``(batches_done, full snapshot)`` right after the epoch's last validation inside
+        #: it (``val_every_n_steps``), or None: where a replay puts Python's and NumPy's back.
+        self.host_mark: tuple[int, dict[str, Any]] | None = None
         self._replay = False  # the next epoch start replays from the recorded generators
         self._live: tuple[int, Iterator[Any]] | None = None  # an epoch stop() cut short
 
@@ -87,7 +98,8 @@ class Position:
         self.validated = self.validated and step == self.step  # still that step's
         self.epoch, self.batches_done, self.step = epoch, batches_done, step
         self.loss_sum, self.samples = loss_sum, samples
-        self.rng = capture_rng(self.generators, full=self.full_snapshots)
+        self.rng = capture_rng(self.generators, full=False)  # host_rng when read (parts)
+        self.host_now = True
 
     def _loss_total(self) -> torch.Tensor | None:
         loss_sum = self.loss_sum
@@ -108,12 +120,26 @@ class Position:
             "train_samples": self.samples,
         }
         if self.rng is not None:
+            if "python" not in self.rng:
+                self._add_host_rng()
             own["rng"] = self.rng
             if self.batches_done and self.epoch_rng is not None:
                 own["epoch_rng"] = self.epoch_rng
             if self.batches_done and self.prefetch_rng is not None:
                 own["prefetch_rng"] = self.prefetch_rng
+            if self.batches_done and self.host_mark is not None and "python" not in self.rng:
+                own["mark_batches"], own["mark_rng"] = self.host_mark
         return shared, own
+
+    def _add_host_rng(self) -> None:
+        """Python's and NumPy's generators into the position's snapshot, where they are
+        known: now, when nothing drew since the boundary; at an epoch's start (the epoch
+        began right after the position); else left out (the replay draws them again)."""
+        if self.host_now:
+            self.rng.update(host_rng())  # type: ignore[union-attr]
+        elif not self.batches_done and self.epoch_rng is not None:
+            self.rng.update({key: value for key, value in self.epoch_rng.items()  # type: ignore[union-attr]
+                             if key in ("python", "numpy")})
 
     def load(self, shared: Mapping[str, Any], own: Mapping[str, Any], device: torch.device) -> None:
         """Continue from `parts` at the next epoch start."""
@@ -124,6 +150,8 @@ class Position:
         self.loss_sum = None if loss_sum is None else loss_sum.to(device)
         self.rng, self.epoch_rng = own.get("rng"), own.get("epoch_rng")
         self.prefetch_rng = own.get("prefetch_rng")
+        mark = own.get("mark_rng")
+        self.host_mark = None if mark is None else (int(own["mark_batches"]), mark)
         self._replay = True
         self._live = None
 
@@ -154,20 +182,24 @@ class Position:
         elif replay and not skip and self.rng is not None:
             restore_rng(self.rng, generators)
         if not skip:
-            self.epoch_rng = capture_rng(generators, full=self.full_snapshots)
+            self.epoch_rng = capture_rng(generators)  # every generator, once an epoch
+            self.host_mark = None
         # skip == total still iterates: a sampler may draw from the loader's generator when
         # its iterator is exhausted (RandomSampler does, after an even last batch).
         if total is not None and skip > total:
             iterator: Iterator[Any] = iter(())
         else:
             iterator = iter(data)
-            for _ in range(skip):
-                next(iterator)
+            mark = self.host_mark if replay and "python" not in (self.rng or {}) else None
+            for index in range(skip + 1):
+                if mark is not None and index == mark[0]:  # a validation drew up to here
+                    restore_host_rng(mark[1])
+                if index < skip:
+                    next(iterator)
         if total is None and window > 1:
             if replay and skip and self.prefetch_rng is not None:
                 restore_rng(self.prefetch_rng, generators)
-            full = self.full_snapshots
-            iterator = Lookahead(iterator, snapshot=lambda: capture_rng(generators, full=full))
+            iterator = Lookahead(iterator, snapshot=lambda: capture_rng(generators, full=False))
         if replay and skip and self.rng is not None:
             restore_rng(self.rng, generators)
         return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses)
@@ -204,7 +236,7 @@ class EpochPass:
         iterator, total, window = self._iterator, self._total, self._window
         lookahead = iterator if isinstance(iterator, Lookahead) else None
         boundary, batch_idx = True, self.start - 1
-        stop_due = self._stop_due
+        stop_due, position = self._stop_due, self._position
         while True:
             # A stop takes effect at a step boundary the loop took (`record`), never inside
             # a window, also one a callback drew with loop.state.step_boundary.
@@ -218,6 +250,7 @@ class EpochPass:
                 batch = next(iterator)
             except StopIteration:
                 return
+            position.host_now = False
             if stopping:  # the data outlived its len(): keep it for a later fit
                 return self._suspend(itertools.chain([batch], iterator))
             batch_idx += 1
@@ -242,8 +275,11 @@ class EpochPass:
         self._position.record(self.epoch, self.batches_done, step, losses.mark(),
                               losses.samples, prefetch)
         self._at_boundary = True
-        if validated:
-            self._position.validated = True
+        if validated:  # once a validation: Python's and NumPy's as it left them, for replays
+            position = self._position
+            position.validated = True
+            position.rng.update(host_rng())  # type: ignore[union-attr]
+            position.host_mark = (self.batches_done, position.rng)  # type: ignore[assignment]
 
     def train_loss(self) -> float | None:
         """The epoch's sample-weighted mean training loss over all ranks: one host sync.

@@ -581,7 +581,9 @@ def check_run_fields(path: str, payload: Mapping[str, Any]) -> None:
             value = part["train_loss_sum"]
             expect_field(path, f"{where}.train_loss_sum", value,
                          isinstance(value, torch.Tensor), "a tensor or None")
-        for field in ("rng", "epoch_rng", "prefetch_rng"):
+        if "mark_batches" in part:
+            _expect_int(path, f"{where}.mark_batches", part["mark_batches"])
+        for field in ("rng", "epoch_rng", "prefetch_rng", "mark_rng"):
             problem = rng_state_problem(part[field]) if part.get(field) is not None else None
             if problem is not None:
                 inner, value, expected = problem

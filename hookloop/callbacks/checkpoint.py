@@ -151,7 +151,6 @@ class Checkpoint(Callback):
         self._saved_at = None  # until on_fit_start: a fit that fails to start saves nothing
         if self._monitor is not None:
             self._monitor.resolve()
-        loop.enable_resume_snapshots()
         # Every rank learns whether rank 0 may use the directory: none waits for it in vain.
         refused = distributed.broadcast_object(self.files.prepare() if distributed.is_main()
                                                else None)
