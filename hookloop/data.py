@@ -50,6 +50,9 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
 
 def is_pair(batch: Any) -> bool:
     """True for an ``(inputs, targets)`` batch: a plain tuple or list of two items."""
+    kind = type(batch)
+    if kind is tuple or kind is list:  # the usual batch: no failed attribute lookup
+        return len(batch) == 2
     return isinstance(batch, (tuple, list)) and len(batch) == 2 and not hasattr(batch, "_fields")
 
 

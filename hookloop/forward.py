@@ -123,9 +123,10 @@ def compute(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
         if loop.loss_fn is None:
             return outputs, _loss_of(outputs, f"model(inputs) (inputs={loop.inputs!r})")
         return outputs, loop.loss_fn(outputs, batch_targets(loop, batch))
-    if is_pair(batch) and loop.loss_fn is not None:
+    if loop.loss_fn is not None and is_pair(batch):
         outputs = loop.model(batch[0])
-        return outputs, loop.loss_fn(outputs, batch_targets(loop, batch))
+        targets = batch[1] if loop.targets is None else select(loop.targets, batch, "targets")
+        return outputs, loop.loss_fn(outputs, targets)
     if isinstance(batch, Mapping):
         check_batch_rule(loop, batch)
         outputs = loop.model(**batch)

@@ -77,7 +77,8 @@ class Vote:
         Suspension(status=75, reason='TimeLimit: 2 hours', causes=('requested',))
     """
 
-    __slots__ = ("asked", "last_save", "_actions", "_carried", "_host", "_event", "_late")
+    __slots__ = ("asked", "last_save", "_actions", "_carried", "_host", "_event", "_late",
+                 "_alone")
 
     def __init__(self) -> None:
         #: The causes this rank asked for, with this rank's reason for each.
@@ -90,13 +91,14 @@ class Vote:
         self._host: torch.Tensor | None = None  # pinned: the late read of a CUDA result
         self._event: Any = None
         self._late = False
+        self._alone: bool | None = None  # no group to agree over: asked once a fit
 
     def reset(self) -> None:
         """At every fit start: nothing asked or measured, nothing in flight, no action."""
         self.asked.clear()
         self.last_save = None
         self._actions.clear()
-        self._carried, self._late = None, False
+        self._carried, self._late, self._alone = None, False, None
 
     def ask(self, cause: Cause, reason: str) -> bool:
         """Ask this rank to end the launch for ``cause``; False when it was asked already."""
@@ -132,7 +134,10 @@ class Vote:
 
         A collective under a process group: every rank calls it at the same boundaries.
         """
-        if not distributed.is_initialized() or distributed.world_size() == 1:
+        alone = self._alone
+        if alone is None:  # at the fit's first boundary: every setup (DDP's) has run
+            alone = self._alone = not distributed.is_initialized() or distributed.world_size() == 1
+        if alone:
             self._carried = None  # no group to agree over: this process decides alone
             return self._suspension(set(self.asked)) if self.asked else None
         seen: set[Cause] = set()
