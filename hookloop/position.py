@@ -135,11 +135,12 @@ class Position:
         """Python's and NumPy's generators into the position's snapshot, where they are
         known: now, when nothing drew since the boundary; at an epoch's start (the epoch
         began right after the position); else left out (the replay draws them again)."""
+        rng, epoch_rng = self.rng, self.epoch_rng
+        assert rng is not None
         if self.host_now:
-            self.rng.update(host_rng())  # type: ignore[union-attr]
-        elif not self.batches_done and self.epoch_rng is not None:
-            self.rng.update({key: value for key, value in self.epoch_rng.items()  # type: ignore[union-attr]
-                             if key in ("python", "numpy")})
+            rng.update(host_rng())
+        elif not self.batches_done and epoch_rng is not None:
+            rng.update({key: epoch_rng[key] for key in ("python", "numpy") if key in epoch_rng})
 
     def load(self, shared: Mapping[str, Any], own: Mapping[str, Any], device: torch.device) -> None:
         """Continue from `parts` at the next epoch start."""

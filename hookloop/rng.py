@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["capture_rng", "host_rng", "restore_rng", "restore_host_rng", "loader_generators", "rng_state_problem"]
+__all__ = ["capture_rng", "host_rng", "restore_rng", "restore_host_rng", "loader_generators",
+           "rng_state_problem"]
 
 try:  # numpy is optional
     import numpy as _numpy
