@@ -5,25 +5,21 @@ and 20 SIGKILLs during background writes leave no unreadable file and resume exa
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import random
-import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from hookloop import Callback, CheckpointWriteError, Loop
 from hookloop import checkpoint_files as checkpoint_module  # where Checkpoint's writes go
 from hookloop.callbacks import Checkpoint
-from hookloop.directory_lock import LOCK_NAME
 from hookloop.storage import read_payload
 
-from builders import adam, dropout_loop, make_loop, regression_dataset, shuffled
+from builders import dropout_loop
+from kill_campaign import campaign
 from test_fsdp import _entries as entries, _loop as fsdp_loop, one_process_group  # noqa: F401
 
 
@@ -102,84 +98,13 @@ def test_a_failed_write_is_raised_at_the_next_step_naming_the_file_and_saved_aga
 
 
 # ------------------------------------------------------------ SIGKILL during writes
-EPOCHS = 6
-TOTAL_STEPS = 20 * EPOCHS  # 20 batches an epoch: room for 20 kills of a few steps each
-
-
-def train_until_done(directory: str | None, out: str, started: object = None) -> None:
-    """A training script, run in a forkserver child; ``directory=None``: no checkpoints."""
-    torch.set_num_threads(1)
-    loader = shuffled(regression_dataset(160, features=256, seed=1), 8, seed=2)
-
-    def model() -> nn.Module:  # ~1.3M parameters: with Adam a file is ~16 MB, tens of ms
-        return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Dropout(0.2),
-                             nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1))
-
-    class Started(Callback):
-        def on_batch_end(self, loop: Loop) -> None:
-            if started is not None:
-                started.set()  # type: ignore[attr-defined]
-
-    callbacks: list[Callback] = [Started()]
-    if directory is not None:
-        callbacks.insert(0, Checkpoint(directory, every_n_steps=1, keep_last=2, resume=True,
-                                       async_save=True))
-    loop = make_loop(callbacks, model=model, train=loader, optimizer=adam(1e-4))
-    loop.fit(EPOCHS)
-    assert loop.state.step == TOTAL_STEPS
-    torch.save(loop.model.state_dict(), out)
-
-
-def check_directory(directory: Path) -> int:
-    """Every entry under a final name reads back as a training state; returns the temporary
-    files (a killed write's) seen."""
-    temporary = 0
-    for path in directory.iterdir():
-        if path.name.startswith(".tmp-"):
-            temporary += 1
-        elif path.name != LOCK_NAME:
-            assert read_payload(path, "cpu")["hookloop"]["kind"] == "resume", path
-    return temporary
-
-
 def test_twenty_sigkills_during_background_writes(tmp_path: Path) -> None:
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch._dynamo", "hookloop.callbacks", __name__])
-    directory = tmp_path / "checkpoints"
-    chooser = random.Random(0)
-    kills = killed_mid_write = 0
-    deadline = time.monotonic() + 90
-    while kills < 20 and time.monotonic() < deadline:
-        started = context.Event()
-        child = context.Process(target=train_until_done,
-                                args=(str(directory), str(tmp_path / "w.pt"), started))
-        child.start()
-        while not started.wait(0.05) and child.is_alive():
-            pass
-        if not child.is_alive():
-            break  # it finished before it could be killed
-        time.sleep(chooser.uniform(0.0, 0.2))  # every step has a write in flight
-        try:
-            os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
-        except ProcessLookupError:  # it finished during the sleep; the forkserver reaped it
-            break
-        child.join(30)
-        if child.exitcode == -signal.SIGKILL:
-            kills += 1
-            killed_mid_write += check_directory(directory) > 0
+    """6 epochs (120 steps) leave room for 20 kills of a few steps each; every step has a
+    background write in flight."""
+    kills, killed_mid_write = campaign(tmp_path, epochs=6, async_save=True, kills=20,
+                                       seconds=90, pause=0.2, join=180)
     assert kills == 20, f"only {kills} kills before the run finished or the time ran out"
     assert killed_mid_write >= 1, "no kill landed in the middle of a write"
-    for target, out in ((str(directory), "resumed.pt"), (None, "reference.pt")):
-        child = context.Process(target=train_until_done, args=(target, str(tmp_path / out)))
-        child.start()
-        child.join(180)
-        assert child.exitcode == 0
-    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
-    expected = torch.load(tmp_path / "reference.pt", weights_only=True)
-    for name, value in expected.items():
-        assert torch.equal(resumed[name], value), name
-    assert check_directory(directory) == 0
-    print(f"{kills} kills, {killed_mid_write} in the middle of a write")
 
 
 # ------------------------------------------------------- directories of shards (FSDP)

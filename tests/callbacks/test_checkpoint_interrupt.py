@@ -4,9 +4,7 @@ moments while checkpoints are being written."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import random
 import signal
 import time
 from pathlib import Path
@@ -20,10 +18,10 @@ from hookloop import Callback, Loop
 from hookloop.callbacks import Checkpoint
 from hookloop import checkpoint_files as checkpoint_module  # where Checkpoint's writes go
 from hookloop import storage
-from hookloop.directory_lock import LOCK_NAME
 
-from builders import EventRecorder, adam, regression_batches, regression_dataset, shuffled
+from builders import EventRecorder, adam, regression_batches
 from builders import make_loop as build_loop
+from kill_campaign import campaign
 
 
 #: The events a recorder is checked for here: the exception path and the end of the fit.
@@ -125,90 +123,13 @@ def test_other_exceptions_also_leave_a_checkpoint(tmp_path: Path) -> None:
 
 
 # -------------------------------------------------------------------- SIGKILL
-TOTAL_STEPS = 60  # 20 batches x 3 epochs
-
-
-def train_until_done(directory: str | None, out: str, started: object = None) -> None:
-    """A training script, run in a child process; ``directory=None``: no checkpoints."""
-    torch.set_num_threads(1)
-    loader = shuffled(regression_dataset(160, features=256, seed=1), 8, seed=2)
-    # ~1.3M parameters: with Adam's two moments a checkpoint is ~16 MB, slow enough (tens of
-    # ms) to be killed in the middle of writing it.
-    def model() -> nn.Module:
-        return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Dropout(0.2),
-                             nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1))
-
-    class Started(Callback):
-        def on_batch_end(self, loop: Loop) -> None:
-            if started is not None:
-                started.set()  # type: ignore[attr-defined]
-
-    callbacks: list[Callback] = [Started()]
-    if directory is not None:
-        callbacks.insert(0, Checkpoint(directory, every_n_steps=1, keep_last=2, resume=True))
-    loop = build_loop(callbacks, model=model, train=loader, optimizer=adam(1e-4))
-    loop.fit(3)
-    assert loop.state.step == TOTAL_STEPS
-    torch.save(loop.model.state_dict(), out)
-
-
-def check_directory(directory: Path) -> int:
-    """Every file under a final name loads with weights_only=True; returns temp files seen."""
-    temporary = 0
-    for path in directory.iterdir():
-        if path.name.startswith(".tmp-"):
-            temporary += 1
-            continue
-        if path.name == LOCK_NAME:  # the killed job's lock file (the lock died with it)
-            continue
-        payload = torch.load(path, weights_only=True)
-        assert payload["hookloop"]["kind"] == "resume", path
-        storage.read_payload(path, "cpu")
-    return temporary
-
-
 def test_sigkill_while_writing_checkpoints(tmp_path: Path) -> None:
-    """Children are forked from a forkserver that imported torch once, so each kill costs
-    a fraction of a second instead of a fresh interpreter start."""
-    context = multiprocessing.get_context("forkserver")
-    # torch._dynamo: imported by the first optimizer, seconds of each child otherwise
-    context.set_forkserver_preload(["torch", "torch._dynamo", "hookloop.callbacks", __name__])
-    directory = tmp_path / "checkpoints"
-    rng = random.Random(0)
-    deadline = time.monotonic() + 30
-    kills = killed_mid_write = 0
-    while kills < 10 and time.monotonic() < deadline:
-        started = context.Event()
-        child = context.Process(target=train_until_done,
-                                args=(str(directory), str(tmp_path / "w.pt"), started))
-        child.start()
-        while not started.wait(0.05) and child.is_alive():
-            pass
-        if not child.is_alive():
-            break  # it finished before we could kill it
-        time.sleep(rng.uniform(0.0, 0.25))
-        try:
-            os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
-        except ProcessLookupError:  # it finished during the sleep; the forkserver reaped it
-            break
-        child.join(30)
-        if child.exitcode == -signal.SIGKILL:
-            kills += 1
-            killed_mid_write += check_directory(directory) > 0
+    """At least 5 of 10 SIGKILLs (30 s), one while a save is written: no unreadable file,
+    and the relaunch ends on the uninterrupted run's weights."""
+    kills, killed_mid_write = campaign(tmp_path, epochs=3, async_save=False, kills=10,
+                                       seconds=30, pause=0.25, join=120)
     assert kills >= 5
     assert killed_mid_write >= 1, "no kill landed in the middle of a save"
-    # resume to the end, then compare with an uninterrupted run without checkpoints
-    for target_directory, out in ((str(directory), "resumed.pt"), (None, "reference.pt")):
-        child = context.Process(target=train_until_done, args=(target_directory, str(tmp_path / out)))
-        child.start()
-        child.join(120)
-        assert child.exitcode == 0
-    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
-    expected = torch.load(tmp_path / "reference.pt", weights_only=True)
-    for name, value in expected.items():
-        assert torch.equal(resumed[name], value), name
-    assert check_directory(directory) == 0
-    print(f"{kills} kills, {killed_mid_write} in the middle of a save")
 
 
 # ----------------------------------------------------- an interrupt inside a save
