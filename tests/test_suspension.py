@@ -17,7 +17,7 @@ from hookloop import Callback, Loop, Suspended, Terminated
 from hookloop.callbacks import Checkpoint, GradAccumulation
 from hookloop.suspension import REQUESTED, SIGTERM, SIGUSR1, Suspension, Vote
 
-from builders import EventRecorder, dropout_loop, weights
+from builders import EventRecorder, dropout_loop, same_weights, weights
 
 
 class StopAt(Callback):
@@ -107,7 +107,7 @@ def test_a_resumable_stop_saves_its_step_ends_the_launch_and_the_relaunch_contin
     resumed = _relaunch(tmp_path, 3)
     assert resumed.state.step == 12
     expected = _uninterrupted(3)
-    assert all(torch.equal(weights(resumed)[key], value) for key, value in expected.items())
+    assert same_weights(resumed, expected)
 
 
 def test_a_plain_stop_ends_the_run_and_returns() -> None:
@@ -146,7 +146,7 @@ def test_an_end_asked_after_the_epoch_s_last_step_still_saves_and_resumes(
     assert _files(tmp_path) == ["epoch=0001-step=00000004.pt"]
     resumed = _relaunch(tmp_path, 3)
     expected = _uninterrupted(3)
-    assert all(torch.equal(weights(resumed)[key], value) for key, value in expected.items())
+    assert same_weights(resumed, expected)
 
 
 def test_an_end_agreed_at_the_run_s_last_step_leaves_the_run_ended(tmp_path: Path) -> None:

@@ -67,8 +67,7 @@ def test_launches_end_before_their_budget_and_together_equal_the_uninterrupted_r
         assert elapsed < BUDGET, result.stdout  # ended before the budget ran out...
         assert "TimeLimit:" in result.stdout and "Traceback" not in result.stderr
         step = int(result.stdout.split("ended at step ")[-1].split()[0])
-        assert (directory / f"epoch={(step - 1) // 8:04d}-step={step:08d}.pt").exists() or \
-            any(path.name.endswith(f"step={step:08d}.pt") for path in directory.iterdir())
+        assert any(path.name.endswith(f"step={step:08d}.pt") for path in directory.iterdir())
     assert launches[-1].returncode == 0, launches[-1].stderr[-3000:]
     assert len(launches) >= 2, "the budget never ended a launch"
     resumed = torch.load(tmp_path / "limited" / "final.pt", weights_only=True)

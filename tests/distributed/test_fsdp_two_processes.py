@@ -206,7 +206,7 @@ def test_async_sharded_saves_resume_bit_exactly_after_a_kill_of_both_ranks(
     listed), and the relaunch ends on the uninterrupted run's weights and EMA."""
     killed = runs["kill-async"]
     assert killed.returncode != 0 and "SIGKILL" in killed.stdout
-    assert "resumed from" in runs["resume-sharded"]
+    assert f"resumed from {runs['out'] / 'async'}" in runs["resume-sharded"]
     # From step 4's directory, or step 2's when the kill came while step 4's was in flight.
     _assert_equal_run(runs["out"], "resumed-async", first_step=(3, 5))
 

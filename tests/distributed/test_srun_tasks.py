@@ -18,17 +18,19 @@ from pathlib import Path
 
 import pytest
 
+from hookloop.slurm import port_for_job
+
 from conftest import subprocess_env
 from launch import SCRIPTS, TIMEOUT
 
 
 def _free_job_id() -> int:
-    """A job id whose derived port (15000 + id % 20000) is free on this machine now."""
+    """A job id whose derived port (`port_for_job`) is free on this machine now."""
     for _ in range(200):
         job = random.randrange(10**5, 10**6)
         with socket.socket() as probe:
             try:
-                probe.bind(("127.0.0.1", 15000 + job % 20000))
+                probe.bind(("127.0.0.1", port_for_job(str(job))))
             except OSError:
                 continue
         return job
