@@ -101,11 +101,6 @@ class BackgroundWriter:
         self._on_done: Callable[[Any], None] | None = None
         self._on_failure: Callable[[BaseException], None] | None = None
 
-    @property
-    def busy(self) -> bool:
-        """True while a write is in flight or its outcome was not handed back yet."""
-        return self._thread is not None
-
     def submit(self, write: Callable[[], Any], *, on_done: Callable[[Any], None] | None = None,
                on_failure: Callable[[BaseException], None] | None = None) -> None:
         """Run ``write()`` in a thread, after the write in flight (if any) has finished and

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "collective_device",
     "is_initialized",
     "rank",
     "world_size",
@@ -94,7 +95,8 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     return _reduce(tensor, dist.ReduceOp.MAX if dist.is_available() else None)
 
 
-def _collective_device() -> torch.device:
+def collective_device() -> torch.device:
+    """Where tensors for a collective live: the current CUDA device under nccl, else the CPU."""
     if is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -104,7 +106,7 @@ def any_true(flag: bool) -> bool:
     """True on every rank when ``flag`` is True on at least one: a collective decision."""
     if world_size() == 1:
         return bool(flag)
-    tensor = torch.tensor([1.0 if flag else 0.0], device=_collective_device())
+    tensor = torch.tensor([1.0 if flag else 0.0], device=collective_device())
     return bool(all_reduce_max(tensor).item() > 0)
 
 
@@ -114,7 +116,7 @@ def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
     if world_size() == 1:
         return obj
     holder = [obj]
-    device = _collective_device() if group is None else torch.device("cpu")
+    device = collective_device() if group is None else torch.device("cpu")
     dist.broadcast_object_list(holder, src=src, group=group, device=device)
     return holder[0]
 
@@ -149,7 +151,7 @@ def all_reduce_sums(sums: Mapping[str, float | torch.Tensor]) -> dict[str, float
                 "Write every metric on every rank, also on a rank that saw no batch.")
     if not keys:
         return {}
-    device = _collective_device()
+    device = collective_device()
     values = torch.stack([torch.as_tensor(sums[key], dtype=torch.float64, device=device)
                           .reshape(()) for key in keys])
     return dict(zip(keys, all_reduce_sum(values).tolist()))

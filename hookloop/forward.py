@@ -125,8 +125,7 @@ def compute(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
         return outputs, loop.loss_fn(outputs, batch_targets(loop, batch))
     if loop.loss_fn is not None and is_pair(batch):
         outputs = loop.model(batch[0])
-        targets = batch[1] if loop.targets is None else select(loop.targets, batch, "targets")
-        return outputs, loop.loss_fn(outputs, targets)
+        return outputs, loop.loss_fn(outputs, batch_targets(loop, batch))
     if isinstance(batch, Mapping):
         check_batch_rule(loop, batch)
         outputs = loop.model(**batch)

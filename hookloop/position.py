@@ -192,11 +192,10 @@ class Position:
         else:
             iterator = iter(data)
             mark = self.host_mark if replay and "python" not in (self.rng or {}) else None
-            for index in range(skip + 1):
+            for index in range(skip):  # a mark is always before the position's batch
                 if mark is not None and index == mark[0]:  # a validation drew up to here
                     restore_host_rng(mark[1])
-                if index < skip:
-                    next(iterator)
+                next(iterator)
         if total is None and window > 1:
             if replay and skip and self.prefetch_rng is not None:
                 restore_rng(self.prefetch_rng, generators)
@@ -247,11 +246,11 @@ class EpochPass:
             if stopping and (batch_idx + 1 < total if total is not None
                              else lookahead is not None and not lookahead.exhausted):
                 return self._suspend(iterator)
+            position.host_now = False  # a fetch may draw, also one that raises
             try:
                 batch = next(iterator)
             except StopIteration:
                 return
-            position.host_now = False
             if stopping:  # the data outlived its len(): keep it for a later fit
                 return self._suspend(itertools.chain([batch], iterator))
             batch_idx += 1

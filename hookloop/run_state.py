@@ -125,8 +125,7 @@ class RunEnd:
                 signals.sparing_workers(loaders, taken):
             yield
         suspension, state = self.suspension, self._state
-        if suspension is None or self.record(state.epochs, state.max_steps,
-                                             self._position.epoch) is not None:
+        if suspension is None or not self._goes_on():
             return
         # The epoch's live iterator goes now: its DataLoader workers stop through their
         # queues, not by a signal at the interpreter's exit (a later fit replays instead).
@@ -138,6 +137,12 @@ class RunEnd:
         if suspension.status == SIGTERM.status:
             raise Terminated(message)
         raise Suspended(message, suspension.status)
+
+    def _goes_on(self) -> bool:
+        """This launch ended (a suspension) and the run did not: it continues in the next."""
+        state = self._state
+        return self.suspension is not None and self.record(
+            state.epochs, state.max_steps, self._position.epoch) is None
 
     def record(self, epochs: int, max_steps: int | None, epochs_done: int) -> dict[str, Any] | None:
         """Why the run ended (for `Loop.state_dict`), or None while it goes on."""
@@ -169,8 +174,7 @@ class RunEnd:
             return
         why = (self.reason or "loop.stop() was called") if self.requested else \
             _all_epochs(state.epochs)
-        if self.suspension is not None and self.record(
-                state.epochs, state.max_steps, self._position.epoch) is None:
+        if self._goes_on():
             print(f"hookloop: this launch ended at epoch {state.epoch + 1}/{state.epochs}, "
                   f"step {state.step}: {why.rstrip('.')}; the run goes on, relaunch the same "
                   "command to continue it.", flush=True)

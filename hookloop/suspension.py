@@ -160,7 +160,7 @@ class Vote:
         return self._suspension(seen)
 
     def _dedicated(self) -> torch.Tensor:
-        flags = self.flags(torch.float32, _collective_device())
+        flags = self.flags(torch.float32, distributed.collective_device())
         work = dist.all_reduce(flags, async_op=True)
         work.wait()  # on CUDA the stream waits, not the host
         return flags
@@ -175,12 +175,6 @@ class Vote:
 
 def _decode(summed: torch.Tensor) -> set[Cause]:
     return {cause for cause, count in zip(CAUSES, summed.tolist()) if count > 0}
-
-
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def current() -> Vote | None:
