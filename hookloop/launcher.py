@@ -105,9 +105,9 @@ class Launch:
         model), rather than setting up a group that nothing would tear down.
         """
         self._failed = False
-        task = None if launched_by_torchrun() else slurm.adopt_srun_task()
-        if task is not None or launched_by_torchrun():
-            self.launcher = "srun" if task is not None else "torchrun"
+        task = slurm.adopt_srun_task()  # None under torchrun: its variables, no srun task
+        self.launcher = "srun" if task is not None else (
+            "torchrun" if launched_by_torchrun() else None)
         self.active = distributed.is_initialized() or self.launcher is not None
         vote = suspension.current()
         if self.requeue and loop.fitting and vote is not None:  # before any collective

@@ -28,6 +28,7 @@ from hookloop.suspension import SIGUSR1, Suspension
 __all__ = ["SlurmTask", "expand_hostlist", "first_host", "srun_task", "adopt_srun_task",
            "port_for_job", "requeue_id", "check_scontrol", "requeue", "requeue_on_sigusr1"]
 
+_adopted: SlurmTask | None = None  # the task adopt_srun_task described in torchrun's variables
 _BATCH_STEP = {"4294967294", "batch"}  # the batch script's step (0xfffffffe), not an srun task
 _RANGE = re.compile(r"\[([^\]]*)\]")
 
@@ -161,14 +162,22 @@ def adopt_srun_task() -> SlurmTask | None:
     script (``hookloop.distributed.rank()`` after the group is gone) see the task.
 
     Returns:
-        The task, or None (not an srun task: nothing is set).
+        The task, also at a later call once its variables are set (a second fit), or None
+        (not an srun task: nothing is set).
     """
+    global _adopted
     task = srun_task()
-    if task is not None:
-        os.environ.update(RANK=str(task.rank), WORLD_SIZE=str(task.world_size),
-                          LOCAL_RANK=str(task.local_rank))
-        os.environ.setdefault("MASTER_ADDR", task.address)
-        os.environ.setdefault("MASTER_PORT", str(task.port))
+    if task is None:  # not srun's, or described already: the variables say which
+        adopted = _adopted
+        same = adopted is not None and (os.environ.get("RANK"), os.environ.get("WORLD_SIZE"),
+                                        os.environ.get("LOCAL_RANK")) == (
+            str(adopted.rank), str(adopted.world_size), str(adopted.local_rank))
+        return adopted if same else None
+    os.environ.update(RANK=str(task.rank), WORLD_SIZE=str(task.world_size),
+                      LOCAL_RANK=str(task.local_rank))
+    os.environ.setdefault("MASTER_ADDR", task.address)
+    os.environ.setdefault("MASTER_PORT", str(task.port))
+    _adopted = task
     return task
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from hookloop import ConfigurationError
+from hookloop import ConfigurationError, slurm
 from hookloop.slurm import (
     SlurmTask,
+    adopt_srun_task,
     check_scontrol,
     expand_hostlist,
     first_host,
@@ -50,6 +51,24 @@ def test_an_srun_task_is_read_from_its_variables() -> None:
     assert srun_task(step)[1:4] == (4, 1, "gpu009")  # the step's own tasks and nodes
     chosen = {**SRUN, "MASTER_ADDR": "head", "MASTER_PORT": "29500"}
     assert srun_task(chosen)[3:5] == ("head", 29500)
+
+
+def test_an_adopted_task_is_still_srun_s_at_a_second_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first fit describes the task in torchrun's variables; the second, which finds
+    them set, still knows the task (so `Launch.launcher` says srun, not torchrun)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # recorded, so the teardown removes what adopt sets
+        monkeypatch.delenv(name)
+    for name, value in SRUN.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(slurm, "_adopted", None)
+    task = SlurmTask(3, 8, 1, "gpu007", 15000 + 5123, "5123")
+    assert adopt_srun_task() == task
+    described = (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"])
+    assert described == ("3", "8", "1")
+    assert adopt_srun_task() == task  # the variables are set now: srun_task() is None
+    monkeypatch.setenv("RANK", "5")  # other variables (torchrun's own workers): not the task
+    assert adopt_srun_task() is None
 
 
 @pytest.mark.parametrize("change", [
