@@ -66,7 +66,6 @@ class TimeLimit(Callback):
         self.started = time.monotonic()
         self._longest = 0.0
         self._last = self.started
-        self._asked = False
 
     def __repr__(self) -> str:
         return f"TimeLimit({self.duration:g}, margin={self.margin!r})"
@@ -84,7 +83,7 @@ class TimeLimit(Callback):
         return self._longest + save
 
     def on_fit_start(self, loop: Loop) -> None:
-        self._last, self._asked = time.monotonic(), False
+        self._last = time.monotonic()
 
     def on_batch_end(self, loop: Loop) -> None:
         if not loop.state.step_boundary:
@@ -93,7 +92,6 @@ class TimeLimit(Callback):
         self._longest = max(self._longest, now - self._last)
         self._last = now
         left, reserve = self.duration - (now - self.started), self.reserve()
-        if left <= reserve and not self._asked:
-            self._asked = True
+        if left <= reserve:  # asked again until all agree: the vote keeps the first reason
             loop.stop(f"TimeLimit: {max(left, 0.0):.1f} s of {self.duration:g} s left, "
                       f"{reserve:.1f} s kept for the last step and the save", resumable=True)
