@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,17 @@ def subprocess_env() -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def stand_in_scontrol(directory: Path, calls: Path, status: int = 0) -> Path:
+    """A stand-in ``scontrol`` in ``directory`` (put it first on PATH) that appends its
+    arguments to ``calls``; with a ``status`` other than 0 it says "boom" and fails with it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    script = directory / "scontrol"
+    failing = f'echo "boom" >&2\nexit {status}\n' if status else ""
+    script.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n{failing}')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
 
 
 PYTHON = sys.executable

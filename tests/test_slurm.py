@@ -4,7 +4,6 @@ job derives, and the requeue (a stand-in scontrol on PATH records what it was as
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,8 @@ from hookloop.slurm import (
     requeue_id,
     srun_task,
 )
+
+from conftest import stand_in_scontrol
 
 SRUN = {"SLURM_JOB_ID": "5123", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3",
         "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[007-010,012]"}
@@ -100,9 +101,7 @@ def test_an_array_task_is_requeued_under_its_array_id() -> None:
 
 def _stand_in(directory: Path, status: int = 0) -> Path:
     calls = directory / "calls.txt"
-    script = directory / "scontrol"
-    script.write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "boom" >&2\nexit {status}\n')
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    stand_in_scontrol(directory, calls, status)
     return calls
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import stat
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from hookloop import Callback, ConfigurationError, Loop, Suspended
 from hookloop.callbacks import DDP
 
 from builders import BatchCounter, make_loop
+from conftest import stand_in_scontrol
 
 
 class SignalAt(Callback):
@@ -33,10 +33,7 @@ class SignalAt(Callback):
 def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A SLURM job's environment with a stand-in scontrol first on PATH; its record file."""
     calls = tmp_path / "calls.txt"
-    stand_in = tmp_path / "bin" / "scontrol"
-    stand_in.parent.mkdir()
-    stand_in.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
-    stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
+    stand_in = stand_in_scontrol(tmp_path / "bin", calls)
     monkeypatch.setenv("PATH", f"{stand_in.parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", "777")
     for name in ("SLURM_STEP_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):

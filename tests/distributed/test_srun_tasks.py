@@ -10,7 +10,6 @@ import os
 import random
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import pytest
 
 from hookloop.slurm import port_for_job
 
-from conftest import subprocess_env
+from conftest import stand_in_scontrol, subprocess_env
 from launch import SCRIPTS, TIMEOUT
 
 
@@ -38,10 +37,7 @@ def _free_job_id() -> int:
 
 
 def _run_step(out: Path, array: tuple[str, str] | None) -> tuple[list[dict], list[str], str]:
-    stand_in = out / "bin" / "scontrol"
-    stand_in.parent.mkdir(parents=True)
-    stand_in.write_text(f'#!/bin/sh\necho "$@" >> {out / "scontrol.txt"}\n')
-    stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
+    stand_in = stand_in_scontrol(out / "bin", out / "scontrol.txt")
     job = str(_free_job_id())
     processes = []
     for task in (0, 1):
