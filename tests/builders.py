@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, Union
 
@@ -42,7 +44,9 @@ __all__ = [
     "RaiseAtBatch",
     "ScriptedMetric",
     "SeenSamples",
+    "Signal",
     "StateCapture",
+    "StopAt",
     "StepRecorder",
     "Unsized",
     "ValidationSteps",
@@ -660,6 +664,36 @@ class RaiseAfterStep(Callback):
             return
         self.done = True
         raise self.exc(f"after step {self.step}")
+
+
+class StopAt(Callback):
+    """Asks for a resumable stop at one event of one step."""
+
+    def __init__(self, step: int, event: str = "on_batch_end", **stop: object) -> None:
+        self.step, self.event, self.stop = step, event, stop
+
+    def _maybe(self, loop: Loop, event: str) -> None:
+        if event == self.event and loop.state.step == self.step and not loop.stop_requested:
+            loop.stop(f"stop at step {self.step}", **self.stop)
+
+    def on_batch_end(self, loop: Loop) -> None:
+        self._maybe(loop, "on_batch_end")
+
+    def on_validation_end(self, loop: Loop) -> None:
+        self._maybe(loop, "on_validation_end")
+
+
+class Signal(Callback):
+    """Sends ``number`` to this process in ``on_batch_end`` of ``step``, once."""
+
+    def __init__(self, step: int, number: int) -> None:
+        self.step, self.number, self.sent = step, number, False
+
+    def on_batch_end(self, loop: Loop) -> None:
+        if loop.state.step == self.step and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.number)
+            time.sleep(0.05)  # the handler runs at the next bytecode
 
 
 class RaiseAtBatch(Callback):

@@ -17,37 +17,7 @@ from hookloop import Callback, Loop, Suspended, Terminated
 from hookloop.callbacks import Checkpoint, GradAccumulation
 from hookloop.suspension import REQUESTED, SIGTERM, SIGUSR1, Suspension, Vote
 
-from builders import EventRecorder, dropout_loop, same_weights, weights
-
-
-class StopAt(Callback):
-    """Asks for a resumable stop at one event of one step."""
-
-    def __init__(self, step: int, event: str = "on_batch_end", **stop: object) -> None:
-        self.step, self.event, self.stop = step, event, stop
-
-    def _maybe(self, loop: Loop, event: str) -> None:
-        if event == self.event and loop.state.step == self.step and not loop.stop_requested:
-            loop.stop(f"stop at step {self.step}", **self.stop)
-
-    def on_batch_end(self, loop: Loop) -> None:
-        self._maybe(loop, "on_batch_end")
-
-    def on_validation_end(self, loop: Loop) -> None:
-        self._maybe(loop, "on_validation_end")
-
-
-class Signal(Callback):
-    """Sends ``number`` to this process in ``on_batch_end`` of ``step``, once."""
-
-    def __init__(self, step: int, number: int) -> None:
-        self.step, self.number, self.sent = step, number, False
-
-    def on_batch_end(self, loop: Loop) -> None:
-        if loop.state.step == self.step and not self.sent:
-            self.sent = True
-            os.kill(os.getpid(), self.number)
-            time.sleep(0.05)  # the handler runs at the next bytecode
+from builders import EventRecorder, Signal, StopAt, dropout_loop, same_weights, weights
 
 
 class SeesTheEnd(Callback):

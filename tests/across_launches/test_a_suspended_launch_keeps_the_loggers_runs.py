@@ -18,18 +18,9 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 from hookloop import Callback, Loop, Suspended
 from hookloop.callbacks import Checkpoint, CSVLogger, TensorBoard
 
-from builders import classification_batches, make_loop, two_layers
+from builders import StopAt, classification_batches, make_loop, two_layers
 
 EPOCHS = 3
-
-
-class EndLaunchAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_batch_end(self, loop: Loop) -> None:
-        if loop.state.step == self.step:
-            loop.stop("the launch's time is up", resumable=True)
 
 
 def _loop(directory: Path, *extra: Callback) -> Loop:
@@ -53,7 +44,7 @@ ENDS = "_hparams_/session_end_info"
 def test_the_relaunch_continues_the_loggers_runs_and_writes_hparams_once(tmp_path: Path) -> None:
     _loop(tmp_path / "plain").fit(EPOCHS)
     with pytest.raises(Suspended):
-        _loop(tmp_path / "run", EndLaunchAt(10)).fit(EPOCHS)
+        _loop(tmp_path / "run", StopAt(10, resumable=True)).fit(EPOCHS)
     assert _hparams_sessions(tmp_path / "run" / "tb") == 1  # at fit start: a crash keeps it
     assert _hparams_sessions(tmp_path / "run" / "tb", ENDS) == 0  # the run is not over
     _loop(tmp_path / "run").fit(EPOCHS)

@@ -7,26 +7,15 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from hookloop import Callback, ConfigurationError, Loop, Suspended
+from hookloop import ConfigurationError, Suspended
 from hookloop.callbacks import DDP
 
-from builders import BatchCounter, make_loop
+from builders import BatchCounter, Signal, make_loop
 from conftest import stand_in_scontrol
-
-
-class SignalAt(Callback):
-    def __init__(self, number: int) -> None:
-        self.number = number
-
-    def on_batch_end(self, loop: Loop) -> None:
-        if loop.state.step == 2:
-            os.kill(os.getpid(), self.number)
-            time.sleep(0.05)
 
 
 @pytest.fixture
@@ -43,7 +32,7 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.mark.filterwarnings("ignore:DDP. not launched")
 def test_sigusr1_requeues_the_job_once_the_launch_ended(job: Path) -> None:
-    loop = make_loop([DDP(requeue=True), SignalAt(signal.SIGUSR1)])
+    loop = make_loop([DDP(requeue=True), Signal(2, signal.SIGUSR1)])
     with pytest.raises(Suspended) as ended:
         loop.fit(3)
     assert ended.value.code == 138 and loop.state.step == 2
@@ -52,7 +41,7 @@ def test_sigusr1_requeues_the_job_once_the_launch_ended(job: Path) -> None:
 
 @pytest.mark.filterwarnings("ignore:DDP. not launched")
 def test_sigterm_does_not_requeue(job: Path) -> None:
-    loop = make_loop([DDP(requeue=True), SignalAt(signal.SIGTERM)])
+    loop = make_loop([DDP(requeue=True), Signal(2, signal.SIGTERM)])
     with pytest.raises(Suspended) as ended:
         loop.fit(3)
     assert ended.value.code == 143 and not job.exists()
@@ -72,6 +61,6 @@ def test_a_missing_scontrol_fails_before_the_first_batch(job: Path, tmp_path: Pa
 def test_outside_a_slurm_job_requeue_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol needed
-    loop = make_loop([DDP(requeue=True), SignalAt(signal.SIGUSR1)])
+    loop = make_loop([DDP(requeue=True), Signal(2, signal.SIGUSR1)])
     with pytest.raises(Suspended):
         loop.fit(3)
