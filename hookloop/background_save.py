@@ -178,7 +178,7 @@ class RotatingWrites:
         if self._writer is None or now or not (shards or distributed.is_main()):
             self.wait()
             try:
-                path = self.files.write_resume(run, epoch, step, metrics)
+                path = self.files.write_resume(run, epoch, step, metrics, shards=shards)
             except BaseException:
                 failed()
                 raise
@@ -190,7 +190,8 @@ class RotatingWrites:
         copied = host_copy(run)  # what the training step waits for
 
         def write() -> str | None:
-            return self.files.write_resume(copied, epoch, step, metrics, group=group)
+            return self.files.write_resume(copied, epoch, step, metrics, group=group,
+                                           shards=shards)
 
         self._writer.submit(write, on_failure=lambda error: failed(),
                             on_done=lambda path: None if path is None else self._written(path))

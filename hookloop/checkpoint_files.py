@@ -370,7 +370,8 @@ class CheckpointFiles:
         """Give back the directory `prepare` held (at the fit's end)."""
         self._lock.release()
 
-    def write(self, payload: dict[str, Any], name: str, *, group: Any = None) -> str | None:
+    def write(self, payload: dict[str, Any], name: str, *, group: Any = None,
+              shards: bool | None = None) -> str | None:
         """Write ``payload`` atomically under ``name``; return its path (on rank 0).
 
         Every rank calls it. A payload holding shards (DTensors) is a directory every rank
@@ -383,7 +384,7 @@ class CheckpointFiles:
             CheckpointWriteError: the file system failed.
         """
         path = self.path(name)
-        if contains_shards(payload):
+        if contains_shards(payload) if shards is None else shards:  # known to the caller
             write_directory(payload, path, group=group)
             return path if distributed.is_main() else None
         if not distributed.is_main():
@@ -397,20 +398,24 @@ class CheckpointFiles:
         write_atomic(payload, path)
         return path
 
-    def _kind_of(self, payload: dict[str, Any]) -> None:
-        """The names given from now on: ``.dcp`` while the payloads hold shards."""
-        self._suffix = _DIRECTORY if contains_shards(payload) else _FILE
+    def _kind_of(self, payload: dict[str, Any], shards: bool | None = None) -> bool:
+        """The names given from now on: ``.dcp`` while the payloads hold shards (``shards``,
+        when the caller has looked already); returns whether this one does."""
+        shards = contains_shards(payload) if shards is None else shards
+        self._suffix = _DIRECTORY if shards else _FILE
+        return shards
 
     def write_resume(self, run: dict[str, Any], epoch: int, step: int,
-                     metrics: dict[str, float], *, group: Any = None) -> str | None:
+                     metrics: dict[str, float], *, group: Any = None,
+                     shards: bool | None = None) -> str | None:
         """Write the rotating file of ``epoch`` and ``step`` holding ``run`` (`Loop.state_dict`);
         every rank calls it (see `write`). Its duration is noted in the running fit's vote
         (`TimeLimit` keeps time for it)."""
         started = time.monotonic()
-        self._kind_of(run)
+        shards = self._kind_of(run, shards)
         payload = {"hookloop": {**file_meta("resume"), "epoch": epoch, "step": step}, **run,
                    "metrics": dict(metrics)}
-        path = self.write(payload, self.rotating_name(epoch, step), group=group)
+        path = self.write(payload, self.rotating_name(epoch, step), group=group, shards=shards)
         vote = suspension.current()
         if vote is not None:
             vote.last_save = time.monotonic() - started
@@ -421,11 +426,11 @@ class CheckpointFiles:
         """Write validated ``weights`` scoring ``value`` under ``name`` (None: ``best.pt``);
         return the name used (``.dcp`` for shards), or None for ``best.pt``. Every rank
         calls it (see `write`)."""
-        self._kind_of({"model": weights})
+        shards = self._kind_of({"model": weights})
         payload = {"hookloop": {**file_meta("best"), "monitor": self.monitor, "value": value},
                    "model": weights, "epoch": epoch, "step": step, "metrics": dict(metrics)}
         name = None if name is None else _suffixed(name, self._suffix)
-        self.write(payload, name or f"{self.prefix}best{self._suffix}")
+        self.write(payload, name or f"{self.prefix}best{self._suffix}", shards=shards)
         if name is None and distributed.is_main():
             self._drop_other_best()
         return name
