@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +27,22 @@ def root() -> Path:
     return ROOT
 
 
+SCRIPTS = sysconfig.get_path("scripts")  # where this interpreter's console scripts are
+
+
+def console_script(name: str = "hookloop") -> str:
+    """The path of an installed console command: the running interpreter's first, so that
+    ``venv/bin/python -m pytest`` finds it without the environment being activated."""
+    command = shutil.which(name, path=SCRIPTS) or shutil.which(name)
+    assert command, f"the {name} console script is not installed: pip install -e ."
+    return command
+
+
 def subprocess_env() -> dict[str, str]:
-    """Environment for child processes: the checkout importable, one thread each."""
+    """Environment for child processes: the checkout importable, one thread each, and this
+    interpreter's console scripts first on PATH."""
     env = dict(os.environ)
+    env["PATH"] = SCRIPTS + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
@@ -11,12 +10,11 @@ import torch
 import hookloop
 from hookloop.events import Event
 
-from conftest import subprocess_env
+from conftest import console_script, subprocess_env
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    command = shutil.which("hookloop")
-    assert command, "the hookloop console script is not installed: pip install -e ."
+    command = console_script()
     return subprocess.run([command, *args], capture_output=True, text=True, timeout=120,
                           env=subprocess_env())
 

@@ -30,7 +30,7 @@ from hookloop.presets import DetectAnomaly, ShortRun
 from hookloop.schedules import WarmupCosine, WarmupLinear
 
 from builders import accuracy, adamw, classification_batches, make_loop, two_layers
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, console_script, subprocess_env
 
 QUIET = {"tensorboard": None, "progress": False}
 
@@ -330,8 +330,7 @@ def test_the_community_example_package_installs_and_is_listed(
 
     env = subprocess_env()
     env["PYTHONPATH"] = str(target) + ":" + env["PYTHONPATH"]
-    command = shutil.which("hookloop")
-    assert command, "the hookloop console script is not installed: pip install -e ."
+    command = console_script()
     listed = subprocess.run([command, "presets"], env=env, capture_output=True, text=True,
                             timeout=120)
     assert listed.returncode == 0, listed.stderr

@@ -10,7 +10,6 @@ status of a child process, or whether the marker exists.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import pytest
 from hookloop import ConfigurationError, presets
 from hookloop.callbacks import AMP, GradClip
 
-from conftest import ROOT, subprocess_env
+from conftest import ROOT, console_script, subprocess_env
 
 QUIET = {"tensorboard": None, "progress": False, "checkpoint_dir": None}
 
@@ -68,18 +67,14 @@ def test_a_built_in_name_never_waits_for_a_slow_package(
     forget_modules += ["hl_registry_slow", "hl_registry_quick"]
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    started = time.perf_counter()
+    # What is asserted is what is imported, not how long it took: a built-in name imports
+    # no other package, and another package's preset, by name, imports that package only.
     assert type(presets.get("standard", **QUIET)[0]) is AMP
     assert type(presets.get("finetune", **QUIET)[0]) is AMP
     presets.get("debug", summary=False, profile=False)
-    built_ins = time.perf_counter() - started
-    # Another package's preset, by name, imports that package only.
-    started = time.perf_counter()
+    assert "hl_registry_slow" not in sys.modules and "hl_registry_quick" not in sys.modules
     callbacks = presets.get("quick", max_norm=0.2)
-    quick = time.perf_counter() - started
 
-    assert built_ins < 2.0, f"three built-in presets took {built_ins:.1f} s"
-    assert quick < 2.0, f"a preset of a fast package took {quick:.1f} s"
     assert [type(callback) for callback in callbacks] == [GradClip]
     assert callbacks[0].max_norm == 0.2
     assert "hl_registry_slow" not in sys.modules and "hl_registry_quick" in sys.modules
@@ -164,8 +159,7 @@ def test_the_presets_command_lists_a_package_that_exits_at_import(tmp_path: Path
     site = tmp_path / "site"
     install(site, "exiting-presets", {"theirs": "hl_registry_exiting:preset"},
             {"hl_registry_exiting": EXITING})
-    command = shutil.which("hookloop")
-    assert command, "the hookloop console script is not installed: pip install -e ."
+    command = console_script()
     env = subprocess_env()
     env["PYTHONPATH"] = str(site) + ":" + env["PYTHONPATH"]
     result = subprocess.run([command, "presets"], env=env, capture_output=True, text=True,

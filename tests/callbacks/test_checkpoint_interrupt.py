@@ -98,10 +98,8 @@ def test_second_ctrl_c_during_the_save_aborts_at_once(tmp_path: Path,
                 monkeypatch.setattr(storage.torch, "save", interrupted_save)
 
     loop.callbacks.insert(1, ArmSecondInterrupt())
-    started = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
         loop.fit(3)
-    assert time.perf_counter() - started < 5
     assert recorder.labels(*ENDS) == []  # aborted at once: nothing after the interrupted save
     files = sorted(path.name for path in tmp_path.iterdir())
     assert files == ["epoch=0000-step=00000005.pt"]  # the good file, no temporary left

@@ -106,12 +106,18 @@ def test_the_stack_compiles_in_the_first_epoch_and_never_again() -> None:
     assert graphs() == counted.seen[0]
 
 
-def test_a_schedule_recompiles_a_step_compiled_over_float_learning_rates(monkeypatch) -> None:
+def test_a_schedule_recompiles_a_step_compiled_over_float_learning_rates() -> None:
     """The counter the tests rely on does see recompiles: with floats specialized (torch
     before 2.6 always did), a step compiled by hand over float learning rates that a
-    schedule changes recompiles at every step; Compile's tensor learning rates do not."""
-    monkeypatch.setattr(torch._dynamo.config, "specialize_float", True)
+    schedule changes recompiles at every step; Compile's tensor learning rates do not.
+    The option is set with torch's own ``config.patch``: pytest's monkeypatch undoes a
+    module attribute served by ``__getattr__`` with ``delattr`` (pytest 9.2), and torch's
+    config answers a delete by hiding the option from every later test of the process."""
+    with torch._dynamo.config.patch(specialize_float=True):
+        _recompiles_per_step_over_float_learning_rates()
 
+
+def _recompiles_per_step_over_float_learning_rates() -> None:
     class CompileTheStep(Callback):
         def on_fit_start(self, loop) -> None:  # after LRScheduler built its scheduler
             step = loop.optimizer.step

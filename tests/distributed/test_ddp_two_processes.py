@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -264,10 +263,8 @@ def test_example_runs_in_one_process_and_under_torchrun(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------- launch: an exception on one rank
 def test_an_exception_on_one_rank_ends_both_processes_with_the_error(tmp_path: Path) -> None:
-    started = time.monotonic()
-    result = torchrun(SCRIPTS / "fail.py", str(tmp_path), timeout=120)
+    result = torchrun(SCRIPTS / "fail.py", str(tmp_path), timeout=120)  # a hang times out
     assert result.returncode != 0
     assert "RuntimeError: injected failure on rank 1" in result.stdout
     assert "raised in callback FailOnRankOne at event on_batch_start" in result.stdout
     assert "unreachable" not in result.stdout
-    assert time.monotonic() - started < 120

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -49,10 +48,8 @@ def test_quickstart_short_runs_twice_then_resumes(tmp_path: Path) -> None:
 
 
 def test_quickstart_full_length_reaches_98_percent_twice_in_a_row(tmp_path: Path) -> None:
-    for version in (0, 1):
-        started = time.perf_counter()
+    for version in (0, 1):  # its time is a benchmark's figure (docs/performance.md), not asserted
         output = _run("quickstart.py", "--device", "cpu", "--no-progress", cwd=tmp_path)
-        seconds = time.perf_counter() - started
         assert f"runs/quickstart/version_{version}" in output
         final = re.search(r"^last epoch: .* val_acc (\d\.\d+)", output, re.MULTILINE)
         assert final and float(final.group(1)) >= 0.98, output
@@ -60,7 +57,6 @@ def test_quickstart_full_length_reaches_98_percent_twice_in_a_row(tmp_path: Path
         assert recorded >= 0.98
         assert round(torch.load(tmp_path / path, weights_only=True)["hookloop"]["value"], 4) \
             == recorded == again
-        assert seconds < 20, f"the quickstart took {seconds:.1f} s"
 
 
 def test_custom_callback_state_survives_resume(tmp_path: Path) -> None:
