@@ -351,3 +351,72 @@ def test_a_saved_directory_records_its_save_id_and_every_file_it_holds(
     other = torch.load(runs["other"] / "kept" / f"{ROTATING[1]}.dcp" / "hookloop.pt",
                        weights_only=True)["hookloop"]
     assert other[SAVE_ID_KEY] != meta[SAVE_ID_KEY]
+
+
+def _checkpoint_exception(failure: BaseException) -> BaseException:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException("write_data", {1: (failure, None)})
+
+
+WRITE_FAILURES: dict[str, tuple[Callable[[], BaseException], Any]] = {
+    "oserror": (lambda: OSError(28, "No space left on device"),
+                "no space left on the device (the disk is full)"),
+    "wrapped-enospc": (lambda: _checkpoint_exception(OSError(28, "full")),
+                       "no space left on the device (the disk is full)"),
+    "wrapped-runtime": (lambda: _checkpoint_exception(RuntimeError("a storage backend failed")),
+                        "RuntimeError: a storage backend failed"),
+    "wrapped-interrupt": (lambda: _checkpoint_exception(KeyboardInterrupt()), KeyboardInterrupt),
+    "interrupt": (KeyboardInterrupt, KeyboardInterrupt),
+    "exit": (lambda: SystemExit(3), SystemExit),
+}
+
+
+@pytest.mark.parametrize("case", list(WRITE_FAILURES))
+def test_a_dcp_write_failure_is_a_named_write_error_and_ctrl_c_stays_ctrl_c(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """torch's CheckpointException derives from BaseException; it becomes
+    CheckpointWriteError with the cause a rank's failure holds, while a KeyboardInterrupt or
+    SystemExit (also one wrapped for a rank) is raised as it is: a stop, not a bad disk."""
+    import torch.distributed.checkpoint as dcp
+
+    from hookloop import CheckpointWriteError
+    from hookloop.checkpoint_files import CheckpointFiles, file_meta
+
+    failure, expected = WRITE_FAILURES[case]
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise failure()
+
+    monkeypatch.setattr(dcp, "save", fail)
+    files = CheckpointFiles(str(tmp_path))
+    payload = {"hookloop": file_meta("best"), "model": {"w": torch.ones(2)}}
+    if isinstance(expected, type):
+        with pytest.raises(expected):
+            files.write(payload, "best.dcp", shards=True)
+    else:
+        with pytest.raises(CheckpointWriteError, match="best.dcp") as caught:
+            files.write(payload, "best.dcp", shards=True)
+        assert expected in str(caught.value)
+        assert caught.value.errno == (28 if "disk is full" in expected else None)
+    assert os.listdir(tmp_path) == []  # no directory under the name, no temporary left
+
+
+def test_a_dcp_read_failure_is_a_named_checkpoint_error(
+        runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure inside DCP's read (here a shard vanishing after the check) is the
+    directory's CheckpointError with its cause, not torch's raw CheckpointException."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = _copy(runs, tmp_path, "shards") / f"{ROTATING[1]}.dcp"
+    original = dcp.load
+
+    def vanish_then_load(*args: Any, **kwargs: Any) -> Any:
+        _shard(directory).unlink()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "load", vanish_then_load)
+    with pytest.raises(CheckpointError, match="a file of it is missing") as raised:
+        hookloop.load_checkpoint(directory, _model(9))
+    assert str(directory) in str(raised.value)
+    assert "no such file" in str(raised.value).lower() or "errno 2" in str(raised.value)
