@@ -128,10 +128,11 @@ class CheckpointFiles:
     * ``{prefix}rollback-in-progress.json`` while a rollback moves files (see `retire_after`).
 
     Each checkpoint may instead be a directory of shards, ``.dcp`` for ``.pt`` (a model FSDP
-    shards with ``state_dict="sharded"``). Temporary ``.tmp-*.part`` files and directories,
-    and directories not complete, are never listed. Only rank 0 calls the methods that
-    move or delete; every rank calls `write_resume` and `write_best` (rank 0 writes a
-    file, every rank its shards of a directory).
+    shards with ``state_dict="sharded"``). Temporary ``.tmp-*.part`` files and directories
+    are never listed; a final-named directory is listed complete or not, as a damaged file
+    is, so that reading it refuses it by name (`newest_damaged`). Only rank 0 calls the
+    methods that move or delete; every rank calls `write_resume` and `write_best` (rank 0
+    writes a file, every rank its shards of a directory).
 
     Args:
         dirpath: The checkpoint directory.

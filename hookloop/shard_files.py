@@ -13,8 +13,13 @@ such a tensor is a small marker naming it.
 The directory is written under a temporary name (``.tmp-*.part``, never taken for a
 checkpoint) and renamed by rank 0 once DCP wrote every rank's shards and its metadata and
 rank 0 wrote ``hookloop.pt``: a kill at any point leaves the earlier checkpoints as they
-were and at worst a temporary directory, which the next start deletes. A directory without
-both ``.metadata`` and ``hookloop.pt`` is never listed as a checkpoint.
+were and at worst a temporary directory, which the next start deletes.
+
+``hookloop.pt`` records the save's id (also in ``.metadata``) and the size and SHA-256 of
+every other file (each rank digests the shards it wrote); `read_directory` checks them
+before DCP reads a byte, and DCP reads through `hookloop.integrity`'s reader, which admits
+only DCP's metadata classes (see that module). A final-named directory that is not
+complete was damaged: it is listed, and reading it is a `CheckpointError` naming it.
 """
 
 from __future__ import annotations
