@@ -206,16 +206,14 @@ def safe_planner() -> Any:
     ``torch.load(weights_only=True)`` (DCP's own uses ``weights_only=False``)."""
     import torch
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
 
     class SafePlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            loaded = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
-                            loaded)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = loaded
+            # weights_only refuses any pickle naming more than tensors and plain values;
+            # what it admits, torch's own load of the same bytes builds the same way.
+            torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+            value.seek(0)
+            super().load_bytes(read_item, value)
 
     return SafePlanner()
 

@@ -420,3 +420,27 @@ def test_a_dcp_read_failure_is_a_named_checkpoint_error(
         hookloop.load_checkpoint(directory, _model(9))
     assert str(directory) in str(raised.value)
     assert "no such file" in str(raised.value).lower() or "errno 2" in str(raised.value)
+
+
+def test_a_shards_non_tensor_entry_loads_only_as_weights_only_allows(tmp_path: Path) -> None:
+    """DCP reads a shard's non-tensor entries with torch.load(weights_only=False); through
+    hookloop an int comes back as it was and a pickle that would run code is refused."""
+    from hookloop.checkpoint_files import CheckpointFiles, file_meta
+    from hookloop.shard_files import Shards
+
+    marker = tmp_path / "pwned"
+    payload = {"hookloop": file_meta("resume"), "model": {"w": torch.ones(2)},
+               "optimizer": {"state": {"w": {"n_iter": 7, "evil": _Evil(marker)}},
+                             "param_groups": []}}
+    path = CheckpointFiles(str(tmp_path)).write(payload, "a.dcp", shards=True)
+    assert path is not None and not marker.exists()
+    counted = {"optimizer": {"state": {"w": {"n_iter": 0}}}}
+    Shards(path).read_into(counted)
+    assert counted["optimizer"]["state"]["w"]["n_iter"] == 7
+    with pytest.raises(CheckpointError, match="a.dcp"):
+        Shards(path).read_into({"optimizer": {"state": {"w": {"evil": 0}}}})
+    assert not marker.exists()
+    import torch.distributed.checkpoint as dcp  # the oracle: torch's own reader runs it
+
+    dcp.load({"optimizer": {"state": {"w": {"evil": 0}}}}, checkpoint_id=path)
+    assert marker.exists()

@@ -20,7 +20,7 @@ import torch
 
 from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_int, check_optional_int, check_path
-from hookloop.compat import loss_scale, summary_file_writer
+from hookloop.compat import loss_scale, summary_file_writer, summary_writer_thread
 from hookloop.errors import ConfigurationError, LogWriteError
 from hookloop.forward import model_inputs
 from hookloop.phase import Phase
@@ -633,8 +633,7 @@ def _quiet_thread(writer: Any) -> None:
     when a write fails (a full disk): the thread keeps the error, the writer's next call
     raises it in the main thread, and `TensorBoard` turns it into the one `LogWriteError`
     the user sees. Other threads' exceptions are printed as before."""
-    event_writer = getattr(summary_file_writer(writer), "event_writer", None)
-    worker = getattr(getattr(event_writer, "_async_writer", None), "_worker", None)
+    worker = summary_writer_thread(writer)
     if not isinstance(worker, threading.Thread):
         return  # another tensorboard layout: its thread prints as it did
     _quiet.add(worker)
