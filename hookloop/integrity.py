@@ -121,8 +121,9 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
             continue
         size = os.path.getsize(path)
         if size != entry["bytes"]:
-            shorter = "truncated: " if size < entry["bytes"] else ""
-            differ.append((name, f"is {shorter}{size} bytes, the save wrote {entry['bytes']}"))
+            how = "truncated, or another file" if size < entry["bytes"] else "another file"
+            differ.append((name, f"is {size} bytes where the save wrote {entry['bytes']} "
+                                 f"({how})"))
         elif file_digest(path) != entry[DIGEST]:
             differ.append((name, f"has other bytes than the save wrote (its SHA-256 differs "
                                  "from the recorded one: flipped bits, or the file of another "

@@ -192,9 +192,9 @@ DAMAGES: dict[str, tuple[Callable[[Path, Path], str], str]] = {
     "foreign shard": (_foreign_shard, "other bytes than the save wrote"),
     "foreign hookloop.pt": (_foreign_plain, "belongs to another save"),
     "flipped bit": (_flipped, "other bytes than the save wrote"),
-    "truncated shard": (_truncated_shard, "is truncated"),
+    "truncated shard": (_truncated_shard, "(truncated, or another file)"),
     "missing shard": (_missing_shard, "is missing"),
-    "truncated metadata": (_truncated_metadata, "is truncated"),
+    "truncated metadata": (_truncated_metadata, "(truncated, or another file)"),
     "no metadata": (_no_metadata, "lacks .metadata"),
 }
 
