@@ -132,7 +132,7 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
         differ.append((name, f"is not a file of save {save_id}"))
     if not differ:
         return
-    if len(differ) >= len(record) and all(name in record for name, _ in differ):
+    if record and not set(record) - {name for name, _ in differ}:  # not one file matches
         raise CheckpointError(
             f"{where}: belongs to another save than the files beside it: none of the "
             f"{len(record)} files it records for save {save_id} matches ({differ[0][0]} "
