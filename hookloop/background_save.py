@@ -162,6 +162,7 @@ class RotatingWrites:
         self._writer = BackgroundWriter() if check_flag("Checkpoint async_save",
                                                         background) else None
         self._side: tuple[Any, Any] | None = None  # (default group, its gloo twin)
+        self._collective = False  # the write in flight is every rank's (a directory of shards)
         #: Path of the newest complete rotating checkpoint written (or resumed from).
         self.last_path: str | None = None
 
@@ -187,6 +188,7 @@ class RotatingWrites:
             return
         group = self._side_group() if shards and distributed.is_initialized() else None
         self.wait()
+        self._collective = group is not None and distributed.world_size() > 1
         copied = host_copy(run)  # what the training step waits for
 
         def write() -> str | None:
@@ -209,8 +211,13 @@ class RotatingWrites:
         self.files.prune_rotating(path, self.keep_last)  # only now that the new one is complete
 
     def poll(self) -> None:
-        """At a step boundary: finish a write that completed; raise one that failed."""
-        if self._writer is not None:
+        """At a step boundary: finish a write that completed; raise one that failed.
+
+        Not for a directory of shards on several ranks: each rank's thread may end before
+        or after its own step boundary, so ranks would raise at different steps (and the
+        others wait in a collective for one that left). Its outcome is handed back at the
+        next save or the epoch's end (`wait`), where every rank is at the same step."""
+        if self._writer is not None and not self._collective:
             self._writer.poll()
 
     def wait(self, *, raising: bool = True) -> None:

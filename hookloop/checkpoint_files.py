@@ -29,7 +29,6 @@ from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.shard_files import (
     clean_temporary,
     contains_shards,
-    is_complete,
     link_directory,
     read_directory,
     remove_entry,
@@ -69,13 +68,18 @@ def read_checkpoint(path: str, map_location: Any) -> dict[str, Any]:
 
 
 def _entries(dirpath: str, names: list[str]) -> list[str]:
-    """The paths of ``names`` that are checkpoints: regular files, complete directories."""
+    """The paths of ``names`` that are checkpoints: regular files and directories.
+
+    A directory under a final name counts whether complete or not, as a file does whether
+    readable or not: hookloop renames both there only once complete, so one that is not was
+    damaged, and reading it says so (one policy for both, docs/when-things-go-wrong.md).
+    """
     directories = {name for name in names if not os.path.islink(os.path.join(dirpath, name))
                    and os.path.isdir(os.path.join(dirpath, name))}
     files = set(regular_checkpoint_files(dirpath, [name for name in names
                                                    if name not in directories]))
     return [path for name in names for path in [os.path.join(dirpath, name)]
-            if path in files or (name in directories and is_complete(path))]
+            if path in files or name in directories]
 
 
 def file_meta(kind: str) -> dict[str, Any]:
@@ -124,10 +128,11 @@ class CheckpointFiles:
     * ``{prefix}rollback-in-progress.json`` while a rollback moves files (see `retire_after`).
 
     Each checkpoint may instead be a directory of shards, ``.dcp`` for ``.pt`` (a model FSDP
-    shards with ``state_dict="sharded"``). Temporary ``.tmp-*.part`` files and directories,
-    and directories not complete, are never listed. Only rank 0 calls the methods that
-    move or delete; every rank calls `write_resume` and `write_best` (rank 0 writes a
-    file, every rank its shards of a directory).
+    shards with ``state_dict="sharded"``). Temporary ``.tmp-*.part`` files and directories
+    are never listed; a final-named directory is listed complete or not, as a damaged file
+    is, so that reading it refuses it by name (`newest_damaged`). Only rank 0 calls the
+    methods that move or delete; every rank calls `write_resume` and `write_best` (rank 0
+    writes a file, every rank its shards of a directory).
 
     Args:
         dirpath: The checkpoint directory.
@@ -323,7 +328,10 @@ class CheckpointFiles:
         """
         # Onto the CPU, never the device recorded in the file; the loop copies each tensor
         # to where its model, optimizer or callback lives.
-        payload = read_checkpoint(path, torch.device("cpu"))
+        try:
+            payload = read_checkpoint(path, torch.device("cpu"))
+        except CheckpointError as error:
+            raise self.newest_damaged(path, error) from None
         meta = payload["hookloop"]
         if meta.get("kind") != "resume" or "loop" not in payload:
             raise CheckpointError(
@@ -338,6 +346,24 @@ class CheckpointFiles:
                 f"format {FORMAT}). {'Upgrade hookloop' if newer else 'Use that hookloop version'} "
                 "to resume from it, or load its weights with hookloop.load_checkpoint.")
         return payload
+
+    def newest_damaged(self, path: str, error: CheckpointError) -> CheckpointError:
+        """``error`` (``path`` cannot be read), with the fix when ``path`` is the newest
+        rotating checkpoint: it is never skipped silently (a file and a directory alike);
+        the message names the older one that resuming would continue from and the steps
+        that would be redone."""
+        rotating = self.rotating()
+        if not rotating or os.path.abspath(rotating[-1]) != os.path.abspath(path):
+            return error
+        older = rotating[-2] if len(rotating) > 1 else None
+        step = self.step_of(path)
+        then = ("a new run starts (no older checkpoint is here)" if older is None else
+                f"resume=True continues from {os.path.basename(older)}, redoing steps "
+                f"{(self.step_of(older) or 0) + 1} to {step}")
+        return CheckpointError(
+            f"{error} It is the newest checkpoint in {self.dirpath}, and hookloop never "
+            f"skips a damaged one silently: move it out of the directory (or delete it) and "
+            f"{then}; or pass Checkpoint(resume=path) to pick a file.")
 
     # ---------------------------------------------------------------- writing
     def prepare(self) -> str | None:

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 __all__ = ["foreach_copy_", "foreach_lerp_", "foreach_mul_", "generic_grad_scaler_step",
-           "loss_scale", "summary_file_writer", "compiled_original", "no_new_persistent_iterator"]
+           "loss_scale", "summary_file_writer", "summary_writer_thread", "compiled_original",
+           "no_new_persistent_iterator"]
 
 _AMP_SCALING = "_step_supports_amp_scaling"
 
@@ -152,6 +153,22 @@ def summary_file_writer(writer: Any) -> Any:
     if callable(get_file_writer):
         return get_file_writer()
     return writer.file_writer
+
+
+def summary_writer_thread(writer: Any) -> Any:
+    """The background thread that writes the event file of a ``SummaryWriter``
+    (tensorboard's ``_AsyncWriterThread``), or None where tensorboard lays it out otherwise.
+
+    Example:
+        >>> import tempfile, threading
+        >>> from torch.utils.tensorboard import SummaryWriter
+        >>> writer = SummaryWriter(tempfile.mkdtemp())
+        >>> isinstance(summary_writer_thread(writer), threading.Thread)
+        True
+        >>> writer.close()
+    """
+    event_writer = getattr(summary_file_writer(writer), "event_writer", None)
+    return getattr(getattr(event_writer, "_async_writer", None), "_worker", None)
 
 
 def compiled_original(model: nn.Module) -> nn.Module | None:

@@ -13,8 +13,13 @@ such a tensor is a small marker naming it.
 The directory is written under a temporary name (``.tmp-*.part``, never taken for a
 checkpoint) and renamed by rank 0 once DCP wrote every rank's shards and its metadata and
 rank 0 wrote ``hookloop.pt``: a kill at any point leaves the earlier checkpoints as they
-were and at worst a temporary directory, which the next start deletes. A directory without
-both ``.metadata`` and ``hookloop.pt`` is never listed as a checkpoint.
+were and at worst a temporary directory, which the next start deletes.
+
+``hookloop.pt`` records the save's id (also in ``.metadata``) and the size and SHA-256 of
+every other file (each rank digests the shards it wrote); `read_directory` checks them
+before DCP reads a byte, and DCP reads through `hookloop.integrity`'s reader, which admits
+only DCP's metadata classes (see that module). A final-named directory that is not
+complete was damaged: it is listed, and reading it is a `CheckpointError` naming it.
 """
 
 from __future__ import annotations
@@ -29,14 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookloop import distributed
+from hookloop import distributed, integrity
 from hookloop.errors import CheckpointError, CheckpointWriteError
 from hookloop.sharded import is_sharded_tensor, load_sharded_state, sharded_targets
 from hookloop.storage import (
     SHARDS_KEY,
     TEMP_PREFIX,
     TEMP_SUFFIX,
-    describe_os_error,
     find_unplain,
     fsync_directory,
     read_payload,
@@ -130,16 +134,35 @@ def split_shards(payload: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, 
     return plain, tensors
 
 
-def _failed(path: str, error: BaseException, doing: str) -> CheckpointWriteError:
-    cause = describe_os_error(error) if isinstance(error, OSError) else (
-        f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
-    failure = CheckpointWriteError(
-        f"Cannot write the sharded checkpoint {path}: {doing} failed: {cause}. Nothing was "
-        "written under that name; the earlier checkpoints are intact. Fix the cause (free "
-        "space, permissions, a directory every rank can reach) and run again; "
-        "Checkpoint(..., resume=True) continues from the newest complete one.")
-    failure.errno = getattr(error, "errno", None)
-    return failure
+_failed = integrity.write_error
+
+
+def _own_files(directory: str, rank: int) -> dict[str, dict[str, Any]]:
+    """The record (`hookloop.integrity.record_files`) of the shard files rank ``rank`` of a
+    save wrote in ``directory`` (DCP names them ``__<rank>_<n>.distcp``), and of
+    ``.metadata`` on rank 0."""
+    names = [name for name in os.listdir(directory) if name.startswith(f"__{rank}_")]
+    return integrity.record_files(directory, names + ([_METADATA] if rank == 0 else []))
+
+
+def _gathered_record(directory: str, group: Any) -> dict[str, dict[str, Any]] | str:
+    """Every rank's `_own_files`, merged on every rank; or the first failure's text."""
+    import torch.distributed as dist
+
+    grouped = distributed.is_initialized()
+    rank = dist.get_rank(group) if grouped else 0
+    try:
+        own: dict[str, Any] | str = _own_files(directory, rank)
+    except OSError as error:
+        own = f"reading back the shards of rank {rank}: {integrity.cause_of(error)}"
+    parts: list[Any] = [own]
+    if grouped and dist.get_world_size(group) > 1:
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, own, group=group)
+    failed = [part for part in parts if isinstance(part, str)]
+    if failed:
+        return failed[0]
+    return {name: entry for part in parts for name, entry in part.items()}
 
 
 def remove_entry(path: str) -> None:
@@ -220,17 +243,29 @@ def write_directory(payload: Mapping[str, Any], path: str, *, group: Any = None)
     temporary = distributed.broadcast_object(
         os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}{TEMP_SUFFIX}") if main else None,
         group=group)
+    save_id = integrity.new_save_id()
     try:
-        # DCP gathers every rank's outcome: a failure on one rank raises on all of them.
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(temporary), process_group=group)
-    except Exception as error:
+        # DCP gathers every rank's outcome: a failure on one rank raises on all of them (a
+        # CheckpointException, a BaseException: caught here, Ctrl-C and exit excepted).
+        dcp.save(tensors, storage_writer=integrity.writer(temporary, save_id),
+                 process_group=group)
+    except BaseException as error:
         if main:
             shutil.rmtree(temporary, ignore_errors=True)
-        cause = error.__cause__ or error
-        raise _failed(path, cause, "writing the shards (torch.distributed.checkpoint.save)"
-                      ) from error
+        stop = integrity.control_flow(error)
+        if stop is not None:
+            raise stop from None
+        raise _failed(path, error, "writing the shards (torch.distributed.checkpoint.save)"
+                      ) from None
+    record = _gathered_record(temporary, group)  # each rank digests its own shards
     failure: Exception | None = None
-    if main:
+    if isinstance(record, str):
+        failure = CheckpointWriteError(f"Cannot write the sharded checkpoint {path}: {record}.")
+        if main:
+            shutil.rmtree(temporary, ignore_errors=True)
+    elif main:
+        plain["hookloop"] = {**plain.get("hookloop", {}), integrity.SAVE_ID_KEY: save_id,
+                             integrity.FILES_KEY: record}
         try:
             write_atomic(plain, os.path.join(temporary, PLAIN_FILE))
             install_directory(temporary, path)
@@ -298,13 +333,13 @@ class Shards:
         import torch.distributed.checkpoint as dcp
 
         try:
-            dcp.load(targets, checkpoint_id=self.path)
-        except Exception as error:
-            text = " ".join(str(error).split())[:600]
-            raise CheckpointError(
-                f"{self.path}: the sharded checkpoint cannot be read into this run "
-                f"({type(error).__name__}: {text}). It was written for another model or "
-                "optimizer, or its files are damaged.") from None
+            dcp.load(targets, storage_reader=integrity.verified_reader(self.path),
+                     planner=integrity.safe_planner())
+        except BaseException as error:  # torch's CheckpointException is one
+            stop = integrity.control_flow(error)
+            if stop is not None:
+                raise stop from None
+            raise integrity.read_error(self.path, error) from None
 
     def resolve(self, value: Any) -> Any:
         """``value`` (the plain part) with each marker replaced by the whole tensor it
@@ -314,9 +349,7 @@ class Shards:
         self._find(value, marks)
         if not marks:
             return value
-        from torch.distributed.checkpoint import FileSystemReader
-
-        entries = FileSystemReader(self.path).read_metadata().state_dict_metadata
+        entries = integrity.read_metadata(self.path).state_dict_metadata
         wholes: dict[str, torch.Tensor] = {}
         targets: dict[str, dict[str, torch.Tensor]] = {}
         for mark in marks:
@@ -372,11 +405,21 @@ def read_directory(path: str, map_location: Any) -> dict[str, Any]:
             ``hookloop.pt`` is damaged.
     """
     if not is_complete(path):
+        lacks = [name for name in (_METADATA, PLAIN_FILE)
+                 if not os.path.isfile(os.path.join(path, name))]
         raise CheckpointError(
-            f"{path}: not a complete sharded checkpoint (it lacks {_METADATA} or "
-            f"{PLAIN_FILE}: a save was interrupted or the directory was edited). Resume from "
-            "another checkpoint.")
+            f"{path}: not a complete sharded checkpoint: it lacks {' and '.join(lacks)} "
+            "(hookloop renames a directory to its final name only once complete, so it was "
+            "edited or damaged). Resume from another checkpoint.")
     payload = read_payload(os.path.join(path, PLAIN_FILE), map_location)
+    meta = payload["hookloop"]
+    integrity.check_files(path, meta, PLAIN_FILE)  # before DCP reads any of them
+    recorded = integrity.read_metadata(path).storage_meta.save_id
+    if recorded != meta[integrity.SAVE_ID_KEY]:
+        raise CheckpointError(
+            f"{os.path.join(path, _METADATA)}: records save {recorded}, but {PLAIN_FILE} "
+            f"records save {meta[integrity.SAVE_ID_KEY]}: the files belong to different "
+            "saves. Resume from another checkpoint.")
     payload[SHARDS_KEY] = Shards(path)
     return payload
 

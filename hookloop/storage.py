@@ -726,8 +726,11 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
         The checkpoint's contents (``metrics``, ``loop`` counters, ``callbacks`` states...).
 
     Raises:
-        CheckpointError: the file is missing, empty, truncated, not a hookloop checkpoint,
-            or does not fit the model (wrong architecture) or the optimizer.
+        CheckpointError: the file is missing, empty, truncated, damaged (a CRC-32 fails),
+            not a hookloop checkpoint, or does not fit the model (wrong architecture) or
+            the optimizer; a directory's file is missing, added, truncated, flipped or of
+            another save (its save id and SHA-256 digests), or its ``.metadata`` holds
+            more than DCP's metadata classes (`hookloop.integrity`).
 
     Example:
         >>> import os, tempfile, torch

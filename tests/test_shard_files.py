@@ -83,14 +83,18 @@ def test_a_replacement_and_a_removal_leave_complete_directories_only(tmp_path: P
     assert sorted(os.listdir(tmp_path)) == ["copy.dcp"]  # renamed away first, then deleted
 
 
-def test_rotating_lists_complete_directories_beside_files_by_step(tmp_path: Path) -> None:
+def test_rotating_lists_directories_beside_files_by_step_and_never_a_temporary(
+        tmp_path: Path) -> None:
     files = CheckpointFiles(str(tmp_path))
     files.write({"model": {"w": torch.ones(1)}}, "epoch=0000-step=00000002.pt")
     _complete(tmp_path / "epoch=0000-step=00000004.dcp", "a")
-    (tmp_path / "epoch=0001-step=00000006.dcp").mkdir()  # no metadata: a damaged copy
+    # No metadata under a final name: a damaged copy, listed (as a damaged file is), so that
+    # resuming refuses it by name instead of skipping it silently.
+    (tmp_path / "epoch=0001-step=00000006.dcp").mkdir()
     _complete(tmp_path / ".tmp-abc.part", "killed save")
     assert [os.path.basename(path) for path in files.rotating()] == [
-        "epoch=0000-step=00000002.pt", "epoch=0000-step=00000004.dcp"]
+        "epoch=0000-step=00000002.pt", "epoch=0000-step=00000004.dcp",
+        "epoch=0001-step=00000006.dcp"]
 
 
 def test_import_hookloop_imports_no_distributed_tensor_fsdp_or_checkpoint() -> None:

@@ -8,8 +8,10 @@ import functools
 import inspect
 import os
 import re
+import threading
 import types
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -18,7 +20,7 @@ import torch
 
 from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_int, check_optional_int, check_path
-from hookloop.compat import loss_scale, summary_file_writer
+from hookloop.compat import loss_scale, summary_file_writer, summary_writer_thread
 from hookloop.errors import ConfigurationError, LogWriteError
 from hookloop.forward import model_inputs
 from hookloop.phase import Phase
@@ -373,6 +375,7 @@ class TensorBoard(Callback):
         with self._writing():  # the writer writes and flushes its first event here
             self._writer = self._writer_class(self.log_dir, purge_step=purge_step,
                                               flush_secs=self.flush_secs)
+        _quiet_thread(self._writer)
         if replay:
             self._latest = {}
             for tag, value in replay.items():
@@ -620,3 +623,28 @@ class TensorBoard(Callback):
 
 def _event_files(directory: str) -> set[str]:
     return {name for name in os.listdir(directory) if name.startswith("events.out.tfevents")}
+
+
+_quiet: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def _quiet_thread(writer: Any) -> None:
+    """Keep the background thread of ``writer``'s event file from printing its own traceback
+    when a write fails (a full disk): the thread keeps the error, the writer's next call
+    raises it in the main thread, and `TensorBoard` turns it into the one `LogWriteError`
+    the user sees. Other threads' exceptions are printed as before."""
+    worker = summary_writer_thread(writer)
+    if not isinstance(worker, threading.Thread):
+        return  # another tensorboard layout: its thread prints as it did
+    _quiet.add(worker)
+    if getattr(threading.excepthook, "_hookloop_quiet", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args: Any) -> None:
+        if args.thread in _quiet and isinstance(args.exc_value, OSError):
+            return  # raised again, named, in the main thread
+        previous(args)
+
+    hook._hookloop_quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook

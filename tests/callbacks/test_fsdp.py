@@ -246,11 +246,6 @@ def test_a_failed_sharded_save_leaves_no_directory_and_the_earlier_ones_intact(
         loop.fit(2)
     monkeypatch.setattr(dcp, "save", original)
     assert _entries(directory) == before  # nothing new, nothing lost, no temporary left
-    # A directory under a final name without DCP's metadata is never taken for a checkpoint.
-    (directory / "epoch=0009-step=00000099.dcp").mkdir()
-    files = loop.callbacks[1].files
-    assert [os.path.basename(path) for path in files.rotating()] == \
-        [name for name in before if name.startswith("epoch=")]
 
 
 def test_a_full_checkpoint_of_a_sharded_model_is_one_file_of_the_usual_format(

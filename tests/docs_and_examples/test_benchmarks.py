@@ -65,3 +65,13 @@ def test_async_save_benchmark_runs_and_reports_both_ways() -> None:
     for name in ("sync", "async"):
         assert re.search(rf"^{name}\s+step waits median\s+\d+\.\d ms", result.stdout, re.MULTILINE)
     assert re.search(r"^async/sync blocking ratio \d+\.\d+", result.stdout, re.MULTILINE)
+
+
+def test_checkpoint_digest_benchmark_runs_and_reports_the_cost_per_gb() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "checkpoint_digests.py"), "--mb", "4",
+         "--rounds", "1"], env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^digest cost per GB: save [-+]\d+\.\d+ s, load [-+]\d+\.\d+ s",
+                     result.stdout, re.MULTILINE), result.stdout
+    assert re.search(r"^hashlib sha256\s+\d+\.\d+ GB/s", result.stdout, re.MULTILINE)
