@@ -96,3 +96,12 @@ def test_run_refuses_a_bad_process_count_before_starting_anything(nproc: str) ->
     result = _run("run", "--nproc", nproc, "train.py")
     assert result.returncode == 2
     assert "--nproc must be a number of processes" in result.stderr
+
+
+def test_python_dash_m_hookloop_is_the_same_command() -> None:
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "hookloop", "version"], capture_output=True,
+                            text=True, timeout=120, env=subprocess_env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"hookloop {hookloop.__version__} (torch {torch.__version__})"
