@@ -165,6 +165,8 @@ class CheckpointFiles:
         #: The marker of a rollback under way: what it moves, written before the first move.
         self.marker = self.path(f"{prefix}rollback-in-progress.json")
         self._lock = DirectoryLock(dirpath)
+        #: Steps of rotating files written after their step's validations (this launch).
+        self._after_validation: set[int] = set()
 
     # ------------------------------------------------------------------ names
     def rotating_name(self, epoch: int, step: int) -> str:
@@ -202,6 +204,21 @@ class CheckpointFiles:
         """The step in a rotating file's name, or None for another name."""
         match = self._rotating.match(os.path.basename(path))
         return int(match.group(2)) if match else None
+
+    def resumed(self, path: str, epoch: int, batches_done: int, step: int) -> str:
+        """Note a resume from ``path`` at this position; return the line it says, with the
+        epoch numbered as in the file's name (from 0, as ``loop.state.epoch``):
+        ``epoch=0002`` is "epoch 2" there, complete or not, never the next epoch's index.
+
+        A file at an epoch's end was written after that step's validations (see
+        `after_epoch_end_save`)."""
+        match = self._rotating.match(os.path.basename(path))
+        named = int(match.group(1)) if match else None
+        if batches_done == 0:
+            self._after_validation.add(step)
+        if named is not None and batches_done == 0 and epoch == named + 1:
+            return f"Checkpoint: resumed from {path} (epoch {named} complete, step {step})."
+        return f"Checkpoint: resumed from {path} (epoch {epoch}, step {step})."
 
     # ---------------------------------------------------------------- listing
     def _names(self) -> list[str]:
@@ -523,11 +540,43 @@ class CheckpointFiles:
         return [int(match.group(2)) for match in matches if match]
 
     def _prune_set_aside(self) -> None:
+        """Delete the set-aside files no kept rotating file ranks. A rotating file written
+        after its step's validations (`after_epoch_end_save`) does not rank what they dropped."""
         steps = self._rotating_steps()
         for reached, dropped_at, path in self.set_aside():
-            if not _ranked_by(steps, reached, dropped_at):
+            ranking = [step for step in steps
+                       if step != dropped_at or step not in self._after_validation]
+            if not _ranked_by(ranking, reached, dropped_at):
                 with suppress(FileNotFoundError):
                     remove_entry(path)
+
+    def after_epoch_end_save(self, step: int) -> None:
+        """The rotating file of ``step`` was just written at an epoch's end, after that
+        step's validations: what they dropped does not wait for that file (a finished run
+        keeps no ``dropped-at-step=`` file that only its last checkpoint would seem to
+        need). Remembered for this launch's later prunes."""
+        self._after_validation.add(step)
+        self._prune_set_aside()
+
+    def explain_set_aside(self) -> str | None:
+        """Lines naming each set-aside file left, why, and the kept rotating files that rank
+        it (a rollback to one of them needs it); None when there is none."""
+        steps = self._rotating_steps()
+        lines = []
+        for reached, dropped_at, path in self.set_aside():
+            ranking = [step for step in steps if reached <= step <= dropped_at and (
+                step != dropped_at or step not in self._after_validation)]
+            files = " or ".join(self.rotating_name_at(step) for step in ranking)
+            lines.append(f"Checkpoint: kept {os.path.basename(path)}: the weights validated at "
+                         f"step {reached}, out of the top k since step {dropped_at}, for a "
+                         f"rollback to {files} (resume= that file ranks them again); deleted "
+                         "with it.")
+        return "\n".join(lines) or None
+
+    def rotating_name_at(self, step: int) -> str:
+        """The name of the kept rotating file of ``step``."""
+        return next((name for name in self._names() if (match := self._rotating.match(name))
+                     and int(match.group(2)) == step), f"step={step:08d}")
 
     def prune_rotating(self, newest: str, keep_last: int | None) -> None:
         """Delete rotating files older than the newest ``keep_last`` (after ``newest`` is complete)."""

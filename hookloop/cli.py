@@ -1,7 +1,9 @@
-"""The ``hookloop`` command: presets, the event table of a stack, events, version.
+"""The ``hookloop`` command: run a script on several processes, presets, the event table
+of a stack, events, version.
 
 Examples::
 
+    hookloop run --nproc 2 train.py --lr 0.1           # 2 processes, torchrun's standalone mode
     hookloop presets                                  # what is installed, from which package
     hookloop describe standard                        # who runs at which event
     hookloop describe standard ema=None accumulate=4  # with arguments (Python literals)
@@ -19,7 +21,11 @@ from typing import Any
 
 from hookloop.errors import HookloopError
 
-__all__ = ["main", "parse_assignment"]
+__all__ = ["main", "parse_assignment", "run_script"]
+
+#: The signals ``hookloop run`` passes on to its workers: torchrun's own list, and SIGUSR1
+#: (SLURM's ``--signal=USR1@...``: the training saves and the job is requeued).
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 def _help_text(docstring: str | None) -> str:
@@ -79,6 +85,57 @@ def _describe(name: str, assignments: list[tuple[str, Any]]) -> int:
     return 0
 
 
+def run_script(nproc: int, script: str, arguments: Sequence[str] = ()) -> int:
+    """Run ``script`` on ``nproc`` processes of this machine, as ``torchrun --standalone``.
+
+    torch's own launcher (``torch.distributed.run``) starts the workers with torchrun's
+    environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, a rendezvous on a free local
+    port), so `DDP` and `FSDP` in the script find it as under ``torchrun``. SIGTERM, SIGINT,
+    SIGHUP, SIGQUIT and SIGUSR1 sent to this process are passed on to every worker
+    (`FORWARDED_SIGNALS`), which then end at an agreed step boundary with a checkpoint.
+
+    Args:
+        nproc: The number of worker processes (one per GPU on a GPU machine).
+        script: The training script's path.
+        arguments: The script's own arguments.
+
+    Returns:
+        The workers' status: 0 when all of them succeeded; else the status of the first
+        worker that failed (``128 + N`` for a worker ended by signal N, as a shell reports
+        it); ``128 + N`` when signal N ended the launch (143 for SIGTERM).
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    options = torchrun.parse_args(["--standalone", f"--nproc-per-node={nproc}",
+                                   f"--signals-to-handle={FORWARDED_SIGNALS}", script,
+                                   *arguments])
+    try:
+        torchrun.run(options)
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        status = int(failure.exitcode)
+        status = 128 - status if status < 0 else status  # -15 (killed by SIGTERM): 143
+        print(f"hookloop run: worker {rank} of {nproc} (pid {failure.pid}) exited with status "
+              f"{status} first; its output is above.", file=sys.stderr, flush=True)
+        return status
+    except SignalException as error:  # the workers got it too, and have ended
+        return 128 + int(error.sigval)
+    return 0
+
+
+def _process_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(
+            f"--nproc must be a number of processes (1, 2, ...), got {text!r}")
+    return count
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hookloop`` console script; ``hookloop --help`` lists the commands.
 
@@ -98,6 +155,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="hookloop", description=_help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run_parser = commands.add_parser(
+        "run", help="run a training script on several processes (torchrun's standalone mode)",
+        description="Start NPROC processes of the script on this machine with torch's own "
+                    "launcher (torch.distributed.run --standalone --nproc-per-node NPROC), "
+                    "as torchrun would: DDP and FSDP in the script find the processes. "
+                    f"Signals ({FORWARDED_SIGNALS}) are passed on to every worker. The exit "
+                    "status is the workers': 0, or the first failed worker's status "
+                    "(128+N for signal N).",
+        epilog="example: hookloop run --nproc 2 train.py --epochs 10")
+    run_parser.add_argument("--nproc", type=_process_count, default=None,
+                            help="processes to start (default: the number of GPUs, else 1)")
+    run_parser.add_argument("script", help="the training script")
+    run_parser.add_argument("arguments", nargs=argparse.REMAINDER,
+                            help="the script's own arguments")
     commands.add_parser(
         "presets", help="list the presets: built-in and installed by other packages",
         description="List every preset presets.get() can build: its name, the package it "
@@ -117,6 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands.add_parser("version", help="print the versions of hookloop and torch",
                         description="Print the versions of hookloop and torch.")
     args = parser.parse_args(argv)
+    if args.command == "run":
+        nproc = args.nproc
+        if nproc is None:
+            import torch
+
+            nproc = max(1, torch.cuda.device_count())
+        return run_script(nproc, args.script, args.arguments)
     try:
         if args.command == "presets":
             return _print_presets()

@@ -202,14 +202,17 @@ def predict_all(loop: Loop, data: Iterable[Any], contexts: Handlers, forward: An
                 dtype: torch.dtype | None = torch.float32) -> Any:
     """`predict_outputs` of every batch of ``data``, inside the ``forward_context`` hooks
     ``contexts``, moved to the CPU (floating tensors as ``dtype``) and joined with
-    `concatenate`."""
+    `concatenate`. Each batch is ``loop.state.batch`` during its forward (then the one
+    before is put back)."""
     outputs: list[Any] = []
     cpu = torch.device("cpu")
-    for batch in data:
-        batch = move_to_device(batch, loop.device)
-        with entered(contexts, loop):
-            result = predict_outputs(loop, batch, forward)
-        outputs.append(_cast(move_to_device(result, cpu), dtype))
+    with loop.state.kept("batch"):  # a predict inside fit leaves fit's batch as it was
+        for batch in data:
+            # The current batch, for the forward contexts (ThroughputMonitor counts it).
+            loop.state.batch = batch = move_to_device(batch, loop.device)
+            with entered(contexts, loop):
+                result = predict_outputs(loop, batch, forward)
+            outputs.append(_cast(move_to_device(result, cpu), dtype))
     return concatenate(outputs)
 
 

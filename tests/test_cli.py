@@ -39,7 +39,7 @@ def test_bad_usage_exits_non_zero_with_usage(args) -> None:
     assert "usage: hookloop" in result.stderr
 
 
-@pytest.mark.parametrize("args", [("--help",), ("presets", "--help"), ("describe", "--help"),
+@pytest.mark.parametrize("args", [("--help",), ("run", "--help"), ("presets", "--help"), ("describe", "--help"),
                                   ("events", "--help"), ("version", "--help")])
 def test_help_everywhere(args) -> None:
     result = _run(*args)
@@ -89,3 +89,19 @@ def test_values_are_python_literals_or_text() -> None:
     assert parse_assignment("amp='fp16'") == ("amp", "fp16")
     assert parse_assignment("amp=fp16") == ("amp", "fp16")
     assert parse_assignment("checkpoint_dir=runs/a b") == ("checkpoint_dir", "runs/a b")
+
+
+@pytest.mark.parametrize("nproc", ["0", "two"])
+def test_run_refuses_a_bad_process_count_before_starting_anything(nproc: str) -> None:
+    result = _run("run", "--nproc", nproc, "train.py")
+    assert result.returncode == 2
+    assert "--nproc must be a number of processes" in result.stderr
+
+
+def test_python_dash_m_hookloop_is_the_same_command() -> None:
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "hookloop", "version"], capture_output=True,
+                            text=True, timeout=120, env=subprocess_env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"hookloop {hookloop.__version__} (torch {torch.__version__})"

@@ -177,9 +177,7 @@ class Checkpoint(Callback):
     def on_fit_start(self, loop: Loop) -> None:
         self._saved_at = loop.position  # where the run starts is on disk already
         if self._resumed_from is not None and distributed.is_main():
-            epoch, _, step = loop.position
-            print(f"Checkpoint: resumed from {self._resumed_from} (epoch {epoch}, step {step}).",
-                  flush=True)
+            print(self.files.resumed(self._resumed_from, *loop.position), flush=True)
         self._resumed_from = None
 
     def on_batch_end(self, loop: Loop) -> None:
@@ -200,10 +198,13 @@ class Checkpoint(Callback):
         due = self.every_n_epochs is not None and (state.epoch + 1) % self.every_n_epochs == 0
         if (loop.epoch_completed and (due or state.epoch + 1 >= state.epochs)) \
                 or loop.stop_requested:
-            self._save(loop, collective=True)
+            wrote = self._save(loop, collective=True)
             self._writes.wait()  # the training's end: before DDP/FSDP tear their group down
-
+            if wrote and distributed.is_main():
+                self.files.after_epoch_end_save(state.step)
     def on_fit_end(self, loop: Loop) -> None:  # also a launch's: its last file is complete
+        if distributed.is_main() and (kept := self.files.explain_set_aside()):
+            print(kept, flush=True)  # what the run leaves beside its checkpoints, and why
         self._writes.close(release=distributed.is_main())  # the directory is free again
 
     def on_exception(self, loop: Loop, exc: BaseException) -> None:
@@ -244,10 +245,11 @@ class Checkpoint(Callback):
         if self.files.step_of(path) is not None:
             self._writes.last_path = path
 
-    def _save(self, loop: Loop, *, collective: bool) -> None:
+    def _save(self, loop: Loop, *, collective: bool) -> bool:
+        """Save the run here; True when a file was written (or is being written)."""
         position = loop.position
         if position == self._saved_at:
-            return  # this position is on disk already (or is where the run started)
+            return False  # this position is on disk already (or is where the run started)
         run = loop.state_dict(gather=collective)  # a collective under DDP/FSDP when gathering
         previous, self._saved_at = self._saved_at, position
         state = loop.state
@@ -258,9 +260,10 @@ class Checkpoint(Callback):
                               "are kept. " + non_finite_weights_advice(loop.callbacks),
                               RuntimeWarning, stacklevel=2)
                 self._warned_not_finite = True
-            return
+            return False
         self._writes.save(run, state.epoch, state.step, state.metrics, now=not collective,
                           failed=lambda: setattr(self, "_saved_at", previous))  # redone then
+        return True
 
     def _consider_best(self, loop: Loop) -> None:
         monitor, ranking, state = self._monitor, self._ranking, loop.state

@@ -6,7 +6,7 @@ import inspect
 import types
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -92,6 +92,8 @@ class Compile(Callback):
     """
 
     unique = True
+    #: The display (`ProgressBar`) says "compiling" during the first batches.
+    roles: ClassVar[tuple[str, ...]] = ("compiles",)
     runs_after = {
         "distributed": "torch.compile must wrap the DDP/FSDP model (DDP splits the compiled "
                        "graph at its buckets to overlap communication with backward), so the "

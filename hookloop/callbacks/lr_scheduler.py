@@ -12,7 +12,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.checks import check_choice, check_name
+from hookloop.checks import check_choice, check_flag, check_name
 from hookloop.errors import ConfigurationError, with_article
 from hookloop.monitor import Monitor, infer_mode
 
@@ -62,7 +62,10 @@ class LRScheduler(Callback):
       at ``on_validation_end`` of each fit epoch (at ``on_epoch_end`` of each complete
       epoch for a loop without validation data); ``interval`` does not apply.
       ``monitors()`` declares the metric, so the stack check requires its producer to
-      come first.
+      come first. Each time it lowers the learning rate, rank 0 prints one line saying
+      so (Keras' ``verbose``), with the metric, the old and the new rates and where:
+      ``LRScheduler: val_loss stopped improving; ReduceLROnPlateau lowered the learning
+      rate from 0.1 to 0.05 (epoch 4/10, step 40).`` ``verbose=False`` keeps it quiet.
 
     Args:
         scheduler: A torch scheduler, or ``fn(optimizer, total_steps)`` returning one
@@ -70,6 +73,8 @@ class LRScheduler(Callback):
         interval: ``"step"`` or ``"epoch"``.
         monitor: The metric a ``ReduceLROnPlateau`` reads (``"val_loss"``, ``"val_acc"``).
         name: State key, to keep two schedulers' states apart.
+        verbose: Say (rank 0, one line) when a ``ReduceLROnPlateau`` lowers the learning
+            rate.
 
     Raises:
         ConfigurationError: a bad interval; a plateau scheduler without ``monitor`` (or a
@@ -102,13 +107,14 @@ class LRScheduler(Callback):
 
     def __init__(self, scheduler: Union[TorchScheduler, ReduceLROnPlateau, SchedulerFactory],
                  *, interval: str = "step", monitor: str | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, verbose: bool = True) -> None:
         self.interval = check_choice("LRScheduler interval", interval, _INTERVALS,
                                      hint="'step' steps after every optimizer step, 'epoch' "
                                           "at every epoch end.")
         self._monitor = None if monitor is None else Monitor(monitor, owner="LRScheduler")
         self.monitor = monitor
         self.name = check_name("LRScheduler name", name)
+        self.verbose = check_flag("LRScheduler verbose", verbose)
         self._factory: SchedulerFactory | None = None
         self._scheduler: Any = None
         self._built_total: int | None = None
@@ -306,7 +312,7 @@ class LRScheduler(Callback):
         if self.is_plateau:
             monitor = self._plateau_monitor()
             if monitor.due(loop):
-                self._scheduler.step(monitor.read(loop))
+                self._step_plateau(loop, monitor)
 
     def on_epoch_end(self, loop: Loop) -> None:
         if not loop.epoch_completed:  # cut short by stop(): the epoch is done again later
@@ -314,9 +320,21 @@ class LRScheduler(Callback):
         if self.is_plateau:
             monitor = self._plateau_monitor()
             if monitor.due(loop, epoch_end=True) and self.monitor in loop.state.metrics:
-                self._scheduler.step(monitor.read(loop))
+                self._step_plateau(loop, monitor)
         elif self.interval == "epoch":
             self._scheduler.step()
+
+    def _step_plateau(self, loop: Loop, monitor: Monitor) -> None:
+        """Step the plateau schedule with the metric; on rank 0 say when it lowered a rate."""
+        before = _rates(self._scheduler.optimizer)
+        self._scheduler.step(monitor.read(loop))
+        after = _rates(self._scheduler.optimizer)
+        if not self.verbose or after == before or not distributed.is_main():
+            return
+        state = loop.state
+        print(f"LRScheduler: {self.monitor} stopped improving; ReduceLROnPlateau lowered the "
+              f"learning rate from {_listed(before)} to {_listed(after)} "
+              f"(epoch {state.epoch + 1}/{state.epochs}, step {state.step}).", flush=True)
 
     def _plateau_monitor(self) -> Monitor:
         assert self._monitor is not None  # a plateau scheduler has a monitor (checked)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hookloop import distributed
 from hookloop.callback import Callback
 
 if TYPE_CHECKING:
@@ -41,14 +42,17 @@ class MemoryMonitor(Callback):
     tensors torch allocated, training and validation included; the peak is reset at each
     epoch start, so each epoch's value is its own. Elsewhere (CPU, MPS): the process's
     peak resident set size (``getrusage``), which the system never resets: the largest
-    value of the run so far.
+    value of the run so far. Under DDP or FSDP the value is the maximum over the ranks
+    (each rank reads its own, then one all-reduce of a number), the same on every rank: the
+    rank that needs the most memory is the one that runs out first.
 
     Written at the last training batch of the epoch (data with a length), at the end of
     each validation and at the epoch end, and shown by the views that read the metrics
     (`TensorBoard` as ``metrics/peak_memory_mib``, `ProgressBar` in the epoch's row,
     `CSVLogger` and ``loop.state.history``). Put it before the views so their epoch-end
     rows show the value that includes validation. Reading the peak costs no device sync;
-    it is read a few times per epoch, never per batch.
+    it is read a few times per epoch, never per batch (with several ranks, each read is a
+    collective, at points every rank reaches).
 
     Example:
         >>> import torch
@@ -91,5 +95,10 @@ class MemoryMonitor(Callback):
             peak: int | None = torch.cuda.max_memory_allocated(loop.device)
         else:
             peak = peak_rss_bytes()
+        if distributed.world_size() > 1:  # the largest rank's; -1: a rank that cannot tell
+            mine = torch.tensor([-1.0 if peak is None else float(peak)], dtype=torch.float64,
+                                device=distributed.collective_device())
+            largest = float(distributed.all_reduce_max(mine).item())
+            peak = None if largest < 0 else int(largest)
         if peak is not None:
             loop.state.metrics["peak_memory_mib"] = peak / _MIB

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -9,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.checks import check_flag, check_int
+from hookloop.checks import check_console, check_flag, check_int
 from hookloop.errors import ConfigurationError
 from hookloop.forward import compute
 from hookloop.untouched import untouched
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from torchinfo.model_statistics import ModelStatistics
 
     from hookloop.loop import Loop
@@ -38,6 +40,39 @@ def _check_input_size(input_size: Any) -> list[Any]:
         f"ModelSummary input_size must be a shape such as (1, 3, 32, 32), a list of shapes "
         f"for a model with several inputs, or None (the shape of the first batch), got "
         f"{input_size!r}.")
+
+
+def fitted_text(summary: ModelStatistics, width: int) -> str:
+    """torchinfo's table narrowed to ``width`` columns when it is wider (its default is 90).
+
+    torchinfo pads the layer names to 40 characters and every other column to 25, and draws
+    its rules that wide; a terminal of 80 columns wrapped every rule and row. The columns
+    are narrowed to what their longest cell needs (plus two spaces), and the room left is
+    shared out again up to torchinfo's widths. A table whose cells cannot fit stays at
+    that narrowest.
+    """
+    formatting = summary.formatting
+    text = str(summary)
+    if max(map(len, text.splitlines())) <= width:
+        return text
+    names, columns = formatting.layer_name_width, formatting.col_width
+    count = len(tuple(formatting.col_names))
+    rules = [index for index, line in enumerate(text.splitlines()) if set(line) == {"="}]
+    rows = text.splitlines()[rules[0] + 1:rules[2]] if len(rules) >= 3 else []
+    rows = [row for row in rows if set(row) != {"="}]
+    longest_name = max((len(row[:names].rstrip()) for row in rows), default=names - 2)
+    longest_cell = max((len(row[names + 1 + i * (columns + 1):names + 1 + (i + 1) * (columns + 1)]
+                            .rstrip()) for row in rows for i in range(count)), default=columns - 2)
+    name_width, cell_width = longest_name + 2, longest_cell + 2
+    spare = width - name_width - cell_width * count
+    if spare > 0:  # the room left, to the value columns first, up to torchinfo's widths
+        cell_width = min(columns, cell_width + spare // max(count, 1))
+        name_width = min(names, width - cell_width * count)
+    try:
+        formatting.layer_name_width, formatting.col_width = name_width, cell_width
+        return str(summary)
+    finally:
+        formatting.layer_name_width, formatting.col_width = names, columns
 
 
 class _Captured(Exception):
@@ -145,7 +180,10 @@ class ModelSummary(Callback):
         input_size: The input shape, batch dimension included, e.g. ``(32, 3, 224, 224)``
             (a list of shapes for several inputs); None takes the first batch.
         depth: How many levels of nested modules to show.
-        print_summary: Print the table (with ``print``); False only keeps ``summary``.
+        print_summary: Print the table; False only keeps ``summary``.
+        console: The ``rich.console.Console`` to print on (its width); None prints on
+            stdout, as wide as the terminal. A table wider than that (torchinfo's is 90
+            columns) is narrowed to fit, so its rules and rows never wrap.
 
     Raises:
         ConfigurationError: a depth that is not an int >= 0, an input size that is not a shape.
@@ -167,11 +205,13 @@ class ModelSummary(Callback):
     rank_zero_only = True
 
     def __init__(self, input_size: Sequence[int] | Sequence[Sequence[int]] | None = None, *,
-                 depth: int = 3, print_summary: bool = True) -> None:
+                 depth: int = 3, print_summary: bool = True,
+                 console: Console | None = None) -> None:
         self.input_size = None if input_size is None else _check_input_size(input_size)
         self.depth = check_int("ModelSummary depth", depth, minimum=0,
                                hint="It is how many levels of nested modules are shown.")
         self.print_summary = check_flag("ModelSummary print_summary", print_summary)
+        self.console = check_console("ModelSummary", console)
         #: The torchinfo result of the latest fit, or None before it (or when it failed).
         self.summary: ModelStatistics | None = None
         self._pending = False
@@ -221,5 +261,10 @@ class ModelSummary(Callback):
                           f"{type(cause).__name__}: {text}. Training goes on without a summary. "
                           f"{how}", RuntimeWarning, stacklevel=3)
             return
-        if self.print_summary:
-            print(self.summary)
+        if not self.print_summary:
+            return
+        if self.console is not None:
+            self.console.print(fitted_text(self.summary, self.console.width), markup=False,
+                               highlight=False, soft_wrap=True)
+        else:
+            print(fitted_text(self.summary, shutil.get_terminal_size().columns))

@@ -6,6 +6,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.checks import check_console, check_flag, check_number
 from hookloop.data import length_of
@@ -21,6 +22,35 @@ __all__ = ["ProgressBar", "format_number"]
 
 #: The bars' width range: they take what the shown columns leave, within these bounds.
 BAR_WIDTH = (20, 40)
+#: The role of a callback whose first batches compile the model (`Compile`): the display
+#: says so during them instead of showing a speed.
+COMPILES = "compiles"
+COMPILING = "compiling the model…"
+
+
+def _remaining_column() -> Any:
+    """A column of the time left at the task's own pace: its elapsed time per unit done
+    (since the task started) times the units left. rich's ``TimeRemainingColumn`` needs
+    several updates within its window, so a bar updated once per epoch (the epochs bar)
+    showed ``-:--:--`` after every epoch."""
+    from datetime import timedelta
+
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class Remaining(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            done = task.completed - task.fields.get("done_before", 0)
+            if task.total is not None and task.completed >= task.total:
+                text = "0:00:00"
+            elif task.total is None or done <= 0 or not task.elapsed:
+                text = "-:--:--"
+            else:
+                left = task.elapsed / done * (task.total - task.completed)
+                text = str(timedelta(seconds=int(left)))
+            return Text(text, style="progress.remaining")
+
+    return Remaining()
 
 
 def _display(console: Console, refresh_per_second: float) -> Progress:
@@ -38,12 +68,11 @@ def _display(console: Console, refresh_per_second: float) -> Progress:
         Progress,
         TextColumn,
         TimeElapsedColumn,
-        TimeRemainingColumn,
     )
 
     bar = BarColumn(bar_width=BAR_WIDTH[0])
     head = (TextColumn("[bold]{task.description}"), bar, MofNCompleteColumn())
-    elapsed, eta = (TimeElapsedColumn(),), (TextColumn("eta"), TimeRemainingColumn())
+    elapsed, eta = (TimeElapsedColumn(),), (TextColumn("eta"), _remaining_column())
     loss, lr, speed = (TextColumn(f"{{task.fields[{name}]}}") for name in ("loss", "lr", "speed"))
     layouts = [head + elapsed + eta + (loss, lr, speed), head + elapsed + eta + (loss, speed),
                head + elapsed + eta + (loss,), head + eta + (loss,), head + (loss,), head]
@@ -66,23 +95,31 @@ def _display(console: Console, refresh_per_second: float) -> Progress:
         def add_task(self, description: str, *args: Any, **fields: Any) -> TaskID:
             for name in ("loss", "lr", "speed"):
                 fields.setdefault(name, "")
+            fields.setdefault("done_before", fields.get("completed", 0))
             return super().add_task(description, *args, **fields)
 
     return Display(*layouts[0], console=console, refresh_per_second=refresh_per_second)
 
 
 def format_number(value: float) -> str:
-    """A metric as people read it: 4 decimals, or scientific notation when far from 1.
+    """A metric as people read it: four significant digits (whole numbers from 1000 on),
+    scientific notation below 0.001 and from a million.
 
     Example:
-        >>> format_number(0.123456), format_number(3e-06), format_number(12345.6)
-        ('0.1235', '3.000e-06', '1.235e+04')
+        >>> format_number(0.123456), format_number(1.0986), format_number(1221.1774)
+        ('0.1235', '1.099', '1221')
+        >>> format_number(3e-06), format_number(123456.7), format_number(2.5e7)
+        ('3.000e-06', '123457', '2.500e+07')
     """
     if value != value or math.isinf(value):
         return str(value)
-    if value != 0 and (abs(value) >= 1e4 or abs(value) < 1e-3):
+    magnitude = abs(value)
+    if value != 0 and (magnitude >= 1e6 or magnitude < 1e-3):
         return f"{value:.3e}"
-    return f"{value:.4f}"
+    text = f"{value:#.4g}"  # '#' keeps the trailing zeros: 0.5000, 2.000
+    if magnitude >= 999.95 or "e" in text:
+        return f"{value:.0f}"
+    return text.rstrip(".")
 
 
 class ProgressBar(Callback):
@@ -104,6 +141,18 @@ class ProgressBar(Callback):
     line when the validation ran at the epoch's end, else (``val_every_n_steps``) in a
     line of their own printed right after that validation; an epoch end that did not
     validate shows only the other metrics, as ``loop.state.history`` records them.
+
+    One throughput figure: with a `ThroughputMonitor` in the stack, the batch bar's speed
+    and the epoch's line show its ``samples_per_s`` (the latest interval's, all ranks),
+    and nothing of the bar's own; without one, the bar's own count (samples of all ranks
+    since the epoch's start, per second). Numbers have about four significant digits
+    (`format_number`). While `Compile` compiles the model (the first training and
+    validation batches of the first fit, minutes on a CPU), the bars say
+    ``compiling the model…`` and no speed; plain output prints a line when it starts and
+    one when the first batch is done, with the time it took. Lines printed above the bars
+    (a metrics line too wide for a table row, a validation's line) wrap between two
+    ``name value`` pairs, never inside one. The ETA of each bar is its own pace so far
+    (also the epochs bar's, once an epoch is done).
 
     The shown loss is read from the device at most ``refresh_per_second`` times a second
     (time-throttled), never on every batch: no sync per batch. The bars are stopped at
@@ -152,12 +201,16 @@ class ProgressBar(Callback):
         self._bars = False
         self._next_refresh = 0.0
         self._epoch_start = 0.0
+        self._speed_start = 0.0  # the epoch's start, or the end of the compiling batch
         self._samples = 0
         self._batches = 0
         self._val_batches = 0
         self._validated_step = -1  # the step of a validation not shown yet
         self._after_validation = False  # the next on_batch_end ends the batch that validated
         self._train_batch_idx = 0  # the training batch a validation inside the epoch followed
+        self._compiling = False  # until the fit's first training batch has run (Compile)
+        self._compiled = False  # this bar's loop was compiled in an earlier fit already
+        self._warm_up_start = 0.0
 
     def __repr__(self) -> str:
         return "ProgressBar()"
@@ -176,16 +229,23 @@ class ProgressBar(Callback):
         self._columns = None
         self._tasks = {}
         self._validated_step, self._after_validation = -1, False
+        self._compiling = not self._compiled and any(
+            COMPILES in callback.roles for callback in loop.callbacks)
+        self._warm_up_start = time.perf_counter()
         if self._bars:
             self._progress = _display(self.console, self.refresh_per_second)
             self._progress.start()
             state = loop.state
             self._tasks["epoch"] = self._progress.add_task(
-                "epochs", total=state.epochs, completed=state.epoch)
+                "epochs", total=state.epochs, completed=state.epoch,
+                loss=COMPILING if self._compiling else "")
+        elif self._compiling:
+            self._print(f"{COMPILING[:-1]} (torch.compile): the first training and validation "
+                        "batches take longer")
 
     def on_epoch_start(self, loop: Loop) -> None:
         """Reset the batch bar and the speed clock."""
-        self._epoch_start = time.perf_counter()
+        self._epoch_start = self._speed_start = time.perf_counter()
         self._next_refresh = self._epoch_start + (0.0 if self._bars else self.plain_every_s)
         self._samples = self._batches = 0
         if self._progress is not None:
@@ -193,6 +253,8 @@ class ProgressBar(Callback):
             description = f"epoch {state.epoch + 1}/{state.epochs}"
             self._progress.update(self._tasks["epoch"], completed=state.epoch)
             self._task("train", description, loop.batches_per_epoch)
+            if self._compiling:
+                self._progress.update(self._tasks["train"], loss=COMPILING)
 
     def on_batch_end(self, loop: Loop) -> None:
         """Count samples; at most ``refresh_per_second`` times a second, read and show the loss.
@@ -212,7 +274,8 @@ class ProgressBar(Callback):
         self._samples += loop.state.batch_size
         self._batches = batch_idx + 1
         now = time.perf_counter()
-        if now < self._next_refresh:
+        compiled = self._warm_up_done(now)
+        if now < self._next_refresh and not compiled:
             return
         if self._progress is not None:
             self._next_refresh = now + 1.0 / self.refresh_per_second
@@ -222,9 +285,12 @@ class ProgressBar(Callback):
             self._next_refresh = now + self.plain_every_s
             total = loop.batches_per_epoch
             state = loop.state
-            info = "  ".join(part for part in self._batch_info(loop, now).values() if part)
-            self._print(f"epoch {state.epoch + 1}/{state.epochs}  batch {batch_idx + 1}/"
-                        f"{'?' if total is None else total}  {info}")
+            parts = [f"epoch {state.epoch + 1}/{state.epochs}",
+                     f"batch {batch_idx + 1}/{'?' if total is None else total}"]
+            if compiled:
+                parts.append(f"compiled in {now - self._warm_up_start:.1f}s")
+            parts += [part for part in self._batch_info(loop, now).values() if part]
+            self._print("  ".join(parts))
 
     def on_validation_start(self, loop: Loop) -> None:
         """Show the validation bar."""
@@ -234,6 +300,8 @@ class ProgressBar(Callback):
             self._next_refresh = 0.0
             self._progress.update(self._tasks["train"], completed=self._batches)
             self._task("val", "validation", length_of(loop.val_data))
+            if self._compiling:
+                self._progress.update(self._tasks["val"], loss=COMPILING)
 
     def on_validation_batch_end(self, loop: Loop) -> None:
         """Advance the validation bar, time-throttled."""
@@ -271,7 +339,10 @@ class ProgressBar(Callback):
             parts += [f"{name} {format_number(value)}" for name, value in metrics.items()]
             if lr is not None:
                 parts.append(f"lr {float(lr):.2e}")
-            parts.append(f"{self._samples / max(seconds, 1e-9):.0f} samples/s")
+            if "samples_per_s" not in metrics:  # else the monitor's figure is the one shown
+                speed = self._speed(time.perf_counter() - self._speed_start)
+                if speed:
+                    parts.append(f"{speed} samples/s")
             parts.append(f"{seconds:.1f}s")
             self._print("  ".join(parts))
             return
@@ -297,15 +368,39 @@ class ProgressBar(Callback):
         else:
             self._tasks[key] = self._progress.add_task(description, total=total)
 
+    def _warm_up_done(self, now: float) -> bool:
+        """At the fit's first training batch end under `Compile`: the compiling is over (True
+        once); the speed clock restarts here, so the compile time is not in the speed."""
+        if not self._compiling:
+            return False
+        self._compiling, self._compiled = False, True
+        self._speed_start, self._samples = now, 0
+        if self._progress is not None:
+            self._progress.update(self._tasks["epoch"], loss="")
+        return True
+
+    def _speed(self, seconds: float) -> str:
+        """The bar's own samples per second, of all ranks (DDP: every rank has as many)."""
+        if not self._samples:
+            return ""
+        return format_number(self._samples * distributed.world_size() / max(seconds, 1e-9))
+
     def _batch_info(self, loop: Loop, now: float) -> dict[str, str]:
-        """The batch bar's fields: ``loss``, ``lr`` and ``speed`` (each may be empty)."""
+        """The batch bar's fields: ``loss``, ``lr`` and ``speed`` (each may be empty).
+
+        The speed is `ThroughputMonitor`'s ``samples_per_s`` when it has reported this epoch
+        (one figure on the screen), else the bar's own."""
         state = loop.state
         loss = "" if state.loss is None else (
             f"loss {format_number(float(state.loss.detach()))}")  # the one read
         groups = loop.optimizer.param_groups
         lr = f"lr {float(groups[0]['lr']):.2e}" if groups else ""
-        speed = f"{self._samples / max(now - self._epoch_start, 1e-9):.0f} samples/s"
-        return {"loss": loss, "lr": lr, "speed": speed}
+        reported = state.metrics.get("samples_per_s")
+        if reported is not None:
+            speed = format_number(float(reported))
+        else:
+            speed = self._speed(now - self._speed_start)
+        return {"loss": loss, "lr": lr, "speed": f"{speed} samples/s" if speed else ""}
 
     def _print_validation(self, loop: Loop, step: int) -> None:
         state = loop.state
@@ -313,12 +408,28 @@ class ProgressBar(Callback):
         parts += [f"{name} {format_number(float(value))}" for name, value in state.metrics.items()
                   if name.startswith("val_") and isinstance(value, (int, float))
                   and not isinstance(value, bool)]
-        self._print("  ".join(parts))
+        self._print_parts(parts)
 
     def _print(self, line: str) -> None:
         assert self.console is not None
         # Plain lines stay one line each (a log); above the bars, rich wraps at the width.
         self.console.print(line, markup=False, highlight=False, soft_wrap=not self._bars)
+
+    def _print_parts(self, parts: list[str]) -> None:
+        """``name value`` parts joined by two spaces; above the bars, lines broken between
+        parts at the console's width (continuation lines indented), never inside one."""
+        assert self.console is not None
+        if not self._bars:
+            self._print("  ".join(parts))
+            return
+        width, lines = self.console.width, [parts[0]]
+        for part in parts[1:]:
+            if len(lines[-1]) + 2 + len(part) <= width:
+                lines[-1] += "  " + part
+            else:
+                lines.append("  " + part)
+        for line in lines:
+            self._print(line)
 
     def _print_row(self, epoch: int, epochs: int, step: int, metrics: dict[str, Any],
                    seconds: float) -> None:
@@ -344,9 +455,9 @@ class ProgressBar(Callback):
         if Measurement.get(console, unbounded, table).maximum > console.width:
             # Too many metrics for a row: a squeezed table cuts the numbers, a line does not.
             self._columns = None
-            self._print("  ".join([f"epoch {epoch}/{epochs}", f"step {step}",
-                                   *(f"{name} {format_number(float(metrics[name]))}"
-                                     for name in names), f"{seconds:.1f}s"]))
+            self._print_parts([f"epoch {epoch}/{epochs}", f"step {step}",
+                               *(f"{name} {format_number(float(metrics[name]))}"
+                                 for name in names), f"{seconds:.1f}s"])
             return
         console.print(table)
 

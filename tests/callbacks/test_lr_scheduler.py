@@ -422,3 +422,51 @@ def test_an_epoch_cut_short_by_stop_does_not_step_a_plateau_without_validation()
     assert callback.scheduler.last_epoch == 1  # epoch 0 only; epoch 1 was cut short
     loop.fit(3)
     assert callback.scheduler.last_epoch == 3  # one step per whole epoch, 3 epochs
+
+
+def _plateau_run(capsys: pytest.CaptureFixture[str], scores: list[float],
+                 **options: bool) -> tuple[list[str], list[float]]:
+    """A plateau schedule on a scripted ``val_score``; the printed lines and the hand rates."""
+    from builders import ScriptedMetric
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    callback = LRScheduler(lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.5,
+                                                          patience=1),
+                           monitor="val_score", **options)
+    loop = Loop(model, optimizer, make_data(2), val_data=make_data(1, seed=8), loss_fn=F.mse_loss,
+                device="cpu", sanity_val_batches=0,
+                callbacks=[ScriptedMetric(scores, "val_score"), callback])
+    capsys.readouterr()
+    loop.fit(len(scores))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("LRSch")]
+    # The hand rule: lowered after patience + 1 = 2 validations without improvement.
+    rate, best, bad, rates = 0.2, math.inf, 0, []
+    for score in scores:
+        best, bad = (score, 0) if score < best else (best, bad + 1)
+        if bad > 1:
+            rate, bad = rate * 0.5, 0
+        rates.append(rate)
+    return lines, rates
+
+
+def test_reduce_on_plateau_says_each_lowering_once(capsys: pytest.CaptureFixture[str]) -> None:
+    scores = [1.0, 0.9, 0.95, 0.97, 0.8, 0.85, 0.9, 0.92]
+    lines, rates = _plateau_run(capsys, scores)
+    lowered = [(epoch, before, after) for epoch, (before, after)
+               in enumerate(zip([0.2] + rates, rates), start=1) if after < before]
+    assert len(lowered) == 2  # the scripted scores make the rule fire twice
+    assert lines == [f"LRScheduler: val_score stopped improving; ReduceLROnPlateau lowered the "
+                     f"learning rate from {before:.3g} to {after:.3g} (epoch {epoch}/8, "
+                     f"step {2 * epoch})." for epoch, before, after in lowered]
+
+
+def test_reduce_on_plateau_verbose_false_and_other_ranks_say_nothing(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    scores = [1.0, 1.1, 1.2, 1.3]
+    lines, rates = _plateau_run(capsys, scores, verbose=False)
+    assert lines == [] and rates[-1] < 0.2  # it lowered the rate, quietly
+    from hookloop import distributed
+
+    monkeypatch.setattr(distributed, "is_main", lambda: False)
+    assert _plateau_run(capsys, scores)[0] == []

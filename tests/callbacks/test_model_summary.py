@@ -72,3 +72,35 @@ def test_failure_is_a_warning() -> None:
     with pytest.warns(RuntimeWarning, match="torchinfo failed"):
         loop = fit([summary])
     assert loop.state.step == 6 and summary.summary is None
+
+
+def _table(width: int) -> list[str]:
+    """The summary printed on a rich console of ``width`` columns, as lines."""
+    import io
+
+    from rich.console import Console
+
+    screen = Console(file=io.StringIO(), width=width, force_terminal=True, color_system=None)
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(),
+                          nn.Sequential(nn.Dropout(0.5), nn.Linear(8, 3)))
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), classification_batches(1, seed=1),
+         loss_fn=F.cross_entropy, device="cpu", callbacks=[ModelSummary(console=screen)]).fit(1)
+    return screen.file.getvalue().splitlines()
+
+
+@pytest.mark.parametrize("width, names, cells", [(80, 31, 26), (120, 41, 26)])
+def test_the_table_fits_the_console_and_its_rules_do_not_wrap(width: int, names: int,
+                                                              cells: int) -> None:
+    """At 80 columns torchinfo's 90-wide table is narrowed to 80 (names 30, cells 25); at 120
+    it is torchinfo's own. Parameters by hand: 5*8+8, 2*8 (BN), 8*3+3."""
+    lines = _table(width)
+    rows = [("Layer (type:depth-idx)", "Output Shape", "Param #"),
+            ("Sequential", "[4, 3]", "--"), ("├─Linear: 1-1", "[4, 8]", "48"),
+            ("├─BatchNorm1d: 1-2", "[4, 8]", "16"), ("├─ReLU: 1-3", "[4, 8]", "--"),
+            ("├─Sequential: 1-4", "[4, 3]", "--"), ("│    └─Dropout: 2-1", "[4, 8]", "--"),
+            ("│    └─Linear: 2-2", "[4, 3]", "27")]
+    rule = "=" * (names - 1 + 2 * (cells - 1))
+    table = [f"{name:<{names}}{shape:<{cells}}{count}" for name, shape, count in rows]
+    assert lines[:11] == [rule, table[0], rule, *table[1:], rule]
+    assert lines[11:14] == ["Total params: 91", "Trainable params: 91", "Non-trainable params: 0"]
+    assert all(len(line) <= width for line in lines) and lines.count(rule) == 5

@@ -39,7 +39,7 @@ def test_terminal_shows_bars_and_a_metrics_table() -> None:
     header = [line for line in text.splitlines() if "train_loss" in line and "val_acc" in line]
     assert header, text
     metrics = state.metrics  # the last epoch's table row (printed above the live bars)
-    row = rf"3/3\s+18\s+{metrics['train_loss']:.4f}\s+{metrics['val_loss']:.4f}\s+{metrics['val_acc']:.4f}"
+    row = rf"3/3\s+18\s+{metrics['train_loss']:#.4g}\s+{metrics['val_loss']:#.4g}\s+{metrics['val_acc']:#.4g}"
     assert re.search(row, text), text
 
 
@@ -54,7 +54,7 @@ def test_not_a_terminal_prints_one_plain_line_per_epoch() -> None:
     for epoch, (line, row) in enumerate(zip(lines, history), start=1):
         assert line.startswith(f"epoch {epoch}/3  step {6 * epoch}  ")
         for name in ("train_loss", "val_loss", "val_acc"):
-            assert f"{name} {row[name]:.4f}" in line
+            assert f"{name} {row[name]:#.4g}" in line
 
 
 def test_plain_lines_inside_long_epochs_keep_a_log_alive(monkeypatch) -> None:
@@ -123,7 +123,7 @@ def test_step_validation_shown_once_and_never_stale_at_epoch_end(sized: bool) ->
     shown = [line for line in lines if "val_loss" in line]
     assert len(shown) == 4, lines
     for line, (step, value) in zip(shown, validations):
-        assert f"step {step}  " in line and f"val_loss {value:.4f}" in line, line
+        assert f"step {step}  " in line and f"val_loss {value:#.4g}" in line, line
     epoch_lines = [line for line in lines if line.startswith("epoch") and "train_loss" in line]
     assert len(epoch_lines) == 3 and [row["step"] for row in loop.state.history
                                       if "val_loss" in row] == [4, 8, 12, 16]

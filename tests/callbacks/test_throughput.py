@@ -190,3 +190,84 @@ def test_bad_arguments_are_refused() -> None:
         ThroughputMonitor(flops_per_sample="count")
     with pytest.raises(ConfigurationError, match="ThroughputMonitor peak_flops must be"):
         ThroughputMonitor(peak_flops=-1.0)
+
+
+class Timed(torch.nn.Module):
+    """A Linear(6, 3) whose every forward takes ``seconds`` of the fake clock."""
+
+    def __init__(self, clock: Clock, seconds: float) -> None:
+        super().__init__()
+        self.clock, self.seconds, self.linear = clock, seconds, torch.nn.Linear(6, 3)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        self.clock.now += self.seconds
+        return self.linear(inputs)
+
+
+def test_validate_evaluate_and_predict_are_measured_each_as_a_pass(clock: Clock) -> None:
+    monitor = ThroughputMonitor(every_n_steps=100, tokens=lambda batch: batch[0].shape[0] * 5,
+                                flops_per_sample=300.0, peak_flops=1000.0)
+    loop = make_loop(batches([8, 8]), [monitor], model=Timed(clock, 0.5),
+                     val_data=batches([4, 4, 2]), sanity_val_batches=0)
+    state = loop.fit(1)
+    # Inside fit the validation is not measured; training is 16 samples in 2 x 0.5 s.
+    assert state.metrics["samples_per_s"] == pytest.approx(16.0)
+    assert not any(name.startswith("val_") and name != "val_loss" for name in state.history[0])
+    # A pass: its first batch to its end, 3 forwards of 0.5 s; its MFU counts the forward
+    # only (a third of the training FLOPs per sample).
+    expected = {"samples_per_s": 10 / 1.5, "batches_per_s": 3 / 1.5,
+                "tokens_per_s": 50 / 1.5, "mfu": 100.0 * (10 / 1.5) / 1000.0}
+    validated = loop.validate()
+    assert {name: validated[f"val_{name}"] for name in expected} == pytest.approx(expected)
+    tested = loop.evaluate(batches([4, 4, 2]), prefix="test")
+    assert {name: tested[f"test_{name}"] for name in expected} == pytest.approx(expected)
+    predicted = loop.predict(batches([4, 4, 2]))
+    assert predicted.shape == (10, 3)
+    assert {name: loop.state.metrics[f"predict_{name}"] for name in expected} == pytest.approx(
+        expected)
+
+
+@pytest.mark.parametrize("name, precision, peak", [
+    ("NVIDIA H200", "bfloat16", 989.4e12), ("NVIDIA H200 NVL", "bfloat16", 835.5e12),
+    ("NVIDIA H100 80GB HBM3", "float8", 1978.9e12), ("NVIDIA H100 PCIe", "bfloat16", 756.5e12),
+    ("NVIDIA A100-SXM4-80GB", "tf32", 156e12), ("NVIDIA A100-PCIE-40GB", "float16", 312e12),
+    ("NVIDIA L4", "bfloat16", 121e12), ("NVIDIA L40S", "bfloat16", 362e12),
+    ("NVIDIA A10G", "float32", 31.2e12), ("Tesla V100-SXM2-16GB", "float16", 125e12),
+    ("Tesla V100-PCIE-32GB", "float16", 112e12), ("Tesla T4", "float16", 65e12),
+    ("NVIDIA GeForce RTX 4090", "bfloat16", 165.2e12),
+    ("NVIDIA GeForce RTX 3090", "float16", 71e12), ("AMD Instinct MI300X", "bfloat16", 1307.4e12),
+    ("AMD Instinct MI250X", "float16", 383e12), ("AMD Instinct MI250", "bfloat16", 362.1e12),
+    ("Tesla T4", "bfloat16", None), ("cpu", "float32", None)])
+def test_peak_flops_of_common_devices_from_their_data_sheets(name: str, precision: str,
+                                                            peak: float | None) -> None:
+    assert throughput.peak_flops_of(name, precision) == peak
+
+
+def test_mfu_from_the_device_name_and_the_precision_trained_in(clock: Clock, monkeypatch) -> None:
+    from hookloop.callbacks import AMP
+
+    monkeypatch.setattr(throughput, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    for callbacks, peak in (([], 67e12), ([AMP(torch.bfloat16)], 989.4e12)):
+        monitor = ThroughputMonitor(every_n_steps=2, flops_per_sample=1000.0)
+        metrics = make_loop(batches([4, 4]), [*callbacks, Work(clock, 1.0), monitor]).fit(1).metrics
+        assert "mfu" in monitor.produces(make_loop(batches([4]), []))
+        assert metrics["mfu"] == pytest.approx(1000.0 * (8 / 2.0) / peak)
+    overridden = ThroughputMonitor(every_n_steps=2, flops_per_sample=1000.0, peak_flops=4000.0)
+    metrics = make_loop(batches([4, 4]), [Work(clock, 1.0), overridden]).fit(1).metrics
+    assert metrics["mfu"] == pytest.approx(1000.0 * (8 / 2.0) / 4000.0)
+    chosen = ThroughputMonitor(every_n_steps=2, flops_per_sample=1000.0, precision="float8")
+    metrics = make_loop(batches([4, 4]), [Work(clock, 1.0), chosen]).fit(1).metrics
+    assert metrics["mfu"] == pytest.approx(1000.0 * (8 / 2.0) / 1978.9e12)
+
+
+def test_an_unknown_device_is_named_in_one_warning_and_gets_no_mfu(clock: Clock) -> None:
+    monitor = ThroughputMonitor(every_n_steps=1, flops_per_sample=1000.0)
+    loop = make_loop(batches([4, 4]), [Work(clock, 1.0), monitor])
+    assert "mfu" not in monitor.produces(loop)
+    with pytest.warns(RuntimeWarning, match=r"no peak FLOP/s known for the device 'cpu' in "
+                                            r"float32.*Pass peak_flops=") as caught:
+        metrics = loop.fit(2).metrics
+    assert len([w for w in caught if "peak FLOP/s" in str(w.message)]) == 1
+    assert "mfu" not in metrics and metrics["samples_per_s"] == pytest.approx(4.0)
+    with pytest.raises(ConfigurationError, match="ThroughputMonitor precision must be"):
+        ThroughputMonitor(precision="int4")
