@@ -136,13 +136,19 @@ _SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 def check_duration(label: str, value: Any, *, hint: str = "") -> float:
     """``value`` as seconds > 0: a number of seconds, a ``datetime.timedelta``, or a string
     in SLURM's ``--time`` forms (``"MM"``, ``"MM:SS"``, ``"HH:MM:SS"``, ``"D-HH"``,
-    ``"D-HH:MM"``, ``"D-HH:MM:SS"``).
+    ``"D-HH:MM"``, ``"D-HH:MM:SS"``). Only the first field may be as large as it likes
+    (``"90"`` is 90 minutes): seconds and minutes after it are below 60 and hours after a
+    day below 24, so ``"00:75"`` is refused, not read as 75 seconds.
 
     Example:
         >>> check_duration("TimeLimit duration", "1-02:30:00")
         95400.0
         >>> check_duration("TimeLimit duration", "90")  # minutes, as SLURM reads it
         5400.0
+        >>> check_duration("TimeLimit duration", "00:75")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: TimeLimit duration '00:75' has 75 seconds, ... For 75 seconds write '01:15', ...
         >>> check_duration("TimeLimit duration", "soon")
         Traceback (most recent call last):
         ...
@@ -156,15 +162,38 @@ def check_duration(label: str, value: Any, *, hint: str = "") -> float:
     elif isinstance(value, str) and (match := _SLURM_TIME.match(value.strip())):
         days, first, second, third = (int(part) if part else None for part in match.groups())
         if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
+            fields = (("hours", first, 24), ("minutes", second, 60), ("seconds", third, 60))
             seconds = float(days * 86400 + first * 3600 + (second or 0) * 60 + (third or 0))
         elif third is not None:  # HH:MM:SS
+            fields = (("minutes", second, 60), ("seconds", third, 60))
             seconds = float(first * 3600 + (second or 0) * 60 + third)
         else:  # MM or MM:SS
+            fields = (("seconds", second, 60),)
             seconds = float(first * 60 + (second or 0))
+        _check_time_fields(label, value, fields, seconds, days is not None or third is not None)
     if seconds is None or not math.isfinite(seconds) or seconds <= 0:
         raise _refuse(label, "seconds > 0, a timedelta or a time like '4:00:00' or "
                       "'1-12:00:00'", value, hint)
     return seconds
+
+
+def _check_time_fields(label: str, value: str, fields: tuple[tuple[str, int | None, int], ...],
+                       seconds: float, hours: bool) -> None:
+    """A field of a SLURM time past its range (``"00:75"``: 75 seconds) is a typo, not a
+    time: refused with the time it would have been, written as SLURM writes it."""
+    for unit, number, limit in fields:
+        if number is not None and number >= limit:
+            whole = int(seconds)
+            days, rest = divmod(whole, 86400)
+            clock = (f"{rest // 3600:0{2 if days else 1}d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+                     if hours or days
+                     else f"{rest // 60:02d}:{rest % 60:02d}")
+            written = f"{days}-{clock}" if days else clock
+            raise ConfigurationError(
+                f"{label} {value!r} has {number} {unit}, but that field counts {unit} up to "
+                f"{limit - 1} in SLURM's time forms ('MM:SS', 'HH:MM:SS', 'D-HH:MM:SS'). For "
+                f"{whole} seconds write {written!r}, or give the seconds as a number "
+                f"({whole}).")
 
 
 def check_name(label: str, value: Any, *, optional: bool = True, hint: str = "") -> str | None:
