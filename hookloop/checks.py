@@ -396,13 +396,22 @@ def _check_callable(value: Any, name: str, signature: str) -> None:
             f"({type(value).__name__}).")
 
 
-def check_extra_state(state: Any) -> dict[str, Any]:
+def check_extra_state(state: Any, model: Any = None, optimizer: Any = None) -> dict[str, Any]:
     """``Loop(state=...)``: names mapped to objects with ``state_dict`` and ``load_state_dict``.
+
+    Refused: a class instead of an instance (``state={"d": nn.Linear}`` has the methods,
+    unbound, and failed at the first save); one object under two names (restored twice);
+    the loop's own ``model`` or ``optimizer`` (saved already). What the objects' states
+    hold is checked at fit start (`hookloop.run_state.check_callback_states`).
 
     Example:
         >>> import torch
         >>> sorted(check_extra_state({"discriminator": torch.nn.Linear(2, 1)}))
         ['discriminator']
+        >>> check_extra_state({"discriminator": torch.nn.Linear})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: Loop state['discriminator'] is the class Linear, not an instance: ...
     """
     if state is None:
         return {}
@@ -410,14 +419,32 @@ def check_extra_state(state: Any) -> dict[str, Any]:
         raise ConfigurationError(
             f"Loop state must be a dict of name -> object with state_dict/load_state_dict "
             f"(e.g. state={{'discriminator': net_d, 'opt_d': opt_d}}), got {type(state).__name__}.")
+    names: dict[int, str] = {}
     for name, item in state.items():
         check_name("Loop state key", name, optional=False)
+        if isinstance(item, type):
+            raise ConfigurationError(
+                f"Loop state[{name!r}] is the class {item.__name__}, not an instance: its "
+                "state_dict could not be saved. Pass the object the run uses: "
+                f"state={{{name!r}: {item.__name__[:1].lower() + item.__name__[1:]}}} where "
+                f"{item.__name__[:1].lower() + item.__name__[1:]} = {item.__name__}(...).")
         if not (callable(getattr(item, "state_dict", None))
                 and callable(getattr(item, "load_state_dict", None))):
             raise ConfigurationError(
                 f"Loop state[{name!r}] (of type {type(item).__name__}) has no state_dict() and "
                 "load_state_dict(): the loop saves and restores each object of state= through "
                 "them (a module, an optimizer, a scheduler, a GradScaler...).")
+        for own, what in ((model, "model"), (optimizer, "optimizer")):
+            if item is own:
+                raise ConfigurationError(
+                    f"Loop state[{name!r}] is the loop's {what}, which the run saves and "
+                    f"restores already (under {what!r}): remove it from state=.")
+        if id(item) in names:
+            raise ConfigurationError(
+                f"Loop state[{names[id(item)]!r}] and state[{name!r}] are the same "
+                f"{type(item).__name__} object: it would be saved twice and restored twice. "
+                "Keep one name for it.")
+        names[id(item)] = name
     return dict(state)
 
 

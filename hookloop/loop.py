@@ -111,7 +111,7 @@ class Loop(Geometry):
         self.val_every_n_epochs, self.val_every_n_steps = val_every_n_epochs, val_every_n_steps
         self.sanity_val_batches = sanity_val_batches
         #: More objects saved and restored with the run (``state=``), by name.
-        self.extra_state = checks.check_extra_state(state)
+        self.extra_state = checks.check_extra_state(state, model, optimizer)
         self.state = LoopState()
         #: Micro-batches per optimizer step; set by ``GradAccumulation`` in ``setup``.
         self.accumulation_steps = 1
@@ -266,7 +266,7 @@ class Loop(Geometry):
                 emit(self, table.on_fit_start)
                 if idle is not None and distributed.is_main():
                     print(f"hookloop: {idle}", flush=True)
-                run_state.check_callback_states(self.callbacks)
+                run_state.check_callback_states(self.callbacks, self.extra_state)
                 if idle is None:
                     sanity.check(self, self._phases, self._validate_pass, self._position.generators)
                 for epoch in range(position.epoch, epochs):
