@@ -25,7 +25,7 @@ from hookloop.data import LossSum
 from hookloop.describe import describe
 from hookloop.dispatch import Table, Wrapper, call, emit, entered
 from hookloop.errors import ConfigurationError
-from hookloop.forward import Selector, check_loss, compute, predict_all
+from hookloop.forward import Selector, check_loss, compute, predict_all, predict_dtype
 from hookloop.geometry import Geometry
 from hookloop.ordering import check_callbacks, overrides
 from hookloop.phase import Phase, Phases
@@ -352,6 +352,13 @@ class Loop(Geometry):
                 ``(outputs, loss)`` works too: its outputs are taken).
             dtype: Floating outputs come back in this dtype (float32 by default, also under
                 ``AMP(torch.bfloat16)``, so ``.numpy()`` works); None keeps the computed one.
+                A floating ``torch.dtype`` or its name (``"float16"``); an integer dtype is
+                refused (it would truncate the outputs).
+
+        Raises:
+            ConfigurationError: ``data`` None; a ``dtype`` that is not floating; a batch
+                the model could not run on because of its inputs (a numpy array, float64
+                data for a float32 model): naming the dtype and the fix.
 
         Example:
             >>> import torch
@@ -365,6 +372,7 @@ class Loop(Geometry):
         """
         if data is None:
             raise ConfigurationError("predict() needs data, got None.")
+        dtype = predict_dtype(dtype)  # before any work: an int dtype would truncate silently
         with self._alone(Phase.PREDICT, data) as (table, data), \
                 entered(table.validation_context, self):
             self.model.eval()
