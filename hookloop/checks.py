@@ -19,7 +19,7 @@ import inspect
 import math
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.data import length_of
+from hookloop.data import find_targets, length_of
 from hookloop.errors import ConfigurationError, with_article
 from hookloop.forward import check_batch_rule
 from hookloop.ordering import check_callbacks
@@ -383,6 +383,43 @@ def _check_data(data: Any, name: str) -> None:
             "targets and batching: DataLoader(TensorDataset(inputs, targets), batch_size=32).")
 
 
+def _sample_problem(item: Any) -> str | None:
+    """Why the first item of a list of training data looks like one sample, not a batch
+    (None when it may be a batch): targets without a batch dimension (a number, a 0-d
+    tensor), or 1-d inputs whose length is not the targets' (a batch's agree)."""
+    if not isinstance(item, (tuple, list, Mapping)) or (
+            isinstance(item, (tuple, list)) and len(item) != 2):
+        return None
+    targets = find_targets(item)
+    inputs = item[0] if isinstance(item, (tuple, list)) else None
+    if isinstance(targets, (int, float)) and not isinstance(targets, bool):
+        return f"its targets are the number {targets!r}"
+    if isinstance(targets, torch.Tensor) and targets.dim() == 0:
+        return f"its targets are a 0-d tensor ({targets.item()!r})"
+    if isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor) and \
+            inputs.dim() == 1 and targets.dim() >= 1 and inputs.shape[0] != targets.shape[0]:
+        return (f"its inputs have shape {tuple(inputs.shape)} and its targets "
+                f"{tuple(targets.shape)}, while a batch's share the first (batch) dimension")
+    return None
+
+
+def _check_samples(data: Any, name: str) -> None:
+    """A list of samples (``list(dataset)``) as the data: each step would see one sample
+    without a batch dimension (a silent batch size of one, or torch's "mat1 and mat2")."""
+    if not isinstance(data, (list, tuple)) or not data:
+        return
+    problem = _sample_problem(data[0])
+    if problem is not None:
+        raise ConfigurationError(
+            f"{name} looks like a list of samples, not of batches: its first item is "
+            f"{with_article(type(data[0]).__name__)} and {problem}, so every step would train "
+            "on one sample without a batch dimension. A list of samples: wrap it in a "
+            f"DataLoader, {name}=DataLoader(samples, batch_size=32"
+            f"{', shuffle=True' if name == 'train_data' else ''}), which stacks them into "
+            "batches (or pass forward=fn(loop, batch) -> (outputs, loss) if each item is "
+            "meant as it is).")
+
+
 def _check_callable(value: Any, name: str, signature: str) -> None:
     if value is None:
         return
@@ -508,7 +545,8 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
 
     Checks: a ``nn.Module`` model; an optimizer with at least one of the model's
     parameters; ``train_data`` (and ``val_data`` when given) iterable batches, not None,
-    not a torch ``Dataset`` (it yields single samples: wrap it in a DataLoader);
+    not a torch ``Dataset`` (it yields single samples: wrap it in a DataLoader), not a
+    list of samples (its first item's targets without a batch dimension);
     ``loss_fn`` and ``forward`` callables (not classes) or None; ``callbacks`` a list of
     `Callback` instances (not None, not one callback); a device that exists here.
 
@@ -533,6 +571,10 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
     _check_data(train_data, "train_data")
     if val_data is not None:
         _check_data(val_data, "val_data")
+    if forward is None:  # a forward of its own may take single samples on purpose
+        _check_samples(train_data, "train_data")
+        if val_data is not None:
+            _check_samples(val_data, "val_data")
     _check_callable(loss_fn, "loss_fn", "fn(outputs, targets) -> scalar loss")
     _check_arity(loss_fn, "loss_fn", 2, "loss_fn(outputs, targets)",
                  "For a loss that needs only the outputs, or more than the targets, pass "

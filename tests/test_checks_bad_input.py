@@ -197,3 +197,42 @@ def test_device_none_means_cuda_when_available_else_cpu() -> None:
     model = MLP()
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [])
     assert loop.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---------------------------------------- a list of samples as data (issue 25, item 16)
+def _samples(targets: str) -> list:
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(6, 3, generator=generator)
+    if targets == "class":
+        return list(TensorDataset(inputs, torch.randint(0, 2, (6,), generator=generator)))
+    if targets == "number":
+        return [(row, 1) for row in inputs]
+    return list(TensorDataset(inputs, torch.randn(6, 1, generator=generator)))  # (3,), (1,)
+
+
+@pytest.mark.parametrize("targets", ["class", "number", "regression"])
+@pytest.mark.parametrize("argument", ["train_data", "val_data"])
+def test_a_list_of_samples_is_refused_when_built_with_the_fix(targets: str, argument: str) -> None:
+    """list(dataset) trained silently on one sample without a batch dimension per step (or
+    failed with torch's mat1 and mat2 at the first batch)."""
+    loss_fn = nn.functional.cross_entropy if targets == "class" else nn.functional.mse_loss
+    with pytest.raises(ConfigurationError, match=rf"{argument} looks like a list of samples.*"
+                                                 r"A list of samples: wrap it in a DataLoader.*"
+                                                 rf"{argument}=DataLoader\(samples"):
+        loop_with(model=nn.Linear(3, 2 if targets == "class" else 1), loss_fn=loss_fn,
+                  **{argument: _samples(targets)})
+
+
+def test_the_same_samples_in_a_dataloader_train_and_a_forward_of_its_own_may_take_them() -> None:
+    samples = _samples("class")
+    counter = BatchCounter()
+    loop = loop_with(model=nn.Linear(3, 2), loss_fn=nn.functional.cross_entropy,
+                     train_data=DataLoader(samples, batch_size=3), callbacks=[counter])
+    loop.fit(1)
+    assert counter.batches == 2  # two batches of three samples
+
+    def one_sample(loop: Loop, sample: Any) -> Any:  # meant as it is: batched here
+        outputs = loop.model(sample[0].unsqueeze(0))
+        return outputs, nn.functional.cross_entropy(outputs, sample[1].unsqueeze(0))
+
+    loop_with(model=nn.Linear(3, 2), loss_fn=None, forward=one_sample, train_data=samples).fit(1)
