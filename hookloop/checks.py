@@ -524,6 +524,18 @@ def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
         raise ConfigurationError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}. "
             "Create one over the model's parameters: torch.optim.AdamW(model.parameters()).")
+    for index, group in enumerate(optimizer.param_groups):
+        rate = group.get("lr")
+        if isinstance(rate, torch.Tensor) and rate.numel() == 1:
+            rate = float(rate)  # read once, when the loop is built
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and (
+                rate < 0 or not math.isfinite(rate)):
+            raise ConfigurationError(
+                f"The optimizer's param group {index} has the learning rate {rate!r}: a "
+                "negative (or non-finite) rate moves the weights up the gradient, so the loss "
+                "would grow. Give a rate > 0, e.g. torch.optim.AdamW(model.parameters(), "
+                "lr=3e-4) (lr_find suggests one); to leave a part of the model as it is, "
+                "freeze it (parameter.requires_grad_(False)) or give its group lr=0.")
     model_parameters = {id(parameter) for parameter in model.parameters()}
     optimized = [parameter for group in optimizer.param_groups
                  for parameter in group.get("params", ())]
@@ -534,6 +546,13 @@ def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
             f"parameter of the model ({type(model).__name__}), so training would change "
             "nothing. Create the optimizer from this model: "
             "torch.optim.AdamW(model.parameters()), after building (or replacing) the model.")
+
+
+def _function_name(function: Any) -> str:
+    """How a user wrote the function: ``presets.standard``, ``make_callbacks``."""
+    module = getattr(function, "__module__", "") or ""
+    name = getattr(function, "__qualname__", None) or type(function).__name__
+    return f"presets.{name}" if module == "hookloop.presets" else name
 
 
 def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: Any,
@@ -588,6 +607,11 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
             "or leave the argument out for none.")
     if isinstance(callbacks, Callback):
         raise ConfigurationError("callbacks must be a list of callbacks: callbacks=[...].")
+    if callable(callbacks) and not isinstance(callbacks, (type, Iterable)):
+        name = _function_name(callbacks)
+        raise ConfigurationError(
+            f"callbacks is the function {name}, not a list: call it, callbacks={name}(...) "
+            "(a preset is a function that returns the list of callbacks).")
     if isinstance(callbacks, (str, bytes, dict)) or not isinstance(callbacks, Iterable):
         raise ConfigurationError(
             f"callbacks must be a list of Callback instances, got {type(callbacks).__name__}.")
@@ -597,6 +621,12 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
                 raise ConfigurationError(
                     f"callbacks[{index}] is the class {callback.__name__}, not an instance: "
                     f"write {callback.__name__}(...) in the list.")
+            if callable(callback) and not isinstance(callback, (type, Callback)):
+                name = _function_name(callback)
+                raise ConfigurationError(
+                    f"callbacks[{index}] is the function {name}, not a callback: call it. A "
+                    f"function returning a list of callbacks (a preset) goes in as "
+                    f"callbacks={name}(...), or joined to others: [*{name}(...), MyCallback()].")
             if not isinstance(callback, Callback):
                 raise ConfigurationError(
                     f"callbacks[{index}] is {callback!r} ({type(callback).__name__}), not a "

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["compute", "check_loss", "predict_outputs", "predict_all", "concatenate",
            "model_inputs", "batch_targets", "select", "check_batch_rule", "Selector",
-           "input_problem", "predict_dtype"]
+           "input_problem", "target_problem", "predict_dtype"]
 
 #: How ``Loop(inputs=..., targets=...)`` names a part of a batch: a key (or an index of a
 #: tuple batch), or a function of the batch.
@@ -103,6 +103,43 @@ def _call(model: Any, call: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
         raise ConfigurationError(f"The model could not run on the batch: {problem}") from error
 
 
+def _loss(loss_fn: Any, outputs: Any, targets: Any) -> Any:
+    """``loss_fn(outputs, targets)``; when it raises on targets of the wrong kind, the error
+    says which kind it wants (torch's "expected target dtype to be Long" does not)."""
+    try:
+        return loss_fn(outputs, targets)
+    except (RuntimeError, TypeError, ValueError) as error:
+        problem = target_problem(outputs, targets)
+        if problem is None:
+            raise
+        raise ConfigurationError(f"loss_fn(outputs, targets) failed: {problem}") from error
+
+
+def target_problem(outputs: Any, targets: Any) -> str | None:
+    """Why a classification loss may have refused ``targets``, with the fix; None when they
+    look right. Asked only after the loss raised.
+
+    Floating targets with one dimension less than the outputs are class indices stored as
+    floats (``cross_entropy`` and ``nll_loss`` take int64 indices, or floating class
+    probabilities of the outputs' shape).
+
+    Example:
+        >>> print(target_problem(torch.zeros(4, 3), torch.zeros(4)))  # doctest: +ELLIPSIS
+        the targets are torch.float32 of shape (4,), class indices for outputs of shape (4, 3)...
+    """
+    if not (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+        return None
+    if targets.is_floating_point() and outputs.dim() == targets.dim() + 1 and \
+            outputs.shape[:1] == targets.shape[:1]:
+        return (f"the targets are {targets.dtype} of shape {tuple(targets.shape)}, class indices "
+                f"for outputs of shape {tuple(outputs.shape)}, but a cross-entropy loss "
+                "(cross_entropy, nll_loss, nn.CrossEntropyLoss) takes class indices as "
+                "integers: convert them, targets.long() (in the dataset, or "
+                "torch.tensor(labels, dtype=torch.long)); floating targets must be class "
+                f"probabilities of the outputs' shape {tuple(outputs.shape)}.")
+    return None
+
+
 def _floating_dtype(model: Any) -> torch.dtype | None:
     parameters = model.parameters() if callable(getattr(model, "parameters", None)) else ()
     return next((p.dtype for p in parameters if p.is_floating_point()), None)
@@ -172,10 +209,10 @@ def compute(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
         outputs = _call(loop.model, call)
         if loop.loss_fn is None:
             return outputs, _loss_of(outputs, f"model(inputs) (inputs={loop.inputs!r})")
-        return outputs, loop.loss_fn(outputs, batch_targets(loop, batch))
+        return outputs, _loss(loop.loss_fn, outputs, batch_targets(loop, batch))
     if loop.loss_fn is not None and is_pair(batch):
         outputs = _call(loop.model, ((batch[0],), {}))
-        return outputs, loop.loss_fn(outputs, batch_targets(loop, batch))
+        return outputs, _loss(loop.loss_fn, outputs, batch_targets(loop, batch))
     if isinstance(batch, Mapping):
         check_batch_rule(loop, batch)
         outputs = loop.model(**batch)

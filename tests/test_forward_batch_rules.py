@@ -210,3 +210,22 @@ def test_a_model_that_converts_its_inputs_itself_is_not_refused() -> None:
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
                 loss_fn=F.cross_entropy, device="cpu")
     assert torch.equal(loop.predict(data), inner(data[0][0].float()).detach())
+
+
+@pytest.mark.parametrize(("loss_fn", "soft"), [
+    (F.cross_entropy, True), (nn.CrossEntropyLoss(), True),
+    (lambda outputs, targets: F.nll_loss(outputs.log_softmax(1), targets), False)])
+def test_float_class_labels_for_a_cross_entropy_loss_are_told_to_be_long(loss_fn, soft) -> None:
+    """Issue 25, item 15: torch says "expected target dtype to be Long or Byte, but got
+    Float"; the error names the shapes and targets.long()."""
+    loop, data = _pair_loop()
+    loop.loss_fn = loss_fn
+    loop.train_data = [(inputs, targets.float()) for inputs, targets in data]
+    with pytest.raises(ConfigurationError, match=r"targets are torch\.float32 of shape \(4,\), "
+                                                 r"class indices for outputs of shape \(4, 3\).*"
+                                                 r"targets\.long\(\)") as raised:
+        loop.fit(1)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    if soft:  # class probabilities of the outputs' shape: soft labels train
+        loop.train_data = [(inputs, F.one_hot(targets, 3).float()) for inputs, targets in data]
+        loop.fit(1)
