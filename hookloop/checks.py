@@ -607,7 +607,7 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
             "or leave the argument out for none.")
     if isinstance(callbacks, Callback):
         raise ConfigurationError("callbacks must be a list of callbacks: callbacks=[...].")
-    if callable(callbacks) and not isinstance(callbacks, (type, Iterable)):
+    if inspect.isfunction(callbacks) or inspect.ismethod(callbacks):
         name = _function_name(callbacks)
         raise ConfigurationError(
             f"callbacks is the function {name}, not a list: call it, callbacks={name}(...) "
@@ -621,7 +621,7 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
                 raise ConfigurationError(
                     f"callbacks[{index}] is the class {callback.__name__}, not an instance: "
                     f"write {callback.__name__}(...) in the list.")
-            if callable(callback) and not isinstance(callback, (type, Callback)):
+            if inspect.isfunction(callback) or inspect.ismethod(callback):
                 name = _function_name(callback)
                 raise ConfigurationError(
                     f"callbacks[{index}] is the function {name}, not a callback: call it. A "

@@ -171,8 +171,8 @@ def input_problem(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
                     "torch.utils.data.DataLoader, whose collate makes tensors.")
         if isinstance(value, (list, tuple)) and value and all(
                 isinstance(item, (int, float)) for item in value):
-            return (f"the {name} is a {kind.__name__} of numbers, not a tensor: the model takes "
-                    "tensors. Convert it, torch.tensor(values, dtype=torch.float32), or batch "
+            return (f"the {name} is {with_article(kind.__name__)} of numbers, not a tensor: "
+                    "the model takes tensors. Convert it, torch.tensor(values, dtype=torch.float32), or batch "
                     "the data with a torch.utils.data.DataLoader, whose collate makes tensors.")
         if isinstance(value, torch.Tensor) and value.is_floating_point() and \
                 expected is not None and value.dtype != expected:
