@@ -17,6 +17,7 @@ from hookloop.callback import Callback
 from hookloop.checkpoint_files import CheckpointFiles
 from hookloop.background_save import RotatingWrites
 from hookloop.checks import check_choice, check_name, check_number, check_optional_int, check_path
+from hookloop.deprecation import deprecated_alias
 from hookloop.errors import ConfigurationError
 from hookloop.grads import non_finite_weights_advice
 from hookloop.monitor import MODES, Monitor
@@ -132,6 +133,11 @@ class Checkpoint(Callback):
     def last_path(self) -> str | None:
         """Path of the newest complete rotating checkpoint this callback wrote (or resumed)."""
         return self._writes.last_path
+
+    best_epoch = deprecated_alias("Checkpoint.top_k[0]['epoch']",  # until 0.3
+                                  lambda self: self.top_k[0]["epoch"] if self.top_k else None)
+    best_step = deprecated_alias("Checkpoint.top_k[0]['step']",
+                                 lambda self: self.top_k[0]["step"] if self.top_k else None)
 
     @property
     def best(self) -> float | None:
