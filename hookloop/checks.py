@@ -413,7 +413,7 @@ def _check_samples(data: Any, name: str) -> None:
         raise ConfigurationError(
             f"{name} looks like a list of samples, not of batches: its first item is "
             f"{with_article(type(data[0]).__name__)} and {problem}, so every step would train "
-            "on one sample without a batch dimension. A list of samples: wrap it in a "
+            "on one sample without a batch dimension. For a list of samples: wrap it in a "
             f"DataLoader, {name}=DataLoader(samples, batch_size=32"
             f"{', shuffle=True' if name == 'train_data' else ''}), which stacks them into "
             "batches (or pass forward=fn(loop, batch) -> (outputs, loss) if each item is "

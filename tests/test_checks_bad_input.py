@@ -218,7 +218,7 @@ def test_a_list_of_samples_is_refused_when_built_with_the_fix(targets: str, argu
     failed with torch's mat1 and mat2 at the first batch)."""
     loss_fn = nn.functional.cross_entropy if targets == "class" else nn.functional.mse_loss
     with pytest.raises(ConfigurationError, match=rf"{argument} looks like a list of samples.*"
-                                                 r"A list of samples: wrap it in a DataLoader.*"
+                                                 r"a list of samples: wrap it in a DataLoader.*"
                                                  rf"{argument}=DataLoader\(samples"):
         loop_with(model=nn.Linear(3, 2 if targets == "class" else 1), loss_fn=loss_fn,
                   **{argument: _samples(targets)})
