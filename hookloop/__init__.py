@@ -6,6 +6,9 @@ stopping, checkpoints, logging) is an independent `Callback` stacked in a list.
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.describe import describe
@@ -14,6 +17,7 @@ from hookloop.errors import (
     CheckpointError,
     CheckpointWriteError,
     ConfigurationError,
+    HookloopDeprecationWarning,
     HookloopError,
     LogWriteError,
     NonFiniteError,
@@ -29,6 +33,11 @@ from hookloop.storage import load_checkpoint
 
 __version__ = "0.1.0"
 
+# A renamed name warns once per place, also from a published callback's module (Python
+# hides DeprecationWarnings outside __main__), unless -W or PYTHONWARNINGS say otherwise.
+if not sys.warnoptions:
+    warnings.filterwarnings("default", category=HookloopDeprecationWarning)
+
 __all__ = [
     "Callback",
     "CallbackOrderError",
@@ -36,6 +45,7 @@ __all__ = [
     "CheckpointWriteError",
     "ConfigurationError",
     "Event",
+    "HookloopDeprecationWarning",
     "HookloopError",
     "LRFindResult",
     "LogWriteError",

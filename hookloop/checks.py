@@ -19,7 +19,7 @@ import inspect
 import math
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.data import length_of
+from hookloop.data import find_targets, length_of
 from hookloop.errors import ConfigurationError, with_article
 from hookloop.forward import check_batch_rule
 from hookloop.ordering import check_callbacks
@@ -136,13 +136,19 @@ _SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 def check_duration(label: str, value: Any, *, hint: str = "") -> float:
     """``value`` as seconds > 0: a number of seconds, a ``datetime.timedelta``, or a string
     in SLURM's ``--time`` forms (``"MM"``, ``"MM:SS"``, ``"HH:MM:SS"``, ``"D-HH"``,
-    ``"D-HH:MM"``, ``"D-HH:MM:SS"``).
+    ``"D-HH:MM"``, ``"D-HH:MM:SS"``). Only the first field may be as large as it likes
+    (``"90"`` is 90 minutes): seconds and minutes after it are below 60 and hours after a
+    day below 24, so ``"00:75"`` is refused, not read as 75 seconds.
 
     Example:
         >>> check_duration("TimeLimit duration", "1-02:30:00")
         95400.0
         >>> check_duration("TimeLimit duration", "90")  # minutes, as SLURM reads it
         5400.0
+        >>> check_duration("TimeLimit duration", "00:75")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: TimeLimit duration '00:75' has 75 seconds, ... For 75 seconds write '01:15', ...
         >>> check_duration("TimeLimit duration", "soon")
         Traceback (most recent call last):
         ...
@@ -156,15 +162,38 @@ def check_duration(label: str, value: Any, *, hint: str = "") -> float:
     elif isinstance(value, str) and (match := _SLURM_TIME.match(value.strip())):
         days, first, second, third = (int(part) if part else None for part in match.groups())
         if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
+            fields = (("hours", first, 24), ("minutes", second, 60), ("seconds", third, 60))
             seconds = float(days * 86400 + first * 3600 + (second or 0) * 60 + (third or 0))
         elif third is not None:  # HH:MM:SS
+            fields = (("minutes", second, 60), ("seconds", third, 60))
             seconds = float(first * 3600 + (second or 0) * 60 + third)
         else:  # MM or MM:SS
+            fields = (("seconds", second, 60),)
             seconds = float(first * 60 + (second or 0))
+        _check_time_fields(label, value, fields, seconds, days is not None or third is not None)
     if seconds is None or not math.isfinite(seconds) or seconds <= 0:
         raise _refuse(label, "seconds > 0, a timedelta or a time like '4:00:00' or "
                       "'1-12:00:00'", value, hint)
     return seconds
+
+
+def _check_time_fields(label: str, value: str, fields: tuple[tuple[str, int | None, int], ...],
+                       seconds: float, hours: bool) -> None:
+    """A field of a SLURM time past its range (``"00:75"``: 75 seconds) is a typo, not a
+    time: refused with the time it would have been, written as SLURM writes it."""
+    for unit, number, limit in fields:
+        if number is not None and number >= limit:
+            whole = int(seconds)
+            days, rest = divmod(whole, 86400)
+            clock = (f"{rest // 3600:0{2 if days else 1}d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+                     if hours or days
+                     else f"{rest // 60:02d}:{rest % 60:02d}")
+            written = f"{days}-{clock}" if days else clock
+            raise ConfigurationError(
+                f"{label} {value!r} has {number} {unit}, but that field counts {unit} up to "
+                f"{limit - 1} in SLURM's time forms ('MM:SS', 'HH:MM:SS', 'D-HH:MM:SS'). For "
+                f"{whole} seconds write {written!r}, or give the seconds as a number "
+                f"({whole}).")
 
 
 def check_name(label: str, value: Any, *, optional: bool = True, hint: str = "") -> str | None:
@@ -354,6 +383,43 @@ def _check_data(data: Any, name: str) -> None:
             "targets and batching: DataLoader(TensorDataset(inputs, targets), batch_size=32).")
 
 
+def _sample_problem(item: Any) -> str | None:
+    """Why the first item of a list of training data looks like one sample, not a batch
+    (None when it may be a batch): targets without a batch dimension (a number, a 0-d
+    tensor), or 1-d inputs whose length is not the targets' (a batch's agree)."""
+    if not isinstance(item, (tuple, list, Mapping)) or (
+            isinstance(item, (tuple, list)) and len(item) != 2):
+        return None
+    targets = find_targets(item)
+    inputs = item[0] if isinstance(item, (tuple, list)) else None
+    if isinstance(targets, (int, float)) and not isinstance(targets, bool):
+        return f"its targets are the number {targets!r}"
+    if isinstance(targets, torch.Tensor) and targets.dim() == 0:
+        return f"its targets are a 0-d tensor ({targets.item()!r})"
+    if isinstance(inputs, torch.Tensor) and isinstance(targets, torch.Tensor) and \
+            inputs.dim() == 1 and targets.dim() >= 1 and inputs.shape[0] != targets.shape[0]:
+        return (f"its inputs have shape {tuple(inputs.shape)} and its targets "
+                f"{tuple(targets.shape)}, while a batch's share the first (batch) dimension")
+    return None
+
+
+def _check_samples(data: Any, name: str) -> None:
+    """A list of samples (``list(dataset)``) as the data: each step would see one sample
+    without a batch dimension (a silent batch size of one, or torch's "mat1 and mat2")."""
+    if not isinstance(data, (list, tuple)) or not data:
+        return
+    problem = _sample_problem(data[0])
+    if problem is not None:
+        raise ConfigurationError(
+            f"{name} looks like a list of samples, not of batches: its first item is "
+            f"{with_article(type(data[0]).__name__)} and {problem}, so every step would train "
+            "on one sample without a batch dimension. For a list of samples: wrap it in a "
+            f"DataLoader, {name}=DataLoader(samples, batch_size=32"
+            f"{', shuffle=True' if name == 'train_data' else ''}), which stacks them into "
+            "batches (or pass forward=fn(loop, batch) -> (outputs, loss) if each item is "
+            "meant as it is).")
+
+
 def _check_callable(value: Any, name: str, signature: str) -> None:
     if value is None:
         return
@@ -367,13 +433,22 @@ def _check_callable(value: Any, name: str, signature: str) -> None:
             f"({type(value).__name__}).")
 
 
-def check_extra_state(state: Any) -> dict[str, Any]:
+def check_extra_state(state: Any, model: Any = None, optimizer: Any = None) -> dict[str, Any]:
     """``Loop(state=...)``: names mapped to objects with ``state_dict`` and ``load_state_dict``.
+
+    Refused: a class instead of an instance (``state={"d": nn.Linear}`` has the methods,
+    unbound, and failed at the first save); one object under two names (restored twice);
+    the loop's own ``model`` or ``optimizer`` (saved already). What the objects' states
+    hold is checked at fit start (`hookloop.run_state.check_callback_states`).
 
     Example:
         >>> import torch
         >>> sorted(check_extra_state({"discriminator": torch.nn.Linear(2, 1)}))
         ['discriminator']
+        >>> check_extra_state({"discriminator": torch.nn.Linear})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: Loop state['discriminator'] is the class Linear, not an instance: ...
     """
     if state is None:
         return {}
@@ -381,14 +456,32 @@ def check_extra_state(state: Any) -> dict[str, Any]:
         raise ConfigurationError(
             f"Loop state must be a dict of name -> object with state_dict/load_state_dict "
             f"(e.g. state={{'discriminator': net_d, 'opt_d': opt_d}}), got {type(state).__name__}.")
+    names: dict[int, str] = {}
     for name, item in state.items():
         check_name("Loop state key", name, optional=False)
+        if isinstance(item, type):
+            raise ConfigurationError(
+                f"Loop state[{name!r}] is the class {item.__name__}, not an instance: its "
+                "state_dict could not be saved. Pass the object the run uses: "
+                f"state={{{name!r}: {item.__name__[:1].lower() + item.__name__[1:]}}} where "
+                f"{item.__name__[:1].lower() + item.__name__[1:]} = {item.__name__}(...).")
         if not (callable(getattr(item, "state_dict", None))
                 and callable(getattr(item, "load_state_dict", None))):
             raise ConfigurationError(
                 f"Loop state[{name!r}] (of type {type(item).__name__}) has no state_dict() and "
                 "load_state_dict(): the loop saves and restores each object of state= through "
                 "them (a module, an optimizer, a scheduler, a GradScaler...).")
+        for own, what in ((model, "model"), (optimizer, "optimizer")):
+            if item is own:
+                raise ConfigurationError(
+                    f"Loop state[{name!r}] is the loop's {what}, which the run saves and "
+                    f"restores already (under {what!r}): remove it from state=.")
+        if id(item) in names:
+            raise ConfigurationError(
+                f"Loop state[{names[id(item)]!r}] and state[{name!r}] are the same "
+                f"{type(item).__name__} object: it would be saved twice and restored twice. "
+                "Keep one name for it.")
+        names[id(item)] = name
     return dict(state)
 
 
@@ -431,6 +524,18 @@ def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
         raise ConfigurationError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}. "
             "Create one over the model's parameters: torch.optim.AdamW(model.parameters()).")
+    for index, group in enumerate(optimizer.param_groups):
+        rate = group.get("lr")
+        if isinstance(rate, torch.Tensor) and rate.numel() == 1:
+            rate = float(rate)  # read once, when the loop is built
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and (
+                rate < 0 or not math.isfinite(rate)):
+            raise ConfigurationError(
+                f"The optimizer's param group {index} has the learning rate {rate!r}: a "
+                "negative (or non-finite) rate moves the weights up the gradient, so the loss "
+                "would grow. Give a rate > 0, e.g. torch.optim.AdamW(model.parameters(), "
+                "lr=3e-4) (lr_find suggests one); to leave a part of the model as it is, "
+                "freeze it (parameter.requires_grad_(False)) or give its group lr=0.")
     model_parameters = {id(parameter) for parameter in model.parameters()}
     optimized = [parameter for group in optimizer.param_groups
                  for parameter in group.get("params", ())]
@@ -443,6 +548,13 @@ def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
             "torch.optim.AdamW(model.parameters()), after building (or replacing) the model.")
 
 
+def _function_name(function: Any) -> str:
+    """How a user wrote the function: ``presets.standard``, ``make_callbacks``."""
+    module = getattr(function, "__module__", "") or ""
+    name = getattr(function, "__qualname__", None) or type(function).__name__
+    return f"presets.{name}" if module == "hookloop.presets" else name
+
+
 def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: Any,
                          loss_fn: Any, forward: Any, callbacks: Any, device: Any, *,
                          val_every_n_epochs: Any = 1, val_every_n_steps: Any = None,
@@ -452,7 +564,8 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
 
     Checks: a ``nn.Module`` model; an optimizer with at least one of the model's
     parameters; ``train_data`` (and ``val_data`` when given) iterable batches, not None,
-    not a torch ``Dataset`` (it yields single samples: wrap it in a DataLoader);
+    not a torch ``Dataset`` (it yields single samples: wrap it in a DataLoader), not a
+    list of samples (its first item's targets without a batch dimension);
     ``loss_fn`` and ``forward`` callables (not classes) or None; ``callbacks`` a list of
     `Callback` instances (not None, not one callback); a device that exists here.
 
@@ -477,6 +590,10 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
     _check_data(train_data, "train_data")
     if val_data is not None:
         _check_data(val_data, "val_data")
+    if forward is None:  # a forward of its own may take single samples on purpose
+        _check_samples(train_data, "train_data")
+        if val_data is not None:
+            _check_samples(val_data, "val_data")
     _check_callable(loss_fn, "loss_fn", "fn(outputs, targets) -> scalar loss")
     _check_arity(loss_fn, "loss_fn", 2, "loss_fn(outputs, targets)",
                  "For a loss that needs only the outputs, or more than the targets, pass "
@@ -490,6 +607,11 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
             "or leave the argument out for none.")
     if isinstance(callbacks, Callback):
         raise ConfigurationError("callbacks must be a list of callbacks: callbacks=[...].")
+    if inspect.isfunction(callbacks) or inspect.ismethod(callbacks):
+        name = _function_name(callbacks)
+        raise ConfigurationError(
+            f"callbacks is the function {name}, not a list: call it, callbacks={name}(...) "
+            "(a preset is a function that returns the list of callbacks).")
     if isinstance(callbacks, (str, bytes, dict)) or not isinstance(callbacks, Iterable):
         raise ConfigurationError(
             f"callbacks must be a list of Callback instances, got {type(callbacks).__name__}.")
@@ -499,6 +621,12 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
                 raise ConfigurationError(
                     f"callbacks[{index}] is the class {callback.__name__}, not an instance: "
                     f"write {callback.__name__}(...) in the list.")
+            if inspect.isfunction(callback) or inspect.ismethod(callback):
+                name = _function_name(callback)
+                raise ConfigurationError(
+                    f"callbacks[{index}] is the function {name}, not a callback: call it. A "
+                    f"function returning a list of callbacks (a preset) goes in as "
+                    f"callbacks={name}(...), or joined to others: [*{name}(...), MyCallback()].")
             if not isinstance(callback, Callback):
                 raise ConfigurationError(
                     f"callbacks[{index}] is {callback!r} ({type(callback).__name__}), not a "

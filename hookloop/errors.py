@@ -8,7 +8,8 @@ import re
 __all__ = ["HookloopError", "CallbackOrderError", "CheckpointError", "CheckpointWriteError",
            "LogWriteError",
            "NonFiniteError",
-           "ConfigurationError", "Suspended", "Terminated", "with_article"]
+           "ConfigurationError", "Suspended", "Terminated", "HookloopDeprecationWarning",
+           "with_article"]
 
 # Words spelt with a vowel that start with a consonant sound ("a unit", "a one-shot"), and
 # the reverse ("an hour").
@@ -172,3 +173,16 @@ class Terminated(Suspended):
 
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message or "SIGTERM received during fit", 143)
+
+
+class HookloopDeprecationWarning(DeprecationWarning, FutureWarning):
+    """A deprecated hookloop name was used: the message gives the new one and the release
+    that removes the old one.
+
+    Both a ``DeprecationWarning`` (what tools and ``pytest.deprecated_call`` look for) and a
+    ``FutureWarning``; ``import hookloop`` adds a filter that shows it once per place (unless
+    ``-W`` or ``PYTHONWARNINGS`` set filters), where Python would hide a plain
+    ``DeprecationWarning`` raised outside ``__main__``. Silence it
+    with ``warnings.filterwarnings("ignore", category=HookloopDeprecationWarning)``, or turn
+    it into an error in a test suite with ``"error"``.
+    """

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from hookloop.loop import Loop
 
 __all__ = ["compute", "check_loss", "predict_outputs", "predict_all", "concatenate",
-           "model_inputs", "batch_targets", "select", "check_batch_rule", "Selector"]
+           "model_inputs", "batch_targets", "select", "check_batch_rule", "Selector",
+           "input_problem", "target_problem", "predict_dtype"]
 
 #: How ``Loop(inputs=..., targets=...)`` names a part of a batch: a key (or an index of a
 #: tuple batch), or a function of the batch.
@@ -93,7 +94,93 @@ def _loss_of(outputs: Any, called: str) -> torch.Tensor:
 
 def _call(model: Any, call: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
     args, kwargs = call
-    return model(*args, **kwargs)
+    try:
+        return model(*args, **kwargs)
+    except (RuntimeError, TypeError) as error:  # torch's "mat1 and mat2", "must be Tensor"
+        problem = input_problem(model, args, kwargs)
+        if problem is None:
+            raise
+        raise ConfigurationError(f"The model could not run on the batch: {problem}") from error
+
+
+def _loss(loss_fn: Any, outputs: Any, targets: Any) -> Any:
+    """``loss_fn(outputs, targets)``; when it raises on targets of the wrong kind, the error
+    says which kind it wants (torch's "expected target dtype to be Long" does not)."""
+    try:
+        return loss_fn(outputs, targets)
+    except (RuntimeError, TypeError, ValueError) as error:
+        problem = target_problem(outputs, targets)
+        if problem is None:
+            raise
+        raise ConfigurationError(f"loss_fn(outputs, targets) failed: {problem}") from error
+
+
+def target_problem(outputs: Any, targets: Any) -> str | None:
+    """Why a classification loss may have refused ``targets``, with the fix; None when they
+    look right. Asked only after the loss raised.
+
+    Floating targets with one dimension less than the outputs are class indices stored as
+    floats (``cross_entropy`` and ``nll_loss`` take int64 indices, or floating class
+    probabilities of the outputs' shape).
+
+    Example:
+        >>> print(target_problem(torch.zeros(4, 3), torch.zeros(4)))  # doctest: +ELLIPSIS
+        the targets are torch.float32 of shape (4,), class indices for outputs of shape (4, 3)...
+    """
+    if not (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor)):
+        return None
+    if targets.is_floating_point() and outputs.dim() == targets.dim() + 1 and \
+            outputs.shape[:1] == targets.shape[:1]:
+        return (f"the targets are {targets.dtype} of shape {tuple(targets.shape)}, class indices "
+                f"for outputs of shape {tuple(outputs.shape)}, but a cross-entropy loss "
+                "(cross_entropy, nll_loss, nn.CrossEntropyLoss) takes class indices as "
+                "integers: convert them, targets.long() (in the dataset, or "
+                "torch.tensor(labels, dtype=torch.long)); floating targets must be class "
+                f"probabilities of the outputs' shape {tuple(outputs.shape)}.")
+    return None
+
+
+def _floating_dtype(model: Any) -> torch.dtype | None:
+    parameters = model.parameters() if callable(getattr(model, "parameters", None)) else ()
+    return next((p.dtype for p in parameters if p.is_floating_point()), None)
+
+
+def input_problem(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
+    """Why the model's inputs may have made it fail, with the fix; None when they look right.
+
+    Asked only after the model raised (a model that converts its inputs itself is never
+    refused): a numpy array or a list of numbers where a tensor belongs, or a floating
+    tensor of another dtype than the model's parameters (float64 data, a float32 model).
+
+    Example:
+        >>> import numpy
+        >>> input_problem(torch.nn.Linear(2, 1), (numpy.zeros((1, 2)),), {})  # doctest: +ELLIPSIS
+        'the input is a numpy.ndarray (float64), not a tensor: ... torch.from_numpy(array).float()...'
+        >>> input_problem(torch.nn.Linear(2, 1), (torch.zeros(1, 2),), {}) is None
+        True
+    """
+    expected = _floating_dtype(model)
+    for name, value in [*((f"input {index}" if len(args) > 1 else "input", item)
+                          for index, item in enumerate(args)),
+                        *((f"input {key!r}", item) for key, item in kwargs.items())]:
+        kind = type(value)
+        if kind.__module__ == "numpy" and hasattr(value, "dtype"):
+            return (f"the {name} is a numpy.{kind.__name__} ({value.dtype}), not a tensor: the "
+                    "model takes tensors. Convert it, torch.from_numpy(array).float() (float32, "
+                    "the dtype of most models), or batch the data with a "
+                    "torch.utils.data.DataLoader, whose collate makes tensors.")
+        if isinstance(value, (list, tuple)) and value and all(
+                isinstance(item, (int, float)) for item in value):
+            return (f"the {name} is {with_article(kind.__name__)} of numbers, not a tensor: "
+                    "the model takes tensors. Convert it, torch.tensor(values, dtype=torch.float32), or batch "
+                    "the data with a torch.utils.data.DataLoader, whose collate makes tensors.")
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and \
+                expected is not None and value.dtype != expected:
+            return (f"the {name} is {value.dtype} but the model's parameters are {expected}. "
+                    f"Convert the data to the model's dtype, inputs.to({expected}) (a numpy "
+                    f"array: torch.from_numpy(array).to({expected})), or the model to the "
+                    f"data's, model.to({value.dtype}).")
+    return None
 
 
 def compute(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
@@ -122,10 +209,10 @@ def compute(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
         outputs = _call(loop.model, call)
         if loop.loss_fn is None:
             return outputs, _loss_of(outputs, f"model(inputs) (inputs={loop.inputs!r})")
-        return outputs, loop.loss_fn(outputs, batch_targets(loop, batch))
+        return outputs, _loss(loop.loss_fn, outputs, batch_targets(loop, batch))
     if loop.loss_fn is not None and is_pair(batch):
-        outputs = loop.model(batch[0])
-        return outputs, loop.loss_fn(outputs, batch_targets(loop, batch))
+        outputs = _call(loop.model, ((batch[0],), {}))
+        return outputs, _loss(loop.loss_fn, outputs, batch_targets(loop, batch))
     if isinstance(batch, Mapping):
         check_batch_rule(loop, batch)
         outputs = loop.model(**batch)
@@ -175,8 +262,46 @@ def predict_outputs(loop: Loop, batch: Any, forward: Any = None) -> Any:
         return result[0] if isinstance(result, tuple) and len(result) == 2 else result
     call = model_inputs(batch, loop.inputs)
     if call is None or (loop.inputs is None and hasattr(batch, "_fields")):  # a namedtuple
-        return loop.model(batch)
+        return _call(loop.model, ((batch,), {}))
     return _call(loop.model, call)
+
+
+_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "half", "float", "double")
+
+
+def predict_dtype(dtype: Any) -> torch.dtype | None:
+    """`Loop.predict`'s ``dtype``: None, a floating ``torch.dtype``, or its name as a string
+    (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``, with or without ``torch.``).
+
+    An integer or bool dtype is refused: floating outputs cast to it would be truncated
+    silently (take ``outputs.argmax(-1)`` for class indices).
+
+    Example:
+        >>> predict_dtype("float16")
+        torch.float16
+        >>> predict_dtype(torch.int64)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: predict dtype must be a floating dtype ..., got torch.int64: ...
+    """
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        found = getattr(torch, name, None) if name in _DTYPE_NAMES else None
+        if found is None:
+            raise ConfigurationError(
+                f"predict dtype {dtype!r} is not the name of a floating dtype: use one of "
+                f"{', '.join(repr(name) for name in _DTYPE_NAMES[:4])} (or torch.float16..., "
+                "or None to keep the dtypes the model computed). A device is the Loop's "
+                "device=, not predict's dtype.")
+        return found
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    why = ("floating outputs cast to it would be truncated to integers silently; for class "
+           "indices take outputs.argmax(-1), and integer outputs are returned as they are"
+           if isinstance(dtype, torch.dtype) else "it is not a dtype")
+    raise ConfigurationError(
+        f"predict dtype must be a floating dtype (torch.float32, torch.bfloat16, "
+        f"torch.float16, torch.float64, or its name) or None, got {dtype!r}: {why}.")
 
 
 def _cast(value: Any, dtype: torch.dtype | None) -> Any:

@@ -25,7 +25,7 @@ from hookloop.data import LossSum
 from hookloop.describe import describe
 from hookloop.dispatch import Table, Wrapper, call, emit, entered
 from hookloop.errors import ConfigurationError
-from hookloop.forward import Selector, check_loss, compute, predict_all
+from hookloop.forward import Selector, check_loss, compute, predict_all, predict_dtype
 from hookloop.geometry import Geometry
 from hookloop.ordering import check_callbacks, overrides
 from hookloop.phase import Phase, Phases
@@ -111,7 +111,7 @@ class Loop(Geometry):
         self.val_every_n_epochs, self.val_every_n_steps = val_every_n_epochs, val_every_n_steps
         self.sanity_val_batches = sanity_val_batches
         #: More objects saved and restored with the run (``state=``), by name.
-        self.extra_state = checks.check_extra_state(state)
+        self.extra_state = checks.check_extra_state(state, model, optimizer)
         self.state = LoopState()
         #: Micro-batches per optimizer step; set by ``GradAccumulation`` in ``setup``.
         self.accumulation_steps = 1
@@ -266,7 +266,7 @@ class Loop(Geometry):
                 emit(self, table.on_fit_start)
                 if idle is not None and distributed.is_main():
                     print(f"hookloop: {idle}", flush=True)
-                run_state.check_callback_states(self.callbacks)
+                run_state.check_callback_states(self.callbacks, self.extra_state)
                 if idle is None:
                     sanity.check(self, self._phases, self._validate_pass, self._position.generators)
                 for epoch in range(position.epoch, epochs):
@@ -352,6 +352,13 @@ class Loop(Geometry):
                 ``(outputs, loss)`` works too: its outputs are taken).
             dtype: Floating outputs come back in this dtype (float32 by default, also under
                 ``AMP(torch.bfloat16)``, so ``.numpy()`` works); None keeps the computed one.
+                A floating ``torch.dtype`` or its name (``"float16"``); an integer dtype is
+                refused (it would truncate the outputs).
+
+        Raises:
+            ConfigurationError: ``data`` None; a ``dtype`` that is not floating; a batch
+                the model could not run on because of its inputs (a numpy array, float64
+                data for a float32 model): naming the dtype and the fix.
 
         Example:
             >>> import torch
@@ -365,6 +372,7 @@ class Loop(Geometry):
         """
         if data is None:
             raise ConfigurationError("predict() needs data, got None.")
+        dtype = predict_dtype(dtype)  # before any work: an int dtype would truncate silently
         with self._alone(Phase.PREDICT, data) as (table, data), \
                 entered(table.validation_context, self):
             self.model.eval()

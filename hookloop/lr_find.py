@@ -145,8 +145,10 @@ def lr_find(loop: Loop, start_lr: float = 1e-7, end_lr: float = 10.0, steps: int
         >>> loop.optimizer.param_groups[0]["lr"]
         0.1
     """
-    check_number("lr_find start_lr", start_lr, above=0)
-    check_number("lr_find end_lr", end_lr, above=0)
+    sweep = ("The range test sweeps learning rates from start_lr up to end_lr on a log scale, "
+             "so both are > 0: the defaults start_lr=1e-7, end_lr=10 suit most models.")
+    check_number("lr_find start_lr", start_lr, above=0, hint=sweep)
+    check_number("lr_find end_lr", end_lr, above=0, hint=sweep)
     if end_lr <= start_lr:
         raise ConfigurationError(
             f"lr_find end_lr must be larger than start_lr ({start_lr!r}), got {end_lr!r}. The "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from typing import TYPE_CHECKING
 
 from hookloop import distributed
@@ -19,7 +20,8 @@ from hookloop.phase import Phase
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["Monitor", "MODES", "HIGHER_IS_BETTER", "LOWER_IS_BETTER", "infer_mode"]
+__all__ = ["Monitor", "MODES", "HIGHER_IS_BETTER", "LOWER_IS_BETTER", "infer_mode",
+           "contradiction"]
 
 MODES = ("auto", "min", "max")
 #: Name parts of metrics where a higher value is better (``mode="auto"`` picks ``"max"``).
@@ -50,6 +52,22 @@ def infer_mode(metric: str) -> str | None:
     return "max" if higher else "min"
 
 
+def contradiction(owner: str, metric: str, mode: str, named: str) -> str:
+    """The warning for an explicit ``mode`` against the direction the metric's name says.
+
+    Example:
+        >>> print(contradiction("EarlyStopping", "val_acc", "min", "max"))  # doctest: +ELLIPSIS
+        EarlyStopping monitors 'val_acc' with mode='min', but the name says higher is better...
+    """
+    better, other = ("higher", "lower") if named == "max" else ("lower", "higher")
+    return (f"{owner} monitors {metric!r} with mode={mode!r}, but the name says {better} is "
+            f"better (mode='auto' picks {named!r}): {owner} will take the {other} values for the "
+            f"better ones. If that is a slip, pass mode={named!r} (or leave mode='auto'). If "
+            f"{other} really is better for this metric, silence this warning with "
+            f"warnings.filterwarnings('ignore', message=\"{owner} monitors {metric!r} with "
+            f"mode={mode!r}\") before creating {owner}.")
+
+
 class Monitor:
     """A watched metric: its direction, its best value so far, and how to read it.
 
@@ -58,7 +76,9 @@ class Monitor:
         mode: ``"min"``, ``"max"``, or ``"auto"``: ``"max"`` for names with a part such as
             acc, accuracy, f1, auc, precision, recall, iou, dice, map, bleu, rouge; ``"min"``
             for loss, error, mse, mae, rmse, perplexity. Any other name needs an explicit mode
-            (`resolve` raises at fit start).
+            (`resolve` raises at fit start). An explicit mode against the direction the
+            name says (``"val_acc"`` with ``"min"``) is kept, with a ``UserWarning`` that
+            says how to silence it.
         owner: Who monitors (used in error messages), e.g. ``"EarlyStopping"``.
         min_delta: How much a value must beat the best by to count as better (>= 0).
 
@@ -87,6 +107,9 @@ class Monitor:
         self.owner = owner
         self.min_delta = float(min_delta)
         self.mode = mode if mode != "auto" else infer_mode(metric)
+        named = infer_mode(metric)
+        if mode != "auto" and named is not None and named != mode:
+            warnings.warn(contradiction(owner, metric, mode, named), UserWarning, stacklevel=3)
 
     def resolve(self) -> str:
         """The direction, ``"min"`` or ``"max"``; raises when ``"auto"`` cannot tell.

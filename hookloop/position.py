@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from hookloop.data import Lookahead, LossMark, LossSum, length_of
+from hookloop.deprecation import deprecated_alias
 from hookloop.errors import ConfigurationError
 from hookloop.rng import capture_rng, host_rng, loader_generators, restore_host_rng, restore_rng
 
@@ -30,6 +31,10 @@ class RunPosition(NamedTuple):
     epoch: int
     batches_done: int
     step: int
+
+    #: Deprecated: ``batches_done`` (the old name; removed in hookloop 0.3).
+    batch_idx = deprecated_alias("loop.position.batches_done", lambda self: self.batches_done,
+                                 old="loop.position.batch_idx")
 
 
 class Position:

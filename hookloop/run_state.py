@@ -285,14 +285,26 @@ def capture(loop: Loop, position: Position, ended: Mapping[str, Any] | None, *,
     }
 
 
-def check_callback_states(callbacks: Sequence[Callback]) -> None:
-    """Each stateful callback's state must round-trip through a checkpoint file.
+def check_callback_states(callbacks: Sequence[Callback],
+                          extra_state: Mapping[str, Any] | None = None) -> None:
+    """Each stateful callback's state, and each ``Loop(state=...)`` object's, must
+    round-trip through a checkpoint file (checked at fit start, not at the first save).
 
     Raises:
         ConfigurationError: a callback overriding only one of ``state_dict`` and
-            ``load_state_dict``, or whose state ``torch.load(weights_only=True)`` could not
-            read back; the message names the callback and the key.
+            ``load_state_dict``, or a state (of a callback or of an object of ``state=``)
+            that ``torch.load(weights_only=True)`` could not read back; the message names
+            the callback or the name in ``state=``, and the key.
     """
+    for name, item in (extra_state or {}).items():
+        problem = find_unplain(item.state_dict(), f"state[{name!r}].state_dict()")
+        if problem:
+            raise ConfigurationError(
+                f"Loop {problem}, which torch.load(weights_only=True) cannot read back from "
+                f"a checkpoint, so the first save would fail. Make the state_dict() of "
+                f"{with_article(type(item).__name__)} return only tensors, numbers, strings, "
+                "None and lists/tuples/dicts of them (a function or an object is rebuilt by "
+                "the script, not saved).")
     for callback in callbacks:
         saves, loads = overrides(callback, "state_dict"), overrides(callback, "load_state_dict")
         if saves != loads:

@@ -100,7 +100,9 @@ class WarmupLinear(_Warmup):
 
 def _check(owner: str, total_steps: int, min_lr: float) -> None:
     check_int(f"{owner} total_steps", total_steps)
-    check_number(f"{owner} min_lr", min_lr, minimum=0)
+    check_number(f"{owner} min_lr", min_lr, minimum=0,
+                 hint="It is the learning rate the schedule decays to: 0.0 (the default) or a "
+                      "small positive rate such as 1e-6; a negative one would ascend the loss.")
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int,

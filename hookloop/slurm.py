@@ -45,10 +45,11 @@ class SlurmTask(NamedTuple):
 
 
 def _split_top_level(text: str) -> list[str]:
-    """Split at the commas outside brackets: ``"a[1,2],b"`` -> ``["a[1,2]", "b"]``."""
+    """Split at the commas and spaces outside brackets: ``"a[1,2],b c"`` -> ``["a[1,2]",
+    "b", "c"]`` (some sites and tools write a node list separated by spaces)."""
     parts, depth, current = [], 0, []
     for char in text:
-        if char == "," and depth == 0:
+        if (char == "," or char.isspace()) and depth == 0:
             parts.append("".join(current))
             current = []
             continue
@@ -72,6 +73,8 @@ def _expand_range(body: str) -> list[str]:
 
 def expand_hostlist(text: str) -> list[str]:
     """The host names of a SLURM host list, in order.
+
+    Hosts are separated by commas or by spaces (``"alpha beta"``), as Lightning reads them.
 
     Example:
         >>> expand_hostlist("node[01-03,07],gpu-a[8-9]")
@@ -107,6 +110,8 @@ def first_host(text: str) -> str:
     Example:
         >>> first_host("node[07-09,01]")
         'node07'
+        >>> first_host("alpha beta gamma")  # a list separated by spaces
+        'alpha'
     """
     part = _split_top_level(text)[0]
     return expand_hostlist(re.sub(r"\[([^\]\-,]*)[^\]]*\]", r"[\1]", part))[0]

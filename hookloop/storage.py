@@ -30,7 +30,8 @@ from hookloop.sharded import (
 
 __all__ = ["FORMAT", "TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "find_unplain", "write_atomic",
            "write_text_atomic", "link_atomic", "fsync_directory",
-           "read_payload", "load_model_weights", "load_optimizer_state", "load_checkpoint",
+           "read_payload", "load_model_weights", "weight_differences", "load_optimizer_state",
+           "load_checkpoint",
            "load_weights", "SHARDS_KEY",
            "all_finite", "describe_os_error", "prepare_directory", "regular_checkpoint_files",
            "verify_archive", "check_payload", "expect_field", "check_weight_dtypes"]
@@ -683,17 +684,61 @@ def check_weight_dtypes(path: str, model: nn.Module, weights: Mapping[str, Any])
             "them as they are.", RuntimeWarning, stacklevel=3)
 
 
-def load_model_weights(path: str, model: nn.Module, weights: Mapping[str, Any]) -> None:
+def weight_differences(model: nn.Module, weights: Mapping[str, Any]) -> list[str]:
+    """Each tensor where ``weights`` and ``model`` differ, in the model's order, then the
+    file's: a shape, a name only one side has.
+
+    Example:
+        >>> weight_differences(nn.Linear(3, 8), nn.Linear(3, 4).state_dict())
+        ["'weight': saved (4, 3), the model's (8, 3)", "'bias': saved (4,), the model's (8,)"]
+    """
+    own = model.state_dict()
+    found = []
+    for name, tensor in own.items():
+        saved = weights.get(name)
+        if name not in weights:
+            found.append(f"{name!r}: in the model, not in the file")
+        elif isinstance(saved, torch.Tensor) and isinstance(tensor, torch.Tensor) and \
+                saved.shape != tensor.shape:
+            found.append(f"{name!r}: saved {tuple(saved.shape)}, the model's {tuple(tensor.shape)}")
+    found += [f"{name!r}: in the file, not in the model" for name in weights if name not in own]
+    return found
+
+
+def load_model_weights(path: str, model: nn.Module, weights: Mapping[str, Any], *,
+                       strict: bool = True) -> None:
     """``model.load_state_dict(weights)``, refusing another kind of dtype
-    (`check_weight_dtypes`) and naming ``path`` when the weights do not fit."""
+    (`check_weight_dtypes`) and naming ``path``, the first tensor that differs and the way
+    to load anyway when the weights do not fit. ``strict=False`` loads the tensors whose
+    names and shapes match, and warns which it left as they were."""
     check_weight_dtypes(path, model, weights)
+    if not strict:
+        own = model.state_dict()
+        fitting = {name: value for name, value in weights.items() if name in own and (
+            not isinstance(value, torch.Tensor) or value.shape == own[name].shape)}
+        skipped = weight_differences(model, weights)
+        model.load_state_dict(fitting, strict=False)
+        if skipped:
+            warnings.warn(f"{path}: loaded {len(fitting)} of the model's {len(own)} tensors "
+                          f"(strict=False); left as they were: {'; '.join(skipped[:5])}"
+                          f"{'...' if len(skipped) > 5 else ''}.", RuntimeWarning, stacklevel=3)
+        return
     try:
         model.load_state_dict(weights)
     except (RuntimeError, KeyError, ValueError, TypeError) as error:
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        detail = " ".join(lines)[:600]
+        differences = weight_differences(model, weights)
+        if not differences:
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            raise CheckpointError(f"{path}: the weights do not fit the model (wrong "
+                                  f"architecture): {' '.join(lines)[:600]}") from None
+        others = f" ({len(differences) - 1} more differ)" if len(differences) > 1 else ""
         raise CheckpointError(
-            f"{path}: the weights do not fit the model (wrong architecture): {detail}") from None
+            f"{path}: the weights do not fit the model (wrong architecture): the first tensor "
+            f"that differs is {differences[0]}{others}. A run resumes only into the model "
+            "that saved it: build that model again. To start a new run from these weights "
+            "in the changed model (a new Checkpoint dirpath, or resume=False), load what fits "
+            "with hookloop.load_checkpoint(path, model, strict=False): it loads the tensors "
+            "whose names and shapes match and leaves the others as initialized.") from None
 
 
 def load_optimizer_state(path: str, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
@@ -707,7 +752,7 @@ def load_optimizer_state(path: str, optimizer: torch.optim.Optimizer, state: Map
 
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *,
-                    map_location: Any = None) -> dict[str, Any]:
+                    map_location: Any = None, strict: bool = True) -> dict[str, Any]:
     """Load the weights of a hookloop checkpoint into ``model`` (inference, fine-tuning).
 
     Reads rotating checkpoints and ``best.pt`` alike, with ``torch.load(weights_only=True)``
@@ -721,6 +766,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
             unsharded model for inference, and a directory of shards into either.
         optimizer: Also restore this optimizer (rotating checkpoints only).
         map_location: Where to put the loaded tensors; default: the model's device.
+        strict: False loads into a changed model (fine-tuning with another head): the
+            tensors whose names and shapes match are loaded, the others keep their values,
+            and a ``RuntimeWarning`` names them. A file into an unsharded model only.
 
     Returns:
         The checkpoint's contents (``metrics``, ``loop`` counters, ``callbacks`` states...).
@@ -763,12 +811,17 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
         raise CheckpointError(
             f"{path}: holds no optimizer state (best.pt keeps only the validated weights); "
             "load a rotating checkpoint to restore the optimizer.")
-    load_weights(path, model, optimizer, payload)
+    if not strict and (payload.get(SHARDS_KEY) is not None or is_sharded_module(model)):
+        raise ConfigurationError(
+            f"load_checkpoint(strict=False) loads a checkpoint file into an unsharded model; "
+            f"{path} is sharded or the model is: load it strictly, or write the run with "
+            "FSDP(state_dict='full') and load that file into an unsharded model.")
+    load_weights(path, model, optimizer, payload, strict=strict)
     return payload
 
 
 def load_weights(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 payload: Mapping[str, Any]) -> None:
+                 payload: Mapping[str, Any], *, strict: bool = True) -> None:
     """Load the weights (and the optimizer's state) of a checkpoint's ``payload`` into
     ``model``, whatever the pair: a file or a directory of shards, into a sharded (FSDP) or
     an unsharded model.
@@ -786,7 +839,7 @@ def load_weights(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
         shards.load(model, optimizer, groups)
         return
     if not is_sharded_module(model):
-        load_model_weights(path, model, payload["model"])
+        load_model_weights(path, model, payload["model"], strict=strict)
         if optimizer is not None:
             load_optimizer_state(path, optimizer, payload["optimizer"])
         return

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import hookloop
 import hookloop.checks
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import AMP, DDP, EMA, GradClip, Metrics, TerminateOnNaN
@@ -197,3 +198,82 @@ def test_device_none_means_cuda_when_available_else_cpu() -> None:
     model = MLP()
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [])
     assert loop.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---------------------------------------- a list of samples as data (issue 25, item 16)
+def _samples(targets: str) -> list:
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(6, 3, generator=generator)
+    if targets == "class":
+        return list(TensorDataset(inputs, torch.randint(0, 2, (6,), generator=generator)))
+    if targets == "number":
+        return [(row, 1) for row in inputs]
+    return list(TensorDataset(inputs, torch.randn(6, 1, generator=generator)))  # (3,), (1,)
+
+
+@pytest.mark.parametrize("targets", ["class", "number", "regression"])
+@pytest.mark.parametrize("argument", ["train_data", "val_data"])
+def test_a_list_of_samples_is_refused_when_built_with_the_fix(targets: str, argument: str) -> None:
+    """list(dataset) trained silently on one sample without a batch dimension per step (or
+    failed with torch's mat1 and mat2 at the first batch)."""
+    loss_fn = nn.functional.cross_entropy if targets == "class" else nn.functional.mse_loss
+    with pytest.raises(ConfigurationError, match=rf"{argument} looks like a list of samples.*"
+                                                 r"a list of samples: wrap it in a DataLoader.*"
+                                                 rf"{argument}=DataLoader\(samples"):
+        loop_with(model=nn.Linear(3, 2 if targets == "class" else 1), loss_fn=loss_fn,
+                  **{argument: _samples(targets)})
+
+
+def test_the_same_samples_in_a_dataloader_train_and_a_forward_of_its_own_may_take_them() -> None:
+    samples = _samples("class")
+    counter = BatchCounter()
+    loop = loop_with(model=nn.Linear(3, 2), loss_fn=nn.functional.cross_entropy,
+                     train_data=DataLoader(samples, batch_size=3), callbacks=[counter])
+    loop.fit(1)
+    assert counter.batches == 2  # two batches of three samples
+
+    def one_sample(loop: Loop, sample: Any) -> Any:  # meant as it is: batched here
+        outputs = loop.model(sample[0].unsqueeze(0))
+        return outputs, nn.functional.cross_entropy(outputs, sample[1].unsqueeze(0))
+
+    loop_with(model=nn.Linear(3, 2), loss_fn=None, forward=one_sample, train_data=samples).fit(1)
+
+
+# ------------------------------------ errors that name the fix (issue 25, item 15)
+def test_a_preset_function_not_called_is_told_to_call_it() -> None:
+    from hookloop import presets
+
+    with pytest.raises(ConfigurationError, match=r"callbacks is the function presets\.standard, "
+                                                 r"not a list: call it, "
+                                                 r"callbacks=presets\.standard\(\.\.\.\)"):
+        loop_with(callbacks=presets.standard)
+    with pytest.raises(ConfigurationError, match=r"callbacks\[1\] is the function "
+                                                 r"presets\.standard, not a callback: call it"):
+        loop_with(callbacks=[BatchCounter(), presets.standard])
+
+
+def test_a_negative_learning_rate_is_refused_with_the_fix() -> None:
+    """torch refuses lr=-0.1 when the optimizer is built, but a rate set in param_groups
+    (or a group of its own) trained up the gradient, silently."""
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    optimizer.param_groups[0]["lr"] = -1e-3
+    with pytest.raises(ConfigurationError, match=r"param group 0 has the learning rate -0\.001.*"
+                                                 r"Give a rate > 0, e\.g\..*lr=3e-4"):
+        loop_with(model=model, optimizer=optimizer)
+    optimizer.param_groups[0]["lr"] = 0.0  # a frozen group: fine
+    loop_with(model=model, optimizer=optimizer)
+
+
+@pytest.mark.parametrize(("call", "expected"), [
+    (lambda loop: hookloop.lr_find(loop, start_lr=-1e-3), r"start_lr must be .* > 0.*sweeps"),
+    (lambda loop: hookloop.lr_find(loop, end_lr=-1.0), r"end_lr must be .* > 0.*start_lr=1e-7"),
+    (lambda loop: hookloop.schedules.warmup_cosine(loop.optimizer, 10, 2, min_lr=-1e-4),
+     r"min_lr must be .* >= 0.*0\.0 \(the default\) or a small positive rate"),
+])
+def test_a_negative_rate_for_lr_find_or_a_schedule_names_the_fix(call, expected) -> None:
+    import hookloop.lr_find  # noqa: F401
+    import hookloop.schedules  # noqa: F401
+
+    with pytest.raises(ConfigurationError, match=expected):
+        call(loop_with())

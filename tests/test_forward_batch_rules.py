@@ -137,3 +137,95 @@ def test_predict_on_unlabeled_data_with_the_inputs_rule_or_its_own_forward() -> 
     by_rule = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(),
                    forward=needs_labels, inputs="image", device="cpu")
     assert torch.equal(by_rule.predict(unlabeled), expected)
+
+
+# ------------------------------------------- predict: dtype and inputs (issue 25, item 9)
+def _pair_loop() -> tuple[Loop, list[tuple[torch.Tensor, torch.Tensor]]]:
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    data = [(torch.randn(4, 5), torch.randint(0, 3, (4,))) for _ in range(2)]
+    return Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                loss_fn=F.cross_entropy, device="cpu"), data
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.uint8, "int64", 3])
+def test_predict_refuses_a_dtype_that_is_not_floating(dtype) -> None:
+    """torch.int64 truncated float outputs to integers silently; "int64" and 3 are not
+    the name of a floating dtype either."""
+    loop, data = _pair_loop()
+    with pytest.raises(ConfigurationError, match=r"predict dtype .*floating dtype"):
+        loop.predict(data, dtype=dtype)
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("float16", torch.float16), ("bfloat16", torch.bfloat16),
+                                             ("torch.float64", torch.float64), ("float32", torch.float32)])
+def test_predict_takes_the_name_of_a_floating_dtype(name: str, dtype: torch.dtype) -> None:
+    """"float16" was taken for a device name ("Invalid device string"); it is the dtype."""
+    loop, data = _pair_loop()
+    expected = torch.cat([loop.model(inputs) for inputs, _ in data]).detach().to(dtype)
+    assert torch.equal(loop.predict(data, dtype=name), expected)
+
+
+@pytest.mark.parametrize(("convert", "expected"), [
+    (lambda inputs: inputs.double(), r"input is torch\.float64 but the model's parameters are "
+                                     r"torch\.float32.*inputs\.to\(torch\.float32\).*"
+                                     r"model\.to\(torch\.float64\)"),
+    (lambda inputs: inputs.numpy(), r"input is a numpy\.ndarray \(float32\), not a tensor.*"
+                                    r"torch\.from_numpy\(array\)\.float\(\).*DataLoader"),
+    (lambda inputs: inputs.double().numpy(), r"numpy\.ndarray \(float64\)"),
+])
+def test_predict_names_the_dtype_or_type_of_inputs_the_model_cannot_take(convert, expected) -> None:
+    """Instead of torch's "mat1 and mat2 must have the same dtype" or "must be Tensor, not
+    numpy.ndarray"; the error keeps torch's as its cause."""
+    loop, data = _pair_loop()
+    for batches in ([(convert(inputs), targets) for inputs, targets in data],
+                    [convert(inputs) for inputs, _ in data]):  # pairs, and inputs alone
+        with pytest.raises(ConfigurationError, match=expected) as raised:
+            loop.predict(batches)
+        assert isinstance(raised.value.__cause__, (RuntimeError, TypeError))
+
+
+def test_training_on_float64_data_names_the_dtype_too() -> None:
+    loop, data = _pair_loop()
+    loop.train_data = [(inputs.double(), targets) for inputs, targets in data]
+    with pytest.raises(ConfigurationError, match=r"torch\.float64 but the model's parameters"):
+        loop.fit(1)
+
+
+def test_a_model_that_converts_its_inputs_itself_is_not_refused() -> None:
+    """Asked only after the model raised: float64 inputs to a model that casts them work."""
+    torch.manual_seed(0)
+    inner = nn.Linear(5, 3)
+
+    class Casting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            return self.inner(inputs.float())
+
+    model = Casting()
+    data = [(torch.randn(4, 5, dtype=torch.float64), torch.randint(0, 3, (4,)))]
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                loss_fn=F.cross_entropy, device="cpu")
+    assert torch.equal(loop.predict(data), inner(data[0][0].float()).detach())
+
+
+@pytest.mark.parametrize(("loss_fn", "soft"), [
+    (F.cross_entropy, True), (nn.CrossEntropyLoss(), True),
+    (lambda outputs, targets: F.nll_loss(outputs.log_softmax(1), targets), False)])
+def test_float_class_labels_for_a_cross_entropy_loss_are_told_to_be_long(loss_fn, soft) -> None:
+    """Issue 25, item 15: torch says "expected target dtype to be Long or Byte, but got
+    Float"; the error names the shapes and targets.long()."""
+    loop, data = _pair_loop()
+    loop.loss_fn = loss_fn
+    loop.train_data = [(inputs, targets.float()) for inputs, targets in data]
+    with pytest.raises(ConfigurationError, match=r"targets are torch\.float32 of shape \(4,\), "
+                                                 r"class indices for outputs of shape \(4, 3\).*"
+                                                 r"targets\.long\(\)") as raised:
+        loop.fit(1)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    if soft:  # class probabilities of the outputs' shape: soft labels train
+        loop.train_data = [(inputs, F.one_hot(targets, 3).float()) for inputs, targets in data]
+        loop.fit(1)

@@ -36,3 +36,39 @@ def test_a_name_that_says_nothing_needs_an_explicit_mode(name: str) -> None:
     with pytest.raises(ConfigurationError, match="mode='max'.*mode='min'"):
         loop.fit(1)
     assert seen.batches == []
+
+
+# ------------------------------------------------ a mode against the name (issue 25, item 16)
+@pytest.mark.parametrize(("make", "owner", "metric", "mode", "named"), [
+    (lambda: EarlyStopping(monitor="val_acc", mode="min"), "EarlyStopping", "val_acc", "min", "max"),
+    (lambda: EarlyStopping(monitor="val_loss", mode="max"), "EarlyStopping", "val_loss", "max", "min"),
+    (lambda: Checkpoint("unused", monitor="val_f1", mode="min"), "Checkpoint", "val_f1", "min", "max"),
+])
+def test_a_mode_that_contradicts_the_metrics_name_warns_with_the_way_to_silence_it(
+        make, owner: str, metric: str, mode: str, named: str) -> None:
+    with pytest.warns(UserWarning, match=rf"{owner} monitors '{metric}' with mode='{mode}', "
+                                         rf"but the name says .*pass mode='{named}'.*"
+                                         r"warnings\.filterwarnings\('ignore'") as caught:
+        make()
+    assert caught[0].filename == __file__  # it points at the line that created the callback
+    import warnings
+
+    message = str(caught[0].message)
+    silence = message[message.index("warnings.filterwarnings("):message.index(") before")+1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eval(silence, {"warnings": warnings})  # the filter the message gives, as given
+        make()  # silenced: no warning, no error
+
+
+@pytest.mark.parametrize("make", [
+    lambda: EarlyStopping(monitor="val_acc", mode="max"),
+    lambda: EarlyStopping(monitor="val_acc"),
+    lambda: EarlyStopping(monitor="val_score", mode="min"),  # the name says nothing
+])
+def test_a_mode_that_agrees_or_a_name_that_says_nothing_does_not_warn(make) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make()

@@ -88,13 +88,62 @@ def test_a_missing_extra_state_starts_fresh_with_a_warning() -> None:
         resumed.fit(2)
 
 
+SHARED = nn.Linear(2, 1)
+
+
 @pytest.mark.parametrize("state, message", [
     ([1, 2], "Loop state must be a dict"),
     ({"": nn.Linear(1, 1)}, "Loop state key must be a non-empty string"),
     ({"counter": 3}, r"Loop state\['counter'\] \(of type int\) has no state_dict\(\)"),
+    # Issue 25, item 10: a class has the methods (unbound) and failed at the first save.
+    ({"x": nn.Linear}, r"Loop state\['x'\] is the class Linear, not an instance.*Linear\(\.\.\.\)"),
+    ({"a": SHARED, "b": SHARED}, r"state\['a'\] and state\['b'\] are the same Linear object"),
 ])
 def test_bad_state_arguments_are_refused_when_the_loop_is_built(state, message) -> None:
     model = nn.Linear(2, 1)
     with pytest.raises(ConfigurationError, match=message):
         Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [(torch.ones(1, 2),
              torch.ones(1, 1))], loss_fn=F.mse_loss, device="cpu", state=state)
+
+
+def test_the_loops_own_model_or_optimizer_in_state_is_refused_when_built() -> None:
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for name, item, what in (("net", model, "model"), ("opt", optimizer, "optimizer")):
+        with pytest.raises(ConfigurationError, match=rf"state\['{name}'\] is the loop's {what}"):
+            Loop(model, optimizer, [(torch.ones(1, 2), torch.ones(1, 1))], loss_fn=F.mse_loss,
+                 device="cpu", state={name: item})
+
+
+class _HoldsAFunction:
+    """A stateful object whose state holds a function: no checkpoint can hold it."""
+
+    def __init__(self) -> None:
+        self.schedule = lambda step: 0.5 ** step
+
+    def state_dict(self) -> dict:
+        return {"schedule": self.schedule}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.schedule = state["schedule"]
+
+
+def test_a_state_object_whose_state_holds_a_function_is_refused_at_fit_start(tmp_path) -> None:
+    """Issue 25, item 10: refused only at the first save (after training began) before;
+    now at fit start, before the first batch, naming the object and the key, with or
+    without a Checkpoint in the stack."""
+    from hookloop.callbacks import Checkpoint
+
+    from builders import BatchCounter
+
+    model = nn.Linear(2, 1)
+    counter = BatchCounter()
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                [(torch.ones(1, 2), torch.ones(1, 1))] * 3, loss_fn=F.mse_loss, device="cpu",
+                state={"holder": _HoldsAFunction()}, callbacks=[counter, Checkpoint(tmp_path)])
+    with pytest.raises(ConfigurationError, match=r"Loop state\['holder'\]\.state_dict\(\)"
+                                                 r"\['schedule'\] is a builtins\.function.*"
+                                                 r"_HoldsAFunction return only tensors"):
+        loop.fit(1)
+    assert counter.batches == 0
+    assert not list(tmp_path.glob("*.pt"))  # nothing trained, nothing saved

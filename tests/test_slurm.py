@@ -34,6 +34,9 @@ SRUN = {"SLURM_JOB_ID": "5123", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3",
     ("gpu-[098-100]x", ["gpu-098x", "gpu-099x", "gpu-100x"]),
     ("r[1-2]-n[5,7]", ["r1-n5", "r1-n7", "r2-n5", "r2-n7"]),
     ("127.0.0.[1-2]", ["127.0.0.1", "127.0.0.2"]),
+    # Separated by spaces (issue 25, item 12): three hosts, the first is the address.
+    ("alpha beta gamma", ["alpha", "beta", "gamma"]),
+    ("n[1-2] gpu[3, 5],x", ["n1", "n2", "gpu3", "gpu5", "x"]),
 ])
 def test_host_lists_expand_as_slurm_writes_them(text: str, hosts: list[str]) -> None:
     assert expand_hostlist(text) == hosts
@@ -52,6 +55,11 @@ def test_an_srun_task_is_read_from_its_variables() -> None:
     assert srun_task(step)[1:4] == (4, 1, "gpu009")  # the step's own tasks and nodes
     chosen = {**SRUN, "MASTER_ADDR": "head", "MASTER_PORT": "29500"}
     assert srun_task(chosen)[3:5] == ("head", 29500)
+
+
+def test_a_node_list_separated_by_spaces_gives_the_first_node_as_address() -> None:
+    task = srun_task({**SRUN, "SLURM_JOB_NODELIST": "alpha beta gamma"})
+    assert task is not None and task.address == "alpha"
 
 
 def test_an_adopted_task_is_still_srun_s_at_a_second_fit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,7 @@ from hookloop.callback import Callback
 from hookloop.checkpoint_files import CheckpointFiles
 from hookloop.background_save import RotatingWrites
 from hookloop.checks import check_choice, check_name, check_number, check_optional_int, check_path
+from hookloop.deprecation import CheckpointAliases
 from hookloop.errors import ConfigurationError
 from hookloop.grads import non_finite_weights_advice
 from hookloop.monitor import MODES, Monitor
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["Checkpoint", "load_checkpoint"]
 
 
-class Checkpoint(Callback):
+class Checkpoint(Callback, CheckpointAliases):
     """Save resumable checkpoints atomically, keep the best weights, and resume exactly.
 
     A rotating file ``epoch=EEEE-step=SSSSSSSS.pt`` holds `Loop.state_dict`. It is written

@@ -12,8 +12,13 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from hookloop import distributed
 from hookloop.callback import Callback
+<<<<<<< HEAD
 from hookloop.checks import check_choice, check_flag, check_name
 from hookloop.errors import ConfigurationError, with_article
+=======
+from hookloop.checks import check_choice, check_name
+from hookloop.errors import CallbackOrderError, ConfigurationError, with_article
+>>>>>>> fixes-b
 from hookloop.monitor import Monitor, infer_mode
 
 if TYPE_CHECKING:
@@ -83,6 +88,9 @@ class LRScheduler(Callback):
             scheduler with a fixed ``total_steps`` (``OneCycleLR``) shorter than the steps
             this fit will take (what is left of ``loop.total_steps`` after
             ``loop.state.step``), instead of torch's "Tried to step N times" mid-run.
+        CallbackOrderError: at fit start, a ``ReduceLROnPlateau`` on an optimizer that
+            another ``LRScheduler`` of the stack already drives (warmup-cosine and a
+            plateau): a plateau schedule must be its optimizer's only schedule.
 
     Example:
         >>> import torch
@@ -161,9 +169,41 @@ class LRScheduler(Callback):
 
     # ------------------------------------------------------------------ events
     def setup(self, loop: Loop) -> None:
-        """Build the scheduler from the factory with ``loop.total_steps`` (at a fit)."""
+        """Build the scheduler from the factory with ``loop.total_steps`` (at a fit), and
+        refuse a plateau schedule sharing its optimizer with another schedule."""
         if not loop.fitting:
             return
+        self._prepare(loop)
+        self._check_plateau_alone(loop)
+
+    def _check_plateau_alone(self, loop: Loop) -> None:
+        """A plateau schedule must own its optimizer's learning rate: with another schedule
+        on it, the other one recomputes the rate at each of its steps and the plateau's cuts
+        are lost or compounded, silently. The later of the two raises (its setup runs after
+        the earlier one has built its scheduler)."""
+        mine = getattr(self._scheduler, "optimizer", None)
+        if mine is None:
+            return
+        for index, other in enumerate(loop.callbacks):
+            if other is self:
+                return
+            if not isinstance(other, LRScheduler) or (not self.is_plateau
+                                                      and not other.is_plateau):
+                continue
+            if getattr(other.scheduler, "optimizer", None) is mine:
+                here = loop.callbacks.index(self)
+                plateau, fixed = ((f"{self!r} (position {here})", f"{other!r} (position {index})")
+                                  if self.is_plateau else
+                                  (f"{other!r} (position {index})", f"{self!r} (position {here})"))
+                raise CallbackOrderError(
+                    f"{plateau} and {fixed} both drive the learning rate of the same "
+                    f"optimizer: the second sets it from its formula at every step it takes, "
+                    "so the plateau's reductions would be undone or compounded without a word "
+                    "(Keras refuses the same). A plateau schedule must be the only schedule of "
+                    "its optimizer: remove one of the two (with presets.standard, "
+                    "schedule=None leaves the learning rate to your plateau schedule).")
+
+    def _prepare(self, loop: Loop) -> None:
         if self._factory is None:
             if getattr(self._scheduler, "optimizer", loop.optimizer) is not loop.optimizer:
                 raise ConfigurationError(

@@ -44,7 +44,10 @@ class TimeLimit(Callback):
         margin: Seconds kept for the final save; None measures it (twice the last save).
 
     Raises:
-        ConfigurationError: a duration that is not > 0, or a negative margin.
+        ConfigurationError: a duration that is not > 0, a SLURM time with a field out of
+            its range (``"00:75"``), or a negative margin.
+        CallbackOrderError: at fit start, a second ``TimeLimit`` in the stack (one budget
+            per launch: keep the one you mean).
 
     Example:
         >>> import torch
@@ -58,6 +61,8 @@ class TimeLimit(Callback):
         hookloop: training ended at epoch 2/2, step 20: all 2 epochs are done.
         20
     """
+
+    unique = True  # two budgets in one stack: the shorter would silently decide
 
     def __init__(self, duration: float | datetime.timedelta | str, *,
                  margin: float | None = None) -> None:

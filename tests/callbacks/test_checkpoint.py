@@ -187,6 +187,33 @@ def test_wrong_architecture(tmp_path: Path) -> None:
         loop.fit(1)
 
 
+def test_resuming_into_a_changed_model_names_the_first_tensor_and_the_way_to_load_anyway(
+        tmp_path: Path) -> None:
+    """Issue 25, item 15: torch's whole size-mismatch list named the cause, not the fix.
+    The message names the first differing tensor with both shapes, and
+    load_checkpoint(strict=False), which loads what fits (checked tensor by tensor)."""
+    good = good_file(tmp_path)  # Linear(3, 8), ReLU, Linear(8, 1)
+    changed = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2))  # another head
+    loop = make_loop(tmp_path / "run", [Checkpoint(tmp_path / "run", resume=str(good))],
+                     model=changed)
+    with pytest.raises(CheckpointError, match=r"the first tensor that differs is '2\.weight': "
+                                              r"saved \(1, 8\), the model's \(2, 8\) \(1 more "
+                                              r"differ\).*load_checkpoint\(path, model, "
+                                              r"strict=False\)"):
+        loop.fit(1)
+    assert loop.state.step == 0
+    fresh_head = changed[2].weight.detach().clone()
+    with pytest.warns(RuntimeWarning, match=r"loaded 2 of the model's 4 tensors.*'2\.weight'"):
+        hookloop.load_checkpoint(good, changed, strict=False)
+    saved = torch.load(good, weights_only=True)["model"]
+    assert torch.equal(changed[0].weight, saved["0.weight"])  # what fits is loaded
+    assert torch.equal(changed[0].bias, saved["0.bias"])
+    assert torch.equal(changed[2].weight, fresh_head)  # the rest stays as initialized
+    extra = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1), nn.Linear(1, 1))
+    with pytest.raises(CheckpointError, match=r"'3\.weight': in the model, not in the file"):
+        hookloop.load_checkpoint(good, extra)
+
+
 def test_corrupt_newest_file_under_resume_true_raises(tmp_path: Path) -> None:
     """A run never silently starts over a directory it cannot read."""
     make_loop(tmp_path).fit(1)

@@ -470,3 +470,45 @@ def test_reduce_on_plateau_verbose_false_and_other_ranks_say_nothing(
 
     monkeypatch.setattr(distributed, "is_main", lambda: False)
     assert _plateau_run(capsys, scores)[0] == []
+
+
+@pytest.mark.parametrize("plateau_first", [False, True])
+def test_a_plateau_schedule_on_an_optimizer_another_schedule_drives_is_refused(
+        plateau_first: bool) -> None:
+    """Issue 25, item 13: warmup-cosine plus ReduceLROnPlateau on one optimizer was
+    accepted, and the cosine undid the plateau's cuts. Refused before the first batch,
+    whichever comes first, naming both and the fix."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cosine = LRScheduler(functools.partial(warmup_cosine, warmup_steps=2))
+    plateau = LRScheduler(lr_scheduler.ReduceLROnPlateau(optimizer), monitor="val_loss",
+                          name="plateau")
+    log = LRLog()
+    data = make_data(4)
+    loop = Loop(model, optimizer, data, val_data=data[:1], loss_fn=F.mse_loss, device="cpu",
+                callbacks=[log, plateau, cosine] if plateau_first else [log, cosine, plateau])
+    with pytest.raises(CallbackOrderError, match=r"LRScheduler\(ReduceLROnPlateau.*"
+                                                 r"LRScheduler\(WarmupCosine\) \(position \d\).*same optimizer.*"
+                                                 r"remove one of the two"):
+        loop.fit(1)
+    assert log.batches == 0
+
+
+def test_two_fixed_schedules_on_one_optimizer_are_still_accepted() -> None:
+    """Only a plateau schedule must be alone: chained formula schedules stay as they were."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = LRScheduler(lambda opt, total: lr_scheduler.LambdaLR(opt, lambda step: 1.0))
+    second = LRScheduler(lambda opt, total: lr_scheduler.MultiplicativeLR(opt, lambda s: 0.5),
+                         name="second")
+    loop = Loop(model, optimizer, make_data(2), loss_fn=F.mse_loss, device="cpu",
+                callbacks=[first, second])
+    loop.fit(1)
+    by_hand = torch.optim.SGD(make_model().parameters(), lr=0.1)  # the same two, stepped in order
+    schedules = [lr_scheduler.LambdaLR(by_hand, lambda step: 1.0),
+                 lr_scheduler.MultiplicativeLR(by_hand, lambda s: 0.5)]
+    for _ in range(2):
+        by_hand.step()
+        for schedule in schedules:
+            schedule.step()
+    assert optimizer.param_groups[0]["lr"] == by_hand.param_groups[0]["lr"]

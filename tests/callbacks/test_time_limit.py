@@ -16,7 +16,7 @@ from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import Checkpoint, TimeLimit
 from hookloop.suspension import current
 
-from builders import dropout_loop
+from builders import BatchCounter, dropout_loop
 from conftest import subprocess_env
 
 BUDGET = 2.0  # seconds per launch; the whole run trains for about 3 s
@@ -114,3 +114,32 @@ def test_a_bad_duration_is_refused(duration: object) -> None:
 def test_a_negative_margin_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="TimeLimit margin must be"):
         TimeLimit(60, margin=-1)
+
+
+@pytest.mark.parametrize(("duration", "written"), [
+    ("00:75", "'01:15'"), ("1:75:00", "'2:15:00'"), ("1-25", "'2-01:00:00'"),
+    ("2-00:00:60", "'2-00:01:00'")])
+def test_a_slurm_time_with_a_field_out_of_range_is_refused_with_the_time_meant(
+        duration: str, written: str) -> None:
+    """Issue 25, item 11: "00:75" was read as 75 s; a field after the first counts up to
+    59 (hours after a day up to 23), and the message writes the time it would have been."""
+    with pytest.raises(ConfigurationError, match=rf"TimeLimit duration '{duration}' has .*"
+                                                 rf"write {written}"):
+        TimeLimit(duration)
+
+
+def test_the_first_field_of_a_slurm_time_may_be_large() -> None:
+    assert TimeLimit("90").duration == 90 * 60  # minutes, as SLURM reads it
+    assert TimeLimit("75:00").duration == 75 * 60
+    assert TimeLimit("1:59:59").duration == 7199
+
+
+def test_two_time_limits_in_one_stack_are_refused_naming_both() -> None:
+    from hookloop import CallbackOrderError
+
+    counter = BatchCounter()
+    loop = dropout_loop([TimeLimit(3600), counter, TimeLimit("2:00:00")])
+    with pytest.raises(CallbackOrderError, match=r"TimeLimit\(3600.*position 0.*"
+                                                 r"TimeLimit\(7200.*position 2.*only once"):
+        loop.fit(1)
+    assert counter.batches == 0  # refused before the first batch
