@@ -12,13 +12,8 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from hookloop import distributed
 from hookloop.callback import Callback
-<<<<<<< HEAD
 from hookloop.checks import check_choice, check_flag, check_name
-from hookloop.errors import ConfigurationError, with_article
-=======
-from hookloop.checks import check_choice, check_name
 from hookloop.errors import CallbackOrderError, ConfigurationError, with_article
->>>>>>> fixes-b
 from hookloop.monitor import Monitor, infer_mode
 
 if TYPE_CHECKING:
