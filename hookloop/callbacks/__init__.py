@@ -8,6 +8,7 @@ docs/performance.md.
 
 from __future__ import annotations
 
+from hookloop.callbacks.activation_checkpointing import ActivationCheckpointing
 from hookloop.callbacks.amp import AMP
 from hookloop.callbacks.checkpoint import Checkpoint
 from hookloop.callbacks.compile import Compile
@@ -36,6 +37,6 @@ __all__: list[str] = []
 __all__ += ["AMP", "EMA", "GradAccumulation", "GradClip", "LRScheduler"]
 __all__ += ["Checkpoint", "EarlyStopping", "Metrics", "TerminateOnNaN"]
 __all__ += ["DetectAnomaly", "ShortRun", "TimeLimit"]
-__all__ += ["DDP", "FSDP"]
+__all__ += ["ActivationCheckpointing", "DDP", "FSDP"]
 __all__ += ["CSVLogger", "ModelSummary", "Profiler", "ProgressBar", "TensorBoard"]
 __all__ += ["Compile", "CudaSpeedups", "MemoryMonitor", "ThroughputMonitor"]

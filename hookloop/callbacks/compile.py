@@ -93,6 +93,9 @@ class Compile(Callback):
 
     unique = True
     runs_after = {
+        "ActivationCheckpointing": "the compiled graph must hold the checkpointed blocks "
+                                   "(checkpointing after compiling changes modules the "
+                                   "compiled code no longer calls)",
         "distributed": "torch.compile must wrap the DDP/FSDP model (DDP splits the compiled "
                        "graph at its buckets to overlap communication with backward), so the "
                        "wrapping comes first",

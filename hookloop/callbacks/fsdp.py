@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hookloop import distributed, sharded
+from hookloop.blocks import MIN_SHARE, check_wrap, chosen_blocks, default_blocks
 from hookloop.callback import Callback
 from hookloop.checks import check_choice, check_flag, check_name, check_that
 from hookloop.data import length_of
@@ -25,68 +26,9 @@ from hookloop.phase import Phase
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["FSDP", "default_blocks"]
+__all__ = ["FSDP", "MIN_SHARE", "default_blocks"]  # the last two: hookloop.blocks
 
-#: The share of the model's parameters a direct child must hold to be sharded on its own
-#: by the default ``wrap``; smaller children stay with the root.
-MIN_SHARE = 0.02
 _MIXED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: look inside
-
-
-def _candidates(module: nn.Module) -> Iterator[nn.Module]:
-    """The direct children of ``module``, with the blocks of a ModuleList or ModuleDict (which
-    never run a forward themselves, so sharding them would never gather) in their place."""
-    for child in module.children():
-        if isinstance(child, _CONTAINERS):
-            yield from _candidates(child)
-        else:
-            yield child
-
-
-def default_blocks(model: nn.Module, min_share: float = MIN_SHARE) -> list[nn.Module]:
-    """The blocks the default ``wrap`` shards one by one: every direct child holding at least
-    ``min_share`` of the model's parameters (the blocks of a ModuleList or ModuleDict are
-    direct children here), except a child sharing a parameter with the rest of the model
-    (a tied embedding stays with the root, which holds both of its users).
-
-    Example:
-        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64),
-        ...                             torch.nn.Linear(64, 64))
-        >>> [type(block).__name__ for block in default_blocks(model)]  # LayerNorm: 1.5%
-        ['Linear', 'Linear']
-    """
-    total = sum(param.numel() for param in model.parameters())
-    if total == 0:
-        return []
-    blocks = []
-    for child in _candidates(model):
-        inside = {id(param) for param in child.parameters()}
-        held = sum(param.numel() for param in child.parameters())
-        outside = {id(param) for name, param in model.named_parameters(remove_duplicate=False)
-                   if id(param) in inside and not _belongs(model, child, name)}
-        if held >= min_share * total and not outside:
-            blocks.append(child)
-    return blocks
-
-
-def _belongs(model: nn.Module, child: nn.Module, name: str) -> bool:
-    """True when the parameter ``name`` of ``model`` is reached through ``child``."""
-    owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-    return any(owner is module for module in child.modules())
-
-
-def _blocks(model: nn.Module, wrap: Any) -> list[nn.Module]:
-    """The submodules to shard on their own (children before their parents), the root apart."""
-    if wrap is None:
-        return default_blocks(model)
-    if callable(wrap) and not isinstance(wrap, type):
-        chosen = [module for module in model.modules() if module is not model and wrap(module)]
-    else:
-        kinds = tuple(wrap)
-        chosen = [module for module in model.modules()
-                  if module is not model and isinstance(module, kinds)]
-    return chosen[::-1]  # modules() is pre-order: reversed, every child precedes its parent
 
 
 class FSDP(Callback):
@@ -174,6 +116,14 @@ class FSDP(Callback):
 
     unique: ClassVar[bool] = True
     roles: ClassVar[tuple[str, ...]] = ("distributed",)
+    runs_after: ClassVar[dict[str, str]] = {
+        "ActivationCheckpointing": "the checkpointed blocks are sharded as they are: "
+                                   "checkpointing a block FSDP gathers already would recompute "
+                                   "outside FSDP's hooks",
+        "TensorParallel": "FSDP shards the tensor-parallel weights over the data-parallel "
+                          "ranks; tensor parallel cannot split weights that are sharded "
+                          "already",
+    }
     conflicts_with: ClassVar[dict[str, str]] = {
         "DDP": "both distribute the model (DDP keeps a whole copy on every rank, FSDP shards "
                "it); keep FSDP for a model that does not fit on one GPU, DDP otherwise",
@@ -183,13 +133,7 @@ class FSDP(Callback):
                  | None = None, mixed_precision: Any = None, reshard_after_forward: bool = True,
                  cpu_offload: bool = False, state_dict: str = "full",
                  backend: str | None = None, requeue: bool = False) -> None:
-        if wrap is not None and not (callable(wrap) and not isinstance(wrap, type)):
-            kinds = list(wrap) if isinstance(wrap, (set, frozenset, list, tuple)) else None
-            check_that("FSDP wrap", wrap, kinds is not None and all(
-                isinstance(kind, type) and issubclass(kind, nn.Module) for kind in kinds),
-                "None, a set of nn.Module classes or a callable module -> bool",
-                hint="For example wrap={TransformerBlock}.")
-            wrap = frozenset(kinds or ())
+        wrap = check_wrap("FSDP", wrap)
         self.wrap = wrap
         self.mixed_precision = mixed_precision
         self._policy = self._mixed_precision_policy(mixed_precision)
@@ -277,7 +221,7 @@ class FSDP(Callback):
                                   "in host memory already.", RuntimeWarning, stacklevel=4)
             else:
                 options["offload_policy"] = CPUOffloadPolicy()
-        for block in _blocks(module, self.wrap):
+        for block in chosen_blocks(module, self.wrap):
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
         fully_shard(module, **options)  # the root: torch keeps it gathered from forward to backward
         by_name = dict(module.named_parameters())

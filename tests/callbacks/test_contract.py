@@ -17,6 +17,7 @@ from hookloop import Callback, ConfigurationError, Loop, describe
 from hookloop.ordering import overrides
 from hookloop.callbacks import (
     AMP,
+    ActivationCheckpointing,
     CSVLogger,
     Checkpoint,
     Compile,
@@ -70,6 +71,9 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
     "TerminateOnNaN": lambda tmp: TerminateOnNaN(),
     "DDP": lambda tmp: DDP(),
     "FSDP": lambda tmp: FSDP(state_dict="sharded"),
+    "ActivationCheckpointing": lambda tmp: ActivationCheckpointing(),
+    "ActivationCheckpointing-selective": lambda tmp: ActivationCheckpointing(
+        policy=[torch.ops.aten.addmm.default]),
     "TensorBoard": lambda tmp: TensorBoard(tmp / "tb", every_n_steps=2, graph=True,
                                            histograms_every_n_epochs=2),
     "ProgressBar": lambda tmp: ProgressBar(console=Console(file=io.StringIO(), force_terminal=True)),
