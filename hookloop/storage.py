@@ -22,7 +22,7 @@ from hookloop import distributed
 from hookloop.errors import CheckpointError, CheckpointWriteError, ConfigurationError, with_article
 from hookloop.modules import unwrap
 from hookloop.sharded import (
-    is_sharded_module,
+    is_distributed_module,
     is_sharded_tensor,
     load_full_model_state,
     load_full_optimizer_state,
@@ -782,7 +782,7 @@ def load_weights(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
         groups = payload["optimizer"].get("param_groups") if optimizer is not None else None
         shards.load(model, optimizer, groups)
         return
-    if not is_sharded_module(model):
+    if not is_distributed_module(model):
         load_model_weights(path, model, payload["model"])
         if optimizer is not None:
             load_optimizer_state(path, optimizer, payload["optimizer"])

@@ -4,8 +4,6 @@ split over the ranks."""
 
 from __future__ import annotations
 
-import atexit
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -20,7 +18,8 @@ from hookloop.callback import Callback
 from hookloop.checks import check_choice, check_flag, check_name, check_that
 from hookloop.data import length_of
 from hookloop.errors import ConfigurationError
-from hookloop.launcher import Launch
+from hookloop.launcher import Launch, destroy_at_exit
+from hookloop.mesh import Mesh
 from hookloop.phase import Phase
 
 if TYPE_CHECKING:
@@ -94,6 +93,12 @@ class FSDP(Callback):
         backend: Process group backend; None means ``nccl`` on CUDA, else ``gloo``.
         requeue: In a SLURM job, requeue it with ``scontrol`` when SIGUSR1 ends the launch,
             as ``DDP(requeue=True)`` does.
+        mesh: None (shard over all ranks, a 1-D mesh), or a `hookloop.mesh.Mesh`: FSDP
+            shards over its ``dp_shard`` ranks, and with ``dp_replicate`` > 1 replicates
+            across them (HSDP: a 2-D ``(replicate, shard)`` mesh; gradients reduce-scattered
+            within a replica, all-reduced across replicas); with ``tp`` > 1, pass the same
+            Mesh to `TensorParallel`, which comes before FSDP. The data is sharded over the
+            data-parallel ranks (dp_replicate x dp_shard).
 
     Raises:
         ConfigurationError: a bad argument; at setup, an optimizer holding tensors the
@@ -132,7 +137,8 @@ class FSDP(Callback):
     def __init__(self, *, wrap: Iterable[type[nn.Module]] | Callable[[nn.Module], bool]
                  | None = None, mixed_precision: Any = None, reshard_after_forward: bool = True,
                  cpu_offload: bool = False, state_dict: str = "full",
-                 backend: str | None = None, requeue: bool = False) -> None:
+                 backend: str | None = None, requeue: bool = False,
+                 mesh: Mesh | None = None) -> None:
         wrap = check_wrap("FSDP", wrap)
         self.wrap = wrap
         self.mixed_precision = mixed_precision
@@ -147,6 +153,9 @@ class FSDP(Callback):
                                   hint="A backend name is e.g. 'nccl' or 'gloo'; None picks "
                                        "nccl on CUDA, gloo on CPU.")
         self.requeue = check_flag("FSDP requeue", requeue)
+        self.mesh = check_that("FSDP mesh", mesh, mesh is None or isinstance(mesh, Mesh),
+                               "None or a hookloop.mesh.Mesh",
+                               hint="For example Mesh(dp_replicate=2, dp_shard='auto') (HSDP).")
         self._launch = Launch("FSDP", requeue=self.requeue)
         self._syncing = True  # gradients reduce-scattered at the coming backward
         self._even: dict[int, bool] = {}  # validation loader -> same batch count on all ranks
@@ -170,6 +179,7 @@ class FSDP(Callback):
 
     def __repr__(self) -> str:
         extra = "" if self.mixed_precision is None else f", mixed_precision={self.mixed_precision}"
+        extra += "" if self.mesh is None else f", mesh={self.mesh!r}"
         return f"FSDP(state_dict={self.state_dict_layout!r}{extra})"
 
     # ------------------------------------------------------------------- setup
@@ -180,11 +190,11 @@ class FSDP(Callback):
         if not sharded.is_sharded_module(module):
             self._shard(loop, module)
             if self._launch.created_group:
-                atexit.register(_destroy_at_exit, self._launch)
+                destroy_at_exit(self._launch)
         module.set_requires_gradient_sync(True)  # a window an exception cut short is over
         self._syncing = True
         sharded.set_layout(module, self.state_dict_layout)
-        self._launch.shard_data(loop)
+        self._launch.shard_data(loop, self.mesh)
 
     def _shard(self, loop: Loop, module: nn.Module) -> None:
         """``fully_shard`` the blocks, then the root; re-point the optimizer."""
@@ -192,25 +202,20 @@ class FSDP(Callback):
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         optimizer = loop.optimizer
-        if optimizer.state:
-            raise ConfigurationError(
-                f"FSDP: {type(optimizer).__name__} has stepped already (it holds state for the "
-                "whole, unsharded parameters), so it cannot be re-pointed at the shards. "
-                "Build the optimizer fresh before fit; Checkpoint(resume=...) restores its "
-                "state into the sharded one.")
-        names = {id(param): name for name, param in module.named_parameters()}
-        foreign = [param for group in optimizer.param_groups for param in group["params"]
-                   if id(param) not in names]
-        if foreign:
-            raise ConfigurationError(
-                f"FSDP: the optimizer holds {len(foreign)} tensor(s) that are not parameters of "
-                "the model (first of shape "
-                f"{tuple(foreign[0].shape)}); FSDP shards the model's parameters and re-points "
-                "the optimizer at them, and a sharded model's optimizer must hold only those. "
-                "Give other parameters their own optimizer (Loop(..., state={...})).")
+        names = sharded.check_optimizer_holds_model("FSDP", module, optimizer)
         module.to(loop.device)
-        options: dict[str, Any] = {"mesh": init_device_mesh(loop.device.type,
-                                                            (distributed.world_size(),))}
+        if self.mesh is not None:
+            device_mesh = self.mesh.fsdp_mesh(loop.device.type)
+        elif any(sharded.is_sharded_tensor(param) for param in module.parameters()):
+            raise ConfigurationError(
+                "FSDP: the model holds DTensor parameters (split by TensorParallel) but FSDP "
+                "was given no mesh, so it would shard over a mesh of its own that the "
+                "tensor-parallel one is not part of. Pass the same hookloop.mesh.Mesh to both: "
+                "mesh = Mesh(dp_shard='auto', tp=2); [TensorParallel(plan, mesh=mesh), "
+                "FSDP(mesh=mesh)].")
+        else:
+            device_mesh = init_device_mesh(loop.device.type, (distributed.world_size(),))
+        options: dict[str, Any] = {"mesh": device_mesh}
         if self._policy is not None:
             options["mp_policy"] = self._policy
         if self.cpu_offload:
@@ -224,9 +229,7 @@ class FSDP(Callback):
         for block in chosen_blocks(module, self.wrap):
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
         fully_shard(module, **options)  # the root: torch keeps it gathered from forward to backward
-        by_name = dict(module.named_parameters())
-        for group in optimizer.param_groups:
-            group["params"] = [by_name[names[id(param)]] for param in group["params"]]
+        sharded.repoint_optimizer(module, optimizer, names)
 
     # ------------------------------------------------------------------ events
     def on_epoch_start(self, loop: Loop) -> None:
@@ -271,10 +274,3 @@ class FSDP(Callback):
 
     def on_exception(self, loop: Loop, exc: BaseException) -> None:
         self._launch.failed()
-
-
-def _destroy_at_exit(launch: Launch) -> None:
-    """At a clean exit of the process: destroy the group FSDP created (a collective, so not
-    after an uncaught exception, where the other ranks may be gone)."""
-    if getattr(sys, "last_value", None) is None and launch.finishing_cleanly:
-        launch.destroy_group()

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rich.console import Console
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader
 
 import hookloop.callbacks as builtins
@@ -37,6 +38,7 @@ from hookloop.callbacks import (
     ProgressBar,
     ShortRun,
     TensorBoard,
+    TensorParallel,
     TerminateOnNaN,
     ThroughputMonitor,
     TimeLimit,
@@ -74,6 +76,8 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
     "ActivationCheckpointing": lambda tmp: ActivationCheckpointing(),
     "ActivationCheckpointing-selective": lambda tmp: ActivationCheckpointing(
         policy=[torch.ops.aten.addmm.default]),
+    # one process: the plan is not applied
+    "TensorParallel": lambda tmp: TensorParallel({"0": ColwiseParallel(), "3": RowwiseParallel()}),
     "TensorBoard": lambda tmp: TensorBoard(tmp / "tb", every_n_steps=2, graph=True,
                                            histograms_every_n_epochs=2),
     "ProgressBar": lambda tmp: ProgressBar(console=Console(file=io.StringIO(), force_terminal=True)),
