@@ -12,13 +12,16 @@ Reduce-scatters are counted as tests/distributed/test_fsdp_two_processes.py coun
 from __future__ import annotations
 
 import math
+import re
+import subprocess
 import sys
 from typing import Any
 
 import pytest
 import torch
 from builders import assert_close_weights
-from launch import SCRIPTS, read, run_ok, torchrun
+from conftest import ROOT, subprocess_env
+from launch import SCRIPTS, TIMEOUT, read, run_ok, torchrun
 from torch import nn
 
 sys.path.insert(0, str(SCRIPTS))
@@ -82,6 +85,12 @@ def expected() -> dict[str, Any]:
 def assert_equals_one_process(out: Any, label: str, ranks: int, expected: dict[str, Any]
                               ) -> None:
     assert_close_weights(read(out, f"{label}-weights", 0), expected["weights"], atol=1e-5)
+    # Every rank saw the same metrics and norms, bit for bit: its decisions are the same.
+    first = read(out, f"{label}-log", 0)
+    for rank in range(1, ranks):
+        log = read(out, f"{label}-log", rank)
+        assert (log["metrics"], log["norms"], log["losses"]) == (
+            first["metrics"], first["norms"], first["losses"]), rank
     for rank in range(ranks):
         log = read(out, f"{label}-log", rank)
         assert "DTensor" in log["kinds"]  # really split or sharded
@@ -128,6 +137,13 @@ def test_a_tensor_parallel_run_killed_and_relaunched_ends_bit_exactly(tp_runs) -
         losses = read(out, "tp-resumed-log", rank)["losses"]
         assert sorted(losses) == ["5", "6"]
         assert losses == {step: read(out, "tp-log", rank)["losses"][step] for step in losses}
+
+
+def test_grad_clip_refuses_a_partial_parameter_at_fit_start_by_name(tp_runs) -> None:
+    for rank in (0, 1):
+        message = read(tp_runs["out"], "partial-refused", rank)["message"]
+        assert message.startswith("GradClip cannot clip weight: "), message
+        assert "Partial placement" in message
 
 
 def test_activation_checkpointing_under_fsdp_gives_the_same_weights(tp_runs) -> None:
@@ -188,3 +204,21 @@ def test_a_dp2_tp2_checkpoint_resumes_on_another_layout_with_the_same_next_step_
         assert sorted(losses) == ["4"]
         assert math.isclose(losses["4"], written, rel_tol=1e-5), (losses, written)
         assert math.isclose(losses["4"], expected["losses"][3], rel_tol=1e-5)
+
+
+# ------------------------------------------------------------------------ the example
+def test_the_transformer_example_trains_on_a_dp2_tp2_mesh_and_in_one_process(tmp_path) -> None:
+    example = ROOT / "examples" / "tensor_parallel.py"
+    arguments = ("--epochs", "1", "--samples", "128")
+    plain = subprocess.run([sys.executable, str(example), *arguments], cwd=tmp_path,
+                           env=subprocess_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    assert "training on 1 process(es), parameters ['Parameter']" in plain.stdout
+    output = run_ok(example, *arguments, processes=4)
+    assert output.count("training on 4 process(es), parameters ['DTensor']") == 1  # rank 0
+    # 128 samples over 2 data-parallel ranks, 16 a batch: 4 batches, windows of 2
+    line = re.search(r"^epoch 1/1  step 2  train_loss (\S+)  val_loss (\S+)$", output,
+                     re.MULTILINE)
+    assert line and all(math.isfinite(float(value)) for value in line.groups()), output[-3000:]
+    first = re.search(r"^epoch 1/1  step (\d+)  train_loss", plain.stdout, re.MULTILINE)
+    assert first and first.group(1) == "4"  # one process: 8 batches, windows of 2

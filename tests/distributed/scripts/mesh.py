@@ -211,12 +211,34 @@ def checkpointing_under_fsdp() -> None:
         run(label, [*extra, FSDP(wrap={Block})], batch_size=8, epochs=1, dropout=0.3)
 
 
+def partial_refused() -> None:
+    """GradClip at fit start, with a parameter no norm can be taken of (a Partial DTensor)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    from hookloop import ConfigurationError
+
+    model = nn.Linear(4, 1, bias=False)
+    mesh = init_device_mesh("cpu", (2,))
+    model.weight = nn.Parameter(DTensor.from_local(model.weight.detach(), mesh, [Partial()]))
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                [(torch.ones(2, 4), torch.ones(2, 1))], loss_fn=nn.functional.mse_loss,
+                device="cpu", callbacks=[GradClip(1.0)])
+    try:
+        loop.fit(1)
+        message = "not refused"
+    except ConfigurationError as error:
+        message = str(error)
+    save("partial-refused", {"message": message})
+
+
 def main() -> None:
     phase = sys.argv[2]
     directory = out_dir()
     if phase == "tp":
         run("tp", [TensorParallel(plan())], batch_size=8)
         checkpointing_under_fsdp()
+        partial_refused()
         run("tp-killed", [TensorParallel(plan())], batch_size=8,
             extra=(Checkpoint(directory / "tp-checkpoints", every_n_steps=2, resume=True),
                    KillAfterStep(4)))
