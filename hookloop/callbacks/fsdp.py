@@ -40,8 +40,9 @@ class FSDP(Callback):
     by neither, where it does nothing, so one script runs both ways), then:
 
     * applies ``fully_shard`` to each block (``wrap``) and to the root, on a one-dimensional
-      device mesh over all ranks: each rank keeps ``1/world`` of every parameter (a DTensor)
-      and gathers a block's parameters just for its forward and backward;
+      device mesh over all ranks (or the ``mesh`` given: HSDP, FSDP + tensor parallel):
+      each rank keeps ``1/world`` of every parameter (a DTensor) and gathers a block's
+      parameters just for its forward and backward;
     * re-points ``loop.optimizer`` at the sharded parameters, keeping its class,
       hyper-parameters and param groups (an optimizer built over the unsharded parameters
       would otherwise step nothing, silently), and refuses an optimizer that holds tensors

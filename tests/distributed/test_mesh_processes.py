@@ -4,8 +4,10 @@ single-process loop, a kill and relaunch against the uninterrupted run, and chec
 written on one layout resumed on others.
 
 Two module-scoped fixtures share the launches: two on 2 ranks (TP, then its relaunch),
-and three for the mesh: one on 4 ranks that trains HSDP and FSDP + TP and writes the
-(dp=2, tp=2) checkpoints, one on 4 ranks (dp=4, tp=1) and one process that resume them.
+and three for the mesh: one on 4 ranks that trains HSDP and FSDP + TP, writes the
+(dp=2, tp=2) checkpoints and ends killed in a third run; one on 4 ranks that relaunches
+the killed run, then resumes the checkpoints on (dp=4, tp=1); and one process that
+resumes them too.
 Reduce-scatters are counted as tests/distributed/test_fsdp_two_processes.py counts them.
 """
 
@@ -41,7 +43,7 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def mesh_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("mesh")
-    return {"out": out, "mesh": run_ok(SCRIPT, str(out), "mesh", processes=4),
+    return {"out": out, "mesh": torchrun(SCRIPT, str(out), "mesh", processes=4),
             "resume-dp4": run_ok(SCRIPT, str(out), "resume-dp4", processes=4),
             "resume-one": run_ok(SCRIPT, str(out), "resume-one", processes=1)}
 
@@ -190,6 +192,21 @@ def test_data_is_sharded_by_the_data_parallel_coordinate(mesh_runs) -> None:
     # the data sums run over the data-parallel ranks only
     assert [read(out, "fsdp-tp-log", rank)["data_parallel_ranks"] for rank in range(4)] == [2.0] * 4
     assert read(out, "hsdp-log", 0)["data_parallel_ranks"] == 4.0
+
+
+def test_a_fsdp_tp_run_killed_and_relaunched_ends_bit_exactly(mesh_runs) -> None:
+    """(dp=2, tp=2) with sharded (DCP) checkpoints: SIGKILL after step 4 on every rank."""
+    out, killed = mesh_runs["out"], mesh_runs["mesh"]
+    assert killed.returncode != 0 and "SIGKILL" in killed.stdout
+    assert "killed/epoch=0001-step=00000004.dcp" in mesh_runs["resume-dp4"]
+    reference, resumed = read(out, "fsdp-tp-weights", 0), read(out, "fsdp-tp-resumed-weights", 0)
+    assert reference.keys() == resumed.keys()
+    for name in reference:
+        assert torch.equal(resumed[name], reference[name]), name
+    for rank in range(4):
+        losses = read(out, "fsdp-tp-resumed-log", rank)["losses"]
+        assert sorted(losses) == ["5", "6"]
+        assert losses == {step: read(out, "fsdp-tp-log", rank)["losses"][step] for step in losses}
 
 
 @pytest.mark.parametrize("kind", ["full", "sharded"])

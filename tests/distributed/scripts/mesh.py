@@ -11,9 +11,11 @@ PHASE:
   tp-resume   (2 ranks) the killed TP run resumed to its end
   mesh        (4 ranks) HSDP (2 replicas x 2 shards) and FSDP + TP (dp=2, tp=2), both with
               accumulation 2 and clipping, reduce-scatters counted; the FSDP + TP run writes
-              full checkpoints, a second one sharded ones
-  resume-dp4  (4 ranks) both (dp=2, tp=2) checkpoints of epoch 0 resumed with FSDP over
-              dp=4, tp=1, for one step
+              full checkpoints, a second one sharded ones; then a third, with sharded
+              checkpoints, SIGKILLed by every rank after step 4
+  resume-dp4  (4 ranks) the killed run relaunched on (dp=2, tp=2) to its end; then both
+              (dp=2, tp=2) checkpoints of epoch 0 resumed with FSDP over dp=4, tp=1, for
+              one step
   resume-one  (1 process) the same, in one process without FSDP
 """
 
@@ -232,6 +234,17 @@ def partial_refused() -> None:
     save("partial-refused", {"message": message})
 
 
+def killed_run(directory: Path, label: str, *, kill: bool) -> None:
+    """FSDP + TP on (dp=2, tp=2) with sharded (DCP) checkpoints every 2 steps: killed by
+    every rank after step 4, or relaunched from its newest checkpoint to the end."""
+    mesh = Mesh(dp_shard=2, tp=2)
+    extra: tuple[Callback, ...] = (
+        Checkpoint(directory / "killed", every_n_steps=2, resume=True),
+        *([KillAfterStep(4)] if kill else []))
+    run(label, [TensorParallel(plan(), mesh=mesh),
+                FSDP(wrap={Block}, mesh=mesh, state_dict="sharded")], batch_size=4, extra=extra)
+
+
 def main() -> None:
     phase = sys.argv[2]
     directory = out_dir()
@@ -256,8 +269,11 @@ def main() -> None:
         run("fsdp-tp-sharded", [TensorParallel(plan(), mesh=both),
                                 FSDP(wrap={Block}, mesh=both, state_dict="sharded")],
             batch_size=4, epochs=1, extra=(Checkpoint(directory / "sharded"),))
+        killed_run(directory, "fsdp-tp-killed", kill=True)  # last: the launch ends here
     elif phase in ("resume-dp4", "resume-one"):
         four = phase == "resume-dp4"
+        if four:  # first the killed (dp=2, tp=2) run, relaunched on its own layout
+            killed_run(directory, "fsdp-tp-resumed", kill=False)
         for kind, name in (("full", "epoch=0000-step=00000003.pt"),
                            ("sharded", "epoch=0000-step=00000003.dcp")):
             layout: list[Callback] = [FSDP(wrap={Block}, mesh=Mesh(dp_shard=4))] if four else []
