@@ -49,32 +49,35 @@ def mesh_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ hand-written oracle
-def hand_train(epochs: int = 2) -> dict[str, Any]:
+def hand_train(epochs: int = 2, samples: int = script.SAMPLES) -> dict[str, Any]:
     """One process over the global windows: in every layout an optimizer step averages the
-    gradients of 16 consecutive samples (accumulation 2 of 8 global samples), clipped."""
+    gradients of 16 consecutive samples (accumulation 2 of 8 global samples), clipped; a
+    last window of one micro-batch averages that one."""
     model = script.make_model()
     optimizer = script.make_optimizer(model)
-    inputs, targets, _ = script.dataset().tensors
+    inputs, targets, _ = script.dataset(samples).tensors
     val_inputs, val_targets = script.regression_data(10, seed=2).tensors
     norms, losses, metrics = [], [], []
+    micro = script.WINDOW // 2
     for _ in range(epochs):
         total = 0.0
-        for start in range(0, script.SAMPLES, script.WINDOW):
+        for start in range(0, samples, script.WINDOW):
             optimizer.zero_grad()
+            halves = [half for half in (start, start + micro) if half < samples]
             window = 0.0
-            for half in (start, start + script.WINDOW // 2):
-                part = slice(half, half + script.WINDOW // 2)
+            for half in halves:
+                part = slice(half, half + micro)
                 loss = nn.functional.mse_loss(model(inputs[part]), targets[part])
-                (loss / 2).backward()
-                window += loss.item() / 2
+                (loss / len(halves)).backward()
+                window += loss.item() / len(halves)
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                                 script.MAX_NORM)))
             optimizer.step()
             losses.append(window)
-            total += window * script.WINDOW
+            total += window * micro * len(halves)
         with torch.no_grad():
             val_loss = nn.functional.mse_loss(model(val_inputs), val_targets).item()
-        metrics.append({"train_loss": total / script.SAMPLES, "val_loss": val_loss})
+        metrics.append({"train_loss": total / samples, "val_loss": val_loss})
     return {"weights": model.state_dict(), "norms": norms, "losses": losses,
             "metrics": metrics}
 
@@ -117,6 +120,11 @@ def test_tensor_parallel_on_two_ranks_equals_one_process(tp_runs, expected) -> N
     assert_equals_one_process(tp_runs["out"], "tp", 2, expected)
     # a mix: the blocks' Linear layers split (DTensor), the embedding and head plain
     assert read(tp_runs["out"], "tp-log", 0)["kinds"] == ["DTensor", "Parameter"]
+
+
+def test_a_last_partial_window_under_tensor_parallel_equals_one_process(tp_runs) -> None:
+    """Accumulation rescales the gradients of a short last window, plain and DTensor ones."""
+    assert_equals_one_process(tp_runs["out"], "tp-partial", 2, hand_train(1, samples=40))
 
 
 def test_both_tensor_parallel_ranks_read_the_same_batches(tp_runs) -> None:
