@@ -125,6 +125,14 @@ def test_tensor_parallel_on_two_ranks_equals_one_process(tp_runs, expected) -> N
 def test_a_last_partial_window_under_tensor_parallel_equals_one_process(tp_runs) -> None:
     """Accumulation rescales the gradients of a short last window, plain and DTensor ones."""
     assert_equals_one_process(tp_runs["out"], "tp-partial", 2, hand_train(1, samples=40))
+    # its TensorBoard (rank 0) drew histograms of the split weights' shards and the plain ones
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tp_runs["out"] / "tb"), size_guidance={"histograms": 0})
+    events.Reload()
+    tags = set(events.Tags()["histograms"])
+    assert {"weights/blocks.0.up.weight@rank0-shard", "gradients/blocks.1.down.bias@rank0-shard",
+            "weights/embed.weight", "gradients/head.bias"} <= tags, sorted(tags)
 
 
 def test_both_tensor_parallel_ranks_read_the_same_batches(tp_runs) -> None:

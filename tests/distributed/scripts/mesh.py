@@ -40,6 +40,7 @@ from hookloop.callbacks import (
     Checkpoint,
     GradAccumulation,
     GradClip,
+    TensorBoard,
     TensorParallel,
 )
 from hookloop.mesh import Mesh
@@ -252,7 +253,8 @@ def main() -> None:
         run("tp", [TensorParallel(plan())], batch_size=8)
         # 40 samples: windows of 16, 16 and a last one of 8 (one micro-batch), whose
         # gradients (plain and DTensor) accumulation rescales to its real size
-        run("tp-partial", [TensorParallel(plan())], batch_size=8, samples=40, epochs=1)
+        run("tp-partial", [TensorParallel(plan())], batch_size=8, samples=40, epochs=1,
+            extra=(TensorBoard(directory / "tb", histograms_every_n_epochs=1),))
         checkpointing_under_fsdp()
         partial_refused()
         run("tp-killed", [TensorParallel(plan())], batch_size=8,
