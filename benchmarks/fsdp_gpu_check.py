@@ -1,9 +1,19 @@
 """FSDP against DDP on CUDA: the peak memory per GPU of one model trained each way, next
-to what docs/distributed.md computes, and the two runs' weights compared.
+to what docs/distributed.md computes, and the two runs' weights compared; with
+``--layouts all`` also HSDP, tensor parallel (FSDP + TP) and FSDP with activation
+checkpointing.
 
     python benchmarks/fsdp_gpu_check.py                       # one GPU, nccl (a group of 1)
     torchrun --nproc_per_node=8 benchmarks/fsdp_gpu_check.py  # 8 GPUs: the shards are 1/8
+    torchrun --nproc_per_node=8 benchmarks/fsdp_gpu_check.py --layouts all
     python benchmarks/fsdp_gpu_check.py --device cpu --width 64 --depth 2 --steps 2  # no GPU
+
+Layouts: ``DDP``; ``FSDP`` (``wrap={Block}``); ``HSDP`` (``Mesh(dp_replicate="auto",
+dp_shard=2)``: 2 shards per replica); ``TP`` (``Mesh(dp_shard="auto", tp=2)``:
+``TensorParallel`` on each block's two Linear layers, then FSDP over the data-parallel
+ranks; on an odd number of ranks tp=1); ``FSDP+AC`` (``ActivationCheckpointing(wrap={Block})``
+before FSDP). Under TP the two ranks of a group train on the same batches, so its weights
+are not compared with DDP's (n/a); the other layouts train on the same batches as DDP.
 
 The model is ``depth`` residual MLP blocks of width ``width`` (about ``8 width^2``
 parameters each), trained ``steps`` AdamW steps in bfloat16 (AMP under DDP, FSDP's mixed
@@ -36,14 +46,18 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from hookloop import Loop, distributed  # noqa: E402
-from hookloop.callbacks import AMP, DDP, FSDP  # noqa: E402
+from hookloop.callbacks import AMP, DDP, FSDP, ActivationCheckpointing, TensorParallel  # noqa: E402
+from hookloop.mesh import Mesh  # noqa: E402
+
+LAYOUTS = ("DDP", "FSDP", "HSDP", "TP", "FSDP+AC")
 
 
 class Block(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.mlp(self.norm(hidden))
@@ -67,16 +81,39 @@ def start_group(device: torch.device) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 
+def layout(kind: str, bf16: bool, world: int) -> tuple[list[Any], int]:
+    """The callbacks of a layout, and the index of the data this rank trains on."""
+    precision = torch.bfloat16 if bf16 else None
+    if kind == "DDP":
+        return [DDP(), *([AMP(torch.bfloat16)] if bf16 else [])], distributed.rank()
+    if kind == "FSDP":
+        return [FSDP(wrap={Block}, mixed_precision=precision)], distributed.rank()
+    if kind == "HSDP":
+        shards = 2 if world % 2 == 0 else 1
+        mesh = Mesh(dp_replicate="auto", dp_shard=shards)
+        return [FSDP(wrap={Block}, mixed_precision=precision, mesh=mesh)], distributed.rank()
+    if kind == "TP":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        mesh = Mesh(dp_shard="auto", tp=2 if world % 2 == 0 else 1)
+        plan = {"*.mlp.0": ColwiseParallel(), "*.mlp.2": RowwiseParallel()}
+        return ([TensorParallel(plan, mesh=mesh),
+                 FSDP(wrap={Block}, mixed_precision=precision, mesh=mesh)],
+                mesh.data_parallel()[1])
+    if kind == "FSDP+AC":
+        return ([ActivationCheckpointing(wrap={Block}),
+                 FSDP(wrap={Block}, mixed_precision=precision)], distributed.rank())
+    raise SystemExit(f"unknown layout {kind!r}; choose from {', '.join(LAYOUTS)} or all")
+
+
 def run(kind: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     model = make_model(args.width, args.depth)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    generator = torch.Generator().manual_seed(1 + distributed.rank())
+    bf16 = device.type == "cuda"
+    callbacks, data_index = layout(kind, bf16, distributed.world_size())
+    generator = torch.Generator().manual_seed(1 + data_index)
     batches = [(torch.randn(args.batch, args.width, generator=generator),
                 torch.randn(args.batch, 1, generator=generator)) for _ in range(args.steps)]
-    bf16 = device.type == "cuda"
-    callbacks: list[Any] = ([DDP(), *([AMP(torch.bfloat16)] if bf16 else [])] if kind == "DDP"
-                            else [FSDP(wrap={Block},
-                                       mixed_precision=torch.bfloat16 if bf16 else None)])
     loop = Loop(model, optimizer, batches, loss_fn=nn.functional.mse_loss, device=device,
                 callbacks=callbacks, sanity_val_batches=0)
     if device.type == "cuda":
@@ -101,7 +138,12 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=16, help="per rank")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
+    parser.add_argument("--layouts", default="DDP,FSDP",
+                        help=f"comma-separated, of {', '.join(LAYOUTS)}; or all")
     args = parser.parse_args()
+    kinds = list(LAYOUTS) if args.layouts == "all" else args.layouts.split(",")
+    if "DDP" not in kinds:
+        kinds.insert(0, "DDP")  # the reference of the weights and the memory
     # Each rank trains on its own list of random batches (nothing for DDP/FSDP to shard).
     warnings.filterwarnings("ignore", message=".*not a DataLoader")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -112,10 +154,14 @@ def main() -> int:
     world = distributed.world_size()
     params = sum(p.numel() for p in make_model(args.width, args.depth).parameters())
     block = sum(p.numel() for p in Block(args.width).parameters())
-    predicted = {"DDP": 16 * params, "FSDP": 16 * params / world + 2 * block * 2 + 4 * block}
-    results = {kind: run(kind, args, device) for kind in ("DDP", "FSDP")}
-    difference = max((results["DDP"]["weights"][name] - value).abs().max().item()
-                     for name, value in results["FSDP"]["weights"].items())
+    sharded = 16 * params / world + 2 * block * 2 + 4 * block
+    predicted = {"DDP": 16 * params, "FSDP": sharded, "FSDP+AC": sharded,
+                 "HSDP": 16 * params / (2 if world % 2 == 0 else 1) + 2 * block * 2 + 4 * block,
+                 "TP": sharded}
+    results = {kind: run(kind, args, device) for kind in kinds}
+    differences = {kind: max((results["DDP"]["weights"][name] - value).abs().max().item()
+                             for name, value in result["weights"].items())
+                   for kind, result in results.items() if kind not in ("DDP", "TP")}
     failed = False
     gib = 2 ** 30
     if distributed.is_main():
@@ -128,9 +174,14 @@ def main() -> int:
               f"{predicted[kind] / gib:6.2f} GiB  train_loss {result['loss']:.4f}", flush=True)
         failed |= not torch.isfinite(torch.tensor(result["loss"])).item()
     if "peak" in results["DDP"] and world > 1:
-        failed |= results["FSDP"]["peak"] >= results["DDP"]["peak"]
-    print(f"rank {distributed.rank()} largest weight difference FSDP - DDP: {difference:.2e}",
-          flush=True)
+        failed |= any(results[kind]["peak"] >= results["DDP"]["peak"]
+                      for kind in results if kind != "DDP")
+    for kind, difference in differences.items():
+        print(f"rank {distributed.rank()} largest weight difference {kind} - DDP: "
+              f"{difference:.2e}", flush=True)
+    if "TP" in results:
+        print(f"rank {distributed.rank()} largest weight difference TP - DDP: n/a "
+              "(a tensor-parallel group trains on one batch)", flush=True)
     dist.destroy_process_group()
     return 1 if failed else 0
 

@@ -73,7 +73,12 @@ def foreach_mul_(tensors: Sequence[torch.Tensor], factor: float) -> None:
     """
     fused = getattr(torch, "_foreach_mul_", None)
     if fused is not None:
-        fused(tensors, factor)
+        plain = [tensor for tensor in tensors if type(tensor) is torch.Tensor]
+        if len(plain) in (0, len(tensors)):
+            fused(tensors, factor)
+        else:  # DTensors (tensor parallel) and plain tensors: torch refuses one call of both
+            fused(plain, factor)
+            fused([tensor for tensor in tensors if type(tensor) is not torch.Tensor], factor)
         return
     for tensor in tensors:
         tensor.mul_(factor)

@@ -243,7 +243,7 @@ class LossSum:
             ConfigurationError: no rank saw a sample (``empty`` names the data).
         """
         total = self.total
-        totals = distributed.all_reduce_sum(torch.stack([total, total.new_tensor(self.samples)]))
+        totals = distributed.data_parallel_sum(torch.stack([total, total.new_tensor(self.samples)]))
         total_value, samples = totals.tolist()
         if samples == 0:
             raise ConfigurationError(f"{empty} yielded no batches: it is empty.")

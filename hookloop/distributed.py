@@ -26,6 +26,8 @@ __all__ = [
     "broadcast_object",
     "all_gather_object",
     "all_reduce_sums",
+    "data_parallel_sum",
+    "set_data_parallel_group",
 ]
 
 T = TypeVar("T")
@@ -88,6 +90,39 @@ def _reduce(tensor: torch.Tensor, op: Any) -> torch.Tensor:
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum of ``tensor`` over all ranks (a new tensor; the input itself without DDP)."""
     return _reduce(tensor, dist.ReduceOp.SUM if dist.is_available() else None)
+
+
+#: The ranks a data sum runs over (`data_parallel_sum`): None, all of them; ``"alone"``,
+#: none (one data-parallel replica: every rank read all the data); or a process group.
+_data_parallel: Any = None
+
+
+def set_data_parallel_group(group: Any) -> None:
+    """Where `data_parallel_sum` sums: None (every rank: plain data parallelism),
+    ``"alone"`` (no other rank read other data) or the process group of the ranks that
+    read different data (`hookloop.mesh.Mesh` sets it when tensor-parallel ranks read the
+    same batches). Reset to None when the default group is destroyed."""
+    global _data_parallel
+    _data_parallel = group
+
+
+def data_parallel_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of ``tensor`` over the ranks that read different data: all ranks under DDP and
+    FSDP; under tensor parallelism only one rank of each tensor-parallel group counts (the
+    others saw the same samples), so a sum of losses or of correct predictions counts every
+    sample once.
+
+    Example:
+        >>> data_parallel_sum(torch.tensor([2.0, 3.0]))
+        tensor([2., 3.])
+    """
+    if world_size() == 1 or _data_parallel is None:
+        return all_reduce_sum(tensor)
+    if _data_parallel == "alone":
+        return tensor
+    tensor = tensor.clone()
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=_data_parallel)
+    return tensor
 
 
 def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,9 @@ after a fit that ended cleanly: on the error path nothing collective is called).
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -19,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 from hookloop import distributed, slurm, suspension
+from hookloop.mesh import Mesh
 from hookloop.samplers import check_equal_batches, set_epoch, shard_loader
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["Launch", "init_process_group", "launched_by_torchrun"]
+__all__ = ["Launch", "destroy_at_exit", "init_process_group", "launched_by_torchrun"]
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _groups_created = 0  # process groups hookloop created in this process
@@ -141,18 +144,28 @@ class Launch:
                       f"{distributed.world_size()}{group}", flush=True)
         return True
 
-    def shard_data(self, loop: Loop) -> None:
+    def shard_data(self, loop: Loop, mesh: Mesh | None = None) -> None:
         """Give ``loop.train_data`` and ``loop.val_data`` distributed samplers (once per
-        loader), then check that every rank runs the same number of training batches."""
+        loader), then check that every rank runs the same number of training batches.
+
+        ``mesh``: shard over its data-parallel ranks (the tensor-parallel ranks of a group
+        read the same batches), and sum the data's losses and metrics over them
+        (`hookloop.distributed.data_parallel_sum`); None: every rank reads its own share,
+        and sums run over all ranks."""
+        replicas = None if mesh is None else mesh.data_parallel()
+        distributed.set_data_parallel_group(
+            None if mesh is None else mesh.data_parallel_group(loop.device.type))
         sharded_train, sharded_val = self._sharded
         original_train, original_val = self._originals
         if loop.train_data is not sharded_train:
             original_train = loop.train_data
-            sharded_train = shard_loader(loop.train_data, training=True, owner=self.owner)
+            sharded_train = shard_loader(loop.train_data, training=True, owner=self.owner,
+                                         replicas=replicas)
             loop.train_data = sharded_train
         if loop.val_data is not None and loop.val_data is not sharded_val:
             original_val = loop.val_data
-            sharded_val = shard_loader(loop.val_data, training=False, owner=self.owner)
+            sharded_val = shard_loader(loop.val_data, training=False, owner=self.owner,
+                                       replicas=replicas)
             loop.val_data = sharded_val
         self._originals = (original_train, original_val)
         self._sharded = (sharded_train, sharded_val)
@@ -186,5 +199,18 @@ class Launch:
     def destroy_group(self) -> None:
         """Destroy the default group this launch created (a collective: clean exits only)."""
         if distributed.is_initialized():
+            distributed.set_data_parallel_group(None)
             dist.destroy_process_group()
         self.created_group = False
+
+
+def destroy_at_exit(launch: Launch) -> None:
+    """At a clean exit of the process, destroy the group ``launch`` created (for callbacks
+    whose model lives on the group after the fit: `FSDP`, `TensorParallel`). A collective,
+    so not after an uncaught exception, where the other ranks may be gone."""
+    atexit.register(_destroy_if_clean, launch)
+
+
+def _destroy_if_clean(launch: Launch) -> None:
+    if getattr(sys, "last_value", None) is None and launch.finishing_cleanly:
+        launch.destroy_group()

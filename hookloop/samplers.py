@@ -152,7 +152,8 @@ def _rebuild(loader: DataLoader, sampler: Sampler[int], batch_size: int | None,
             "as it is.") from error
 
 
-def shard_loader(loader: Any, *, training: bool, owner: str = "DDP") -> Any:
+def shard_loader(loader: Any, *, training: bool, owner: str = "DDP",
+                 replicas: tuple[int, int] | None = None) -> Any:
     """``loader`` rebuilt to read this rank's share of the data, or ``loader`` itself.
 
     Training uses ``DistributedSampler`` (padded, so every rank runs the same number of
@@ -165,6 +166,9 @@ def shard_loader(loader: Any, *, training: bool, owner: str = "DDP") -> Any:
         loader: The training or validation data.
         training: Which of the two it is.
         owner: The callback sharding it, named in errors and warnings.
+        replicas: ``(count, index)``: shard over ``count`` data-parallel replicas, this
+            rank reading replica ``index``'s share (tensor-parallel ranks of one group
+            share a replica); None: over all ranks, by rank.
 
     Raises:
         ConfigurationError: a sampler or batch sampler that cannot be sharded, or an
@@ -202,7 +206,7 @@ def shard_loader(loader: Any, *, training: bool, owner: str = "DDP") -> Any:
         return loader  # the user sharded it already
     shuffle = _shuffles(sampler, which, owner)
     seed = _sampler_seed(loader, sampler) if shuffle else 0
-    world, rank = distributed.world_size(), distributed.rank()
+    world, rank = replicas or (distributed.world_size(), distributed.rank())
     new_sampler: Sampler[int]
     if training:
         new_sampler = DistributedSampler(loader.dataset, num_replicas=world, rank=rank,

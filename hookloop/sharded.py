@@ -30,7 +30,9 @@ __all__ = [
     "gather",
     "gather_for_rank_zero",
     "grad_scaler",
+    "is_distributed_module",
     "is_sharded_module",
+    "repoint_optimizer",
     "is_sharded_tensor",
     "layout_of",
     "load_full_model_state",
@@ -39,6 +41,7 @@ __all__ = [
     "model_state",
     "optimizer_state",
     "place_like",
+    "check_optimizer_holds_model",
     "regather",
     "release",
     "replicated_like",
@@ -76,6 +79,54 @@ def is_sharded_module(module: Any) -> bool:
     fsdp = sys.modules.get("torch.distributed.fsdp")
     kind = getattr(fsdp, "FSDPModule", None)
     return kind is not None and isinstance(module, kind)
+
+
+def is_distributed_module(module: Any) -> bool:
+    """True for a module that `is_sharded_module`, or that holds DTensor parameters (split
+    by tensor parallelism): its state is read and loaded through DCP's state-dict helpers.
+
+    Example:
+        >>> is_distributed_module(torch.nn.Linear(2, 2))
+        False
+    """
+    return is_sharded_module(module) or any(is_sharded_tensor(param)
+                                            for param in module.parameters())
+
+
+def check_optimizer_holds_model(owner: str, module: nn.Module,
+                                optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """Before a callback replaces ``module``'s parameters (sharding, tensor parallel): the
+    names of the parameters by identity, once the optimizer was checked to hold only them
+    and not to have stepped. Raises `ConfigurationError` otherwise."""
+    from hookloop.errors import ConfigurationError
+
+    if optimizer.state:
+        raise ConfigurationError(
+            f"{owner}: {type(optimizer).__name__} has stepped already (it holds state for the "
+            "whole, unsharded parameters), so it cannot be re-pointed at the shards. "
+            "Build the optimizer fresh before fit; Checkpoint(resume=...) restores its "
+            "state into the sharded one.")
+    names = {id(param): name for name, param in module.named_parameters()}
+    foreign = [param for group in optimizer.param_groups for param in group["params"]
+               if id(param) not in names]
+    if foreign:
+        raise ConfigurationError(
+            f"{owner}: the optimizer holds {len(foreign)} tensor(s) that are not parameters of "
+            "the model (first of shape "
+            f"{tuple(foreign[0].shape)}); {owner} replaces the model's parameters and re-points "
+            "the optimizer at them, and the optimizer of such a model must hold only those. "
+            "Give other parameters their own optimizer (Loop(..., state={...})).")
+    return names
+
+
+def repoint_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer,
+                      names: dict[int, str]) -> None:
+    """Point ``optimizer``'s param groups at ``module``'s current parameters, by the names
+    `check_optimizer_holds_model` gave before they were replaced (class, hyper-parameters
+    and groups kept: an optimizer still holding the old tensors would step nothing)."""
+    by_name = dict(module.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [by_name[names[id(param)]] for param in group["params"]]
 
 
 def set_layout(module: nn.Module, layout: str | None) -> None:

@@ -22,7 +22,7 @@ from hookloop import distributed
 from hookloop.errors import CheckpointError, CheckpointWriteError, ConfigurationError, with_article
 from hookloop.modules import unwrap
 from hookloop.sharded import (
-    is_sharded_module,
+    is_distributed_module,
     is_sharded_tensor,
     load_full_model_state,
     load_full_optimizer_state,
@@ -811,7 +811,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
         raise CheckpointError(
             f"{path}: holds no optimizer state (best.pt keeps only the validated weights); "
             "load a rotating checkpoint to restore the optimizer.")
-    if not strict and (payload.get(SHARDS_KEY) is not None or is_sharded_module(model)):
+    if not strict and (payload.get(SHARDS_KEY) is not None or is_distributed_module(model)):
         raise ConfigurationError(
             f"load_checkpoint(strict=False) loads a checkpoint file into an unsharded model; "
             f"{path} is sharded or the model is: load it strictly, or write the run with "
@@ -838,7 +838,7 @@ def load_weights(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
         groups = payload["optimizer"].get("param_groups") if optimizer is not None else None
         shards.load(model, optimizer, groups)
         return
-    if not is_sharded_module(model):
+    if not is_distributed_module(model):
         load_model_weights(path, model, payload["model"], strict=strict)
         if optimizer is not None:
             load_optimizer_state(path, optimizer, payload["optimizer"])

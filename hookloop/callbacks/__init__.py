@@ -8,6 +8,7 @@ docs/performance.md.
 
 from __future__ import annotations
 
+from hookloop.callbacks.activation_checkpointing import ActivationCheckpointing
 from hookloop.callbacks.amp import AMP
 from hookloop.callbacks.checkpoint import Checkpoint
 from hookloop.callbacks.compile import Compile
@@ -27,6 +28,7 @@ from hookloop.callbacks.model_summary import ModelSummary
 from hookloop.callbacks.profiler import Profiler
 from hookloop.callbacks.progress import ProgressBar
 from hookloop.callbacks.short_run import ShortRun
+from hookloop.callbacks.tensor_parallel import TensorParallel
 from hookloop.callbacks.tensorboard import TensorBoard
 from hookloop.callbacks.terminate_on_nan import TerminateOnNaN
 from hookloop.callbacks.throughput import ThroughputMonitor
@@ -36,6 +38,6 @@ __all__: list[str] = []
 __all__ += ["AMP", "EMA", "GradAccumulation", "GradClip", "LRScheduler"]
 __all__ += ["Checkpoint", "EarlyStopping", "Metrics", "TerminateOnNaN"]
 __all__ += ["DetectAnomaly", "ShortRun", "TimeLimit"]
-__all__ += ["DDP", "FSDP"]
+__all__ += ["ActivationCheckpointing", "DDP", "FSDP", "TensorParallel"]
 __all__ += ["CSVLogger", "ModelSummary", "Profiler", "ProgressBar", "TensorBoard"]
 __all__ += ["Compile", "CudaSpeedups", "MemoryMonitor", "ThroughputMonitor"]

@@ -95,6 +95,9 @@ class Compile(Callback):
     #: The display (`ProgressBar`) says "compiling" during the first batches.
     roles: ClassVar[tuple[str, ...]] = ("compiles",)
     runs_after = {
+        "ActivationCheckpointing": "the compiled graph must hold the checkpointed blocks "
+                                   "(checkpointing after compiling changes modules the "
+                                   "compiled code no longer calls)",
         "distributed": "torch.compile must wrap the DDP/FSDP model (DDP splits the compiled "
                        "graph at its buckets to overlap communication with backward), so the "
                        "wrapping comes first",

@@ -4,8 +4,6 @@ split over the ranks."""
 
 from __future__ import annotations
 
-import atexit
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -15,78 +13,21 @@ import torch
 from torch import nn
 
 from hookloop import distributed, sharded
+from hookloop.blocks import MIN_SHARE, check_wrap, chosen_blocks, default_blocks
 from hookloop.callback import Callback
 from hookloop.checks import check_choice, check_flag, check_name, check_that
 from hookloop.data import length_of
 from hookloop.errors import ConfigurationError
-from hookloop.launcher import Launch
+from hookloop.launcher import Launch, destroy_at_exit
+from hookloop.mesh import Mesh
 from hookloop.phase import Phase
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["FSDP", "default_blocks"]
+__all__ = ["FSDP", "MIN_SHARE", "default_blocks"]  # the last two: hookloop.blocks
 
-#: The share of the model's parameters a direct child must hold to be sharded on its own
-#: by the default ``wrap``; smaller children stay with the root.
-MIN_SHARE = 0.02
 _MIXED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: look inside
-
-
-def _candidates(module: nn.Module) -> Iterator[nn.Module]:
-    """The direct children of ``module``, with the blocks of a ModuleList or ModuleDict (which
-    never run a forward themselves, so sharding them would never gather) in their place."""
-    for child in module.children():
-        if isinstance(child, _CONTAINERS):
-            yield from _candidates(child)
-        else:
-            yield child
-
-
-def default_blocks(model: nn.Module, min_share: float = MIN_SHARE) -> list[nn.Module]:
-    """The blocks the default ``wrap`` shards one by one: every direct child holding at least
-    ``min_share`` of the model's parameters (the blocks of a ModuleList or ModuleDict are
-    direct children here), except a child sharing a parameter with the rest of the model
-    (a tied embedding stays with the root, which holds both of its users).
-
-    Example:
-        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64),
-        ...                             torch.nn.Linear(64, 64))
-        >>> [type(block).__name__ for block in default_blocks(model)]  # LayerNorm: 1.5%
-        ['Linear', 'Linear']
-    """
-    total = sum(param.numel() for param in model.parameters())
-    if total == 0:
-        return []
-    blocks = []
-    for child in _candidates(model):
-        inside = {id(param) for param in child.parameters()}
-        held = sum(param.numel() for param in child.parameters())
-        outside = {id(param) for name, param in model.named_parameters(remove_duplicate=False)
-                   if id(param) in inside and not _belongs(model, child, name)}
-        if held >= min_share * total and not outside:
-            blocks.append(child)
-    return blocks
-
-
-def _belongs(model: nn.Module, child: nn.Module, name: str) -> bool:
-    """True when the parameter ``name`` of ``model`` is reached through ``child``."""
-    owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-    return any(owner is module for module in child.modules())
-
-
-def _blocks(model: nn.Module, wrap: Any) -> list[nn.Module]:
-    """The submodules to shard on their own (children before their parents), the root apart."""
-    if wrap is None:
-        return default_blocks(model)
-    if callable(wrap) and not isinstance(wrap, type):
-        chosen = [module for module in model.modules() if module is not model and wrap(module)]
-    else:
-        kinds = tuple(wrap)
-        chosen = [module for module in model.modules()
-                  if module is not model and isinstance(module, kinds)]
-    return chosen[::-1]  # modules() is pre-order: reversed, every child precedes its parent
 
 
 class FSDP(Callback):
@@ -99,8 +40,9 @@ class FSDP(Callback):
     by neither, where it does nothing, so one script runs both ways), then:
 
     * applies ``fully_shard`` to each block (``wrap``) and to the root, on a one-dimensional
-      device mesh over all ranks: each rank keeps ``1/world`` of every parameter (a DTensor)
-      and gathers a block's parameters just for its forward and backward;
+      device mesh over all ranks (or the ``mesh`` given: HSDP, FSDP + tensor parallel):
+      each rank keeps ``1/world`` of every parameter (a DTensor) and gathers a block's
+      parameters just for its forward and backward;
     * re-points ``loop.optimizer`` at the sharded parameters, keeping its class,
       hyper-parameters and param groups (an optimizer built over the unsharded parameters
       would otherwise step nothing, silently), and refuses an optimizer that holds tensors
@@ -152,6 +94,12 @@ class FSDP(Callback):
         backend: Process group backend; None means ``nccl`` on CUDA, else ``gloo``.
         requeue: In a SLURM job, requeue it with ``scontrol`` when SIGUSR1 ends the launch,
             as ``DDP(requeue=True)`` does.
+        mesh: None (shard over all ranks, a 1-D mesh), or a `hookloop.mesh.Mesh`: FSDP
+            shards over its ``dp_shard`` ranks, and with ``dp_replicate`` > 1 replicates
+            across them (HSDP: a 2-D ``(replicate, shard)`` mesh; gradients reduce-scattered
+            within a replica, all-reduced across replicas); with ``tp`` > 1, pass the same
+            Mesh to `TensorParallel`, which comes before FSDP. The data is sharded over the
+            data-parallel ranks (dp_replicate x dp_shard).
 
     Raises:
         ConfigurationError: a bad argument; at setup, an optimizer holding tensors the
@@ -174,6 +122,14 @@ class FSDP(Callback):
 
     unique: ClassVar[bool] = True
     roles: ClassVar[tuple[str, ...]] = ("distributed",)
+    runs_after: ClassVar[dict[str, str]] = {
+        "ActivationCheckpointing": "the checkpointed blocks are sharded as they are: "
+                                   "checkpointing a block FSDP gathers already would recompute "
+                                   "outside FSDP's hooks",
+        "TensorParallel": "FSDP shards the tensor-parallel weights over the data-parallel "
+                          "ranks; tensor parallel cannot split weights that are sharded "
+                          "already",
+    }
     conflicts_with: ClassVar[dict[str, str]] = {
         "DDP": "both distribute the model (DDP keeps a whole copy on every rank, FSDP shards "
                "it); keep FSDP for a model that does not fit on one GPU, DDP otherwise",
@@ -182,14 +138,9 @@ class FSDP(Callback):
     def __init__(self, *, wrap: Iterable[type[nn.Module]] | Callable[[nn.Module], bool]
                  | None = None, mixed_precision: Any = None, reshard_after_forward: bool = True,
                  cpu_offload: bool = False, state_dict: str = "full",
-                 backend: str | None = None, requeue: bool = False) -> None:
-        if wrap is not None and not (callable(wrap) and not isinstance(wrap, type)):
-            kinds = list(wrap) if isinstance(wrap, (set, frozenset, list, tuple)) else None
-            check_that("FSDP wrap", wrap, kinds is not None and all(
-                isinstance(kind, type) and issubclass(kind, nn.Module) for kind in kinds),
-                "None, a set of nn.Module classes or a callable module -> bool",
-                hint="For example wrap={TransformerBlock}.")
-            wrap = frozenset(kinds or ())
+                 backend: str | None = None, requeue: bool = False,
+                 mesh: Mesh | None = None) -> None:
+        wrap = check_wrap("FSDP", wrap)
         self.wrap = wrap
         self.mixed_precision = mixed_precision
         self._policy = self._mixed_precision_policy(mixed_precision)
@@ -203,6 +154,9 @@ class FSDP(Callback):
                                   hint="A backend name is e.g. 'nccl' or 'gloo'; None picks "
                                        "nccl on CUDA, gloo on CPU.")
         self.requeue = check_flag("FSDP requeue", requeue)
+        self.mesh = check_that("FSDP mesh", mesh, mesh is None or isinstance(mesh, Mesh),
+                               "None or a hookloop.mesh.Mesh",
+                               hint="For example Mesh(dp_replicate=2, dp_shard='auto') (HSDP).")
         self._launch = Launch("FSDP", requeue=self.requeue)
         self._syncing = True  # gradients reduce-scattered at the coming backward
         self._even: dict[int, bool] = {}  # validation loader -> same batch count on all ranks
@@ -226,6 +180,7 @@ class FSDP(Callback):
 
     def __repr__(self) -> str:
         extra = "" if self.mixed_precision is None else f", mixed_precision={self.mixed_precision}"
+        extra += "" if self.mesh is None else f", mesh={self.mesh!r}"
         return f"FSDP(state_dict={self.state_dict_layout!r}{extra})"
 
     # ------------------------------------------------------------------- setup
@@ -236,11 +191,11 @@ class FSDP(Callback):
         if not sharded.is_sharded_module(module):
             self._shard(loop, module)
             if self._launch.created_group:
-                atexit.register(_destroy_at_exit, self._launch)
+                destroy_at_exit(self._launch)
         module.set_requires_gradient_sync(True)  # a window an exception cut short is over
         self._syncing = True
         sharded.set_layout(module, self.state_dict_layout)
-        self._launch.shard_data(loop)
+        self._launch.shard_data(loop, self.mesh)
 
     def _shard(self, loop: Loop, module: nn.Module) -> None:
         """``fully_shard`` the blocks, then the root; re-point the optimizer."""
@@ -248,25 +203,20 @@ class FSDP(Callback):
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         optimizer = loop.optimizer
-        if optimizer.state:
-            raise ConfigurationError(
-                f"FSDP: {type(optimizer).__name__} has stepped already (it holds state for the "
-                "whole, unsharded parameters), so it cannot be re-pointed at the shards. "
-                "Build the optimizer fresh before fit; Checkpoint(resume=...) restores its "
-                "state into the sharded one.")
-        names = {id(param): name for name, param in module.named_parameters()}
-        foreign = [param for group in optimizer.param_groups for param in group["params"]
-                   if id(param) not in names]
-        if foreign:
-            raise ConfigurationError(
-                f"FSDP: the optimizer holds {len(foreign)} tensor(s) that are not parameters of "
-                "the model (first of shape "
-                f"{tuple(foreign[0].shape)}); FSDP shards the model's parameters and re-points "
-                "the optimizer at them, and a sharded model's optimizer must hold only those. "
-                "Give other parameters their own optimizer (Loop(..., state={...})).")
+        names = sharded.check_optimizer_holds_model("FSDP", module, optimizer)
         module.to(loop.device)
-        options: dict[str, Any] = {"mesh": init_device_mesh(loop.device.type,
-                                                            (distributed.world_size(),))}
+        if self.mesh is not None:
+            device_mesh = self.mesh.fsdp_mesh(loop.device.type)
+        elif any(sharded.is_sharded_tensor(param) for param in module.parameters()):
+            raise ConfigurationError(
+                "FSDP: the model holds DTensor parameters (split by TensorParallel) but FSDP "
+                "was given no mesh, so it would shard over a mesh of its own that the "
+                "tensor-parallel one is not part of. Pass the same hookloop.mesh.Mesh to both: "
+                "mesh = Mesh(dp_shard='auto', tp=2); [TensorParallel(plan, mesh=mesh), "
+                "FSDP(mesh=mesh)].")
+        else:
+            device_mesh = init_device_mesh(loop.device.type, (distributed.world_size(),))
+        options: dict[str, Any] = {"mesh": device_mesh}
         if self._policy is not None:
             options["mp_policy"] = self._policy
         if self.cpu_offload:
@@ -277,12 +227,10 @@ class FSDP(Callback):
                                   "in host memory already.", RuntimeWarning, stacklevel=4)
             else:
                 options["offload_policy"] = CPUOffloadPolicy()
-        for block in _blocks(module, self.wrap):
+        for block in chosen_blocks(module, self.wrap):
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
         fully_shard(module, **options)  # the root: torch keeps it gathered from forward to backward
-        by_name = dict(module.named_parameters())
-        for group in optimizer.param_groups:
-            group["params"] = [by_name[names[id(param)]] for param in group["params"]]
+        sharded.repoint_optimizer(module, optimizer, names)
 
     # ------------------------------------------------------------------ events
     def on_epoch_start(self, loop: Loop) -> None:
@@ -327,10 +275,3 @@ class FSDP(Callback):
 
     def on_exception(self, loop: Loop, exc: BaseException) -> None:
         self._launch.failed()
-
-
-def _destroy_at_exit(launch: Launch) -> None:
-    """At a clean exit of the process: destroy the group FSDP created (a collective, so not
-    after an uncaught exception, where the other ranks may be gone)."""
-    if getattr(sys, "last_value", None) is None and launch.finishing_cleanly:
-        launch.destroy_group()

@@ -11,7 +11,7 @@ import torch
 from hookloop.callback import Callback
 from hookloop.checks import check_number
 from hookloop.errors import ConfigurationError
-from hookloop.grads import clip_grad_norm, parameters_in_model_order, total_norm
+from hookloop.grads import clip_grad_norm, parameters_in_model_order, total_norm, unclippable
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -34,7 +34,11 @@ class GradClip(Callback):
 
     Under `FSDP` the gradients are shards (DTensors): the norm is the global one, over every
     shard of every rank (the same value on every rank, and in ``grad_norm``), and every
-    shard is scaled by it, as one process holding the whole model would.
+    shard is scaled by it, as one process holding the whole model would. Under
+    `TensorParallel` (alone or with FSDP) the parameters live on several meshes and some
+    may stay plain: the norm is taken per mesh and the norms combined, which is exactly
+    the norm of the whole. A parameter whose layout cannot be normed (a DTensor with a
+    ``Partial`` placement) is refused at fit start, by name.
 
     When every parameter's ``.grad`` is None at a step (a detached graph, a frozen model),
     it warns once (``RuntimeWarning``) instead of silently clipping nothing, and
@@ -98,6 +102,13 @@ class GradClip(Callback):
     def on_fit_start(self, loop: Loop) -> None:
         # After every setup: FSDP re-points the optimizer at the sharded parameters there.
         self._order = None
+        refused = unclippable(loop.unwrapped_model, self._parameters(loop))
+        if refused:
+            raise ConfigurationError(
+                f"GradClip cannot clip {', '.join(refused[:5])}: these parameters are DTensors "
+                "with a Partial placement (each rank holds a summand, not a shard), so no norm "
+                "of their gradients is the norm of the whole. Place them as Shard or Replicate "
+                "in the tensor-parallel plan (or leave them out of it), or drop GradClip.")
 
     def _parameters(self, loop: Loop) -> list[torch.Tensor]:
         """The optimizer's parameters in the model's order, worked out once per fit (and

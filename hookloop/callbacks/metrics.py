@@ -133,7 +133,7 @@ class _Pass:
         dtype = torch.float32 if self.device.type == "mps" else torch.float64
         local = torch.stack([*self.sums.values(),
                              torch.tensor(float(self.samples), dtype=dtype, device=self.device)])
-        totals = distributed.all_reduce_sum(local).tolist()
+        totals = distributed.data_parallel_sum(local).tolist()
         count = totals[-1]
         if not count:
             return {}

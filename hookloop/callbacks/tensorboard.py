@@ -24,6 +24,7 @@ from hookloop.compat import loss_scale, summary_file_writer, summary_writer_thre
 from hookloop.errors import ConfigurationError, LogWriteError
 from hookloop.forward import model_inputs
 from hookloop.phase import Phase
+from hookloop.sharded import is_sharded_tensor
 from hookloop.untouched import untouched
 
 if TYPE_CHECKING:
@@ -187,7 +188,9 @@ class TensorBoard(Callback):
       as ``loop.state.history`` does.
     * with ``histograms_every_n_epochs=k``: ``weights/<param>`` and ``gradients/<param>``
       every k-th epoch, at its last optimizer step (the gradients exist only until
-      ``zero_grad``). Off by default: histograms are slow to write and to load.
+      ``zero_grad``). Off by default: histograms are slow to write and to load. A sharded
+      parameter (`FSDP`, `TensorParallel`) is shown by rank 0's shard, tagged
+      ``<param>@rank0-shard``.
     * with ``graph=True``: the model graph, traced from the first training batch in eval
       mode without gradients (modes, BatchNorm statistics and RNG streams are restored).
       A model that cannot be traced gives a warning, never an error.
@@ -563,12 +566,15 @@ class TensorBoard(Callback):
         kept: dict[str, bytes] = {}
         with self._writing():
             for name, param in loop.unwrapped_model.named_parameters():
-                file_writer.add_summary(histogram(f"weights/{name}", param.detach(), bins), step)
+                # A sharded parameter (FSDP, tensor parallel): rank 0's shard, so tagged (this
+                # rank-0-only callback cannot gather the others').
+                tag = f"{name}@rank0-shard" if is_sharded_tensor(param) else name
+                file_writer.add_summary(histogram(f"weights/{tag}", _local(param), bins), step)
                 if gradients is not None:
                     if name in gradients:
                         file_writer.add_summary(Summary.FromString(gradients[name]), step)
                 elif param.grad is not None:
-                    summary = histogram(f"gradients/{name}", param.grad.detach(), bins)
+                    summary = histogram(f"gradients/{tag}", _local(param.grad), bins)
                     file_writer.add_summary(summary, step)
                     kept[name] = summary.SerializeToString()
         if gradients is None:
@@ -648,3 +654,9 @@ def _quiet_thread(writer: Any) -> None:
 
     hook._hookloop_quiet = True  # type: ignore[attr-defined]
     threading.excepthook = hook
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached; a DTensor's local shard (a histogram reads plain values)."""
+    tensor = tensor.detach()
+    return tensor.to_local() if is_sharded_tensor(tensor) else tensor  # type: ignore[attr-defined]

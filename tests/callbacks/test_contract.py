@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rich.console import Console
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader
 
 import hookloop.callbacks as builtins
@@ -17,6 +18,7 @@ from hookloop import Callback, ConfigurationError, Loop, describe
 from hookloop.ordering import overrides
 from hookloop.callbacks import (
     AMP,
+    ActivationCheckpointing,
     CSVLogger,
     Checkpoint,
     Compile,
@@ -36,6 +38,7 @@ from hookloop.callbacks import (
     ProgressBar,
     ShortRun,
     TensorBoard,
+    TensorParallel,
     TerminateOnNaN,
     ThroughputMonitor,
     TimeLimit,
@@ -70,6 +73,11 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
     "TerminateOnNaN": lambda tmp: TerminateOnNaN(),
     "DDP": lambda tmp: DDP(),
     "FSDP": lambda tmp: FSDP(state_dict="sharded"),
+    "ActivationCheckpointing": lambda tmp: ActivationCheckpointing(),
+    "ActivationCheckpointing-selective": lambda tmp: ActivationCheckpointing(
+        policy=[torch.ops.aten.addmm.default]),
+    # one process: the plan is not applied
+    "TensorParallel": lambda tmp: TensorParallel({"0": ColwiseParallel(), "3": RowwiseParallel()}),
     "TensorBoard": lambda tmp: TensorBoard(tmp / "tb", every_n_steps=2, graph=True,
                                            histograms_every_n_epochs=2),
     "ProgressBar": lambda tmp: ProgressBar(console=Console(file=io.StringIO(), force_terminal=True)),
