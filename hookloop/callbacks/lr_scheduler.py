@@ -25,6 +25,12 @@ SchedulerFactory = Callable[[torch.optim.Optimizer, int], Any]
 _INTERVALS = ("step", "epoch")
 
 
+def _steps_by_count(obj: Any) -> bool:
+    """timm's protocol: ``step(epoch, metric=None)`` at epoch ends and
+    ``step_update(num_updates, metric=None)`` after optimizer updates."""
+    return callable(getattr(obj, "step_update", None))
+
+
 def _is_scheduler(obj: Any) -> bool:
     return isinstance(obj, (TorchScheduler, ReduceLROnPlateau)) or (
         callable(getattr(obj, "step", None)) and callable(getattr(obj, "state_dict", None))
@@ -63,6 +69,15 @@ class LRScheduler(Callback):
       epoch for a loop without validation data); ``interval`` does not apply.
       ``monitors()`` declares the metric, so the stack check requires its producer to
       come first.
+    * A scheduler with timm's stepping protocol (``step(epoch, metric=None)`` and
+      ``step_update(num_updates, metric=None)``, any object with a ``step_update`` method)
+      is driven as timm's own training script drives it: ``step_update(num_updates=
+      loop.state.step)`` after every real optimizer step, and ``step(loop.state.epoch + 1)``
+      at the end of every epoch that ran through all the data (with
+      ``metric=loop.state.metrics[monitor]`` when ``monitor`` is given, for timm's plateau
+      schedule). The scheduler's own ``t_in_epochs`` decides which of the two moves the
+      learning rate; ``interval`` does not apply. A resumed run loads its state and calls
+      both once with where the run is, so the learning rate is the schedule's there.
 
     Args:
         scheduler: A torch scheduler, or ``fn(optimizer, total_steps)`` returning one
@@ -140,7 +155,14 @@ class LRScheduler(Callback):
     def monitors(self) -> Iterable[str]:
         return (self.monitor,) if self.monitor is not None else ()
 
+    @property
+    def steps_by_count(self) -> bool:
+        """True for a scheduler with timm's protocol (``step(epoch)``/``step_update(n)``)."""
+        return _steps_by_count(self._scheduler)
+
     def _check_monitor(self, scheduler: Any) -> None:
+        if _steps_by_count(scheduler):
+            return  # timm's plateau schedule reads a metric; the others ignore it
         if isinstance(scheduler, ReduceLROnPlateau):
             if self.monitor is None:
                 raise ConfigurationError(
@@ -151,7 +173,8 @@ class LRScheduler(Callback):
             raise ConfigurationError(
                 "LRScheduler monitor must be None for "
                 f"{with_article(type(scheduler).__name__)}, which does not read metrics, got "
-                f"{self.monitor!r}. monitor is only used by ReduceLROnPlateau: remove monitor=.")
+                f"{self.monitor!r}. monitor is only used by ReduceLROnPlateau (and schedulers "
+                "with timm's step(epoch, metric) protocol): remove monitor=.")
 
     # ------------------------------------------------------------------ events
     def setup(self, loop: Loop) -> None:
@@ -187,7 +210,7 @@ class LRScheduler(Callback):
                 if old_total is not None and done:
                     self._note_stretch(old_total, rates, done)
 
-    def on_fit_start(self, loop: Loop) -> None:
+    def _fit_start(self, loop: Loop) -> None:
         """Check that a fixed-length scheduler lasts for what is left of the run; on rank 0,
         say when a factory's schedule was stretched (nothing is said when nothing trains)."""
         stretched, self._stretched = self._stretched, None
@@ -274,6 +297,8 @@ class LRScheduler(Callback):
         state holds the saved run's), since some schedulers compute each step from the last.
         """
         scheduler = self._scheduler
+        if _steps_by_count(scheduler):
+            return  # its learning rate is a function of the count: set at the next call
         get_last_lr = getattr(scheduler, "get_last_lr", None)
         try:
             last = get_last_lr() if callable(get_last_lr) else None
@@ -298,8 +323,18 @@ class LRScheduler(Callback):
                 f"ReduceLROnPlateau has mode={mode!r}, so it would cut the learning rate while "
                 f"the metric improves. Build it with mode={expected!r}.")
 
+    def on_fit_start(self, loop: Loop) -> None:
+        """The checks of `_fit_start`; a timm-protocol scheduler of a resumed run is told
+        where the run is (``step(epoch)``, then ``step_update(step)``)."""
+        self._fit_start(loop)
+        if self.steps_by_count and loop.state.step:  # a resumed run: the rate of where it is
+            self._scheduler.step(loop.position.epoch)
+            self._scheduler.step_update(num_updates=loop.state.step)
+
     def after_step(self, loop: Loop) -> None:
-        if self.interval == "step" and not self.is_plateau:
+        if self.steps_by_count:
+            self._scheduler.step_update(num_updates=loop.state.step)
+        elif self.interval == "step" and not self.is_plateau:
             self._scheduler.step()
 
     def on_validation_end(self, loop: Loop) -> None:
@@ -311,7 +346,11 @@ class LRScheduler(Callback):
     def on_epoch_end(self, loop: Loop) -> None:
         if not loop.epoch_completed:  # cut short by stop(): the epoch is done again later
             return
-        if self.is_plateau:
+        if self.steps_by_count:
+            metric = self.monitor is not None and self.monitor in loop.state.metrics
+            self._scheduler.step(loop.state.epoch + 1, *(
+                (self._plateau_monitor().read(loop),) if metric else ()))
+        elif self.is_plateau:
             monitor = self._plateau_monitor()
             if monitor.due(loop, epoch_end=True) and self.monitor in loop.state.metrics:
                 self._scheduler.step(monitor.read(loop))
@@ -348,7 +387,7 @@ class LRScheduler(Callback):
             # A factory's scheduler is built at the next fit (not in validate() alone), and
             # then advanced to the run's step: nothing to load into yet.
             return
-        if self._factory is None or self.is_plateau:
+        if self._factory is None or self.is_plateau or self.steps_by_count:
             self._scheduler.load_state_dict(state)
             return
         saved = int(state.get("last_epoch", 0))
