@@ -443,14 +443,14 @@ class Loop(Geometry):
         self._epoch_completed = False
         emit(self, table.on_epoch_start)
         self._epoch_completed = completed = self._train_epoch(table)
-        validated = completed and self._cadence.at_epoch_end(epoch, state.step)
-        if validated:
+        if completed and self._cadence.at_epoch_end(epoch, state.step):
             self._validate_pass(self.val_data, "val")
         if completed:
             self._position.record(epoch + 1, 0, state.step, None, 0)
-        emit(self, table.on_epoch_end)
-        if completed and not validated:
-            state.record_epoch_end()
+            # The epoch's history row takes the metrics each on_epoch_end writes, at once.
+            dispatch.emit_recording(self, table.on_epoch_end, state.epoch_recorder())
+        else:
+            emit(self, table.on_epoch_end)
 
     def _train_epoch(self, table: Table) -> bool:
         """One training pass. Returns False when `stop` ended it before the data ran out."""
