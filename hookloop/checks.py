@@ -186,6 +186,32 @@ def check_name(label: str, value: Any, *, optional: bool = True, hint: str = "")
     return value
 
 
+def check_loss_reduction(value: Any, loss_fn: Any) -> str:
+    """``Loop(loss_reduction=...)`` as ``"mean"`` or ``"sum"``; ``"auto"`` reads the
+    ``reduction`` of a torch loss module (``nn.MSELoss(reduction="sum")``), else ``"mean"``.
+
+    Example:
+        >>> import torch
+        >>> check_loss_reduction("auto", torch.nn.MSELoss(reduction="sum"))
+        'sum'
+        >>> check_loss_reduction("auto", torch.nn.functional.mse_loss)
+        'mean'
+    """
+    check_choice("Loop loss_reduction", value, ("auto", "mean", "sum"),
+                 hint="'mean': each batch's loss is its mean (weighted by the batch size); "
+                      "'sum': it is the sum over its samples; 'auto' reads loss_fn.reduction.")
+    if value != "auto":
+        return value
+    reduction = getattr(loss_fn, "reduction", None) if isinstance(loss_fn, torch.nn.Module) \
+        else None
+    if reduction == "none":
+        raise ConfigurationError(
+            f"loss_fn {type(loss_fn).__name__}(reduction='none') returns one loss per sample, "
+            "but the loop needs a scalar. Build it with reduction='mean' (or 'sum', then the "
+            "epoch losses are divided by the number of samples).")
+    return "sum" if reduction == "sum" else "mean"
+
+
 def check_choice(label: str, value: Any, choices: Iterable[Any], *, hint: str = "") -> Any:
     """``value`` if it is one of ``choices``.
 

@@ -75,6 +75,14 @@ class Loop(Geometry):
             ``state={"discriminator": net_d, "opt_d": opt_d}``). They are in
             `state_dict` under ``"state"`` and restored before ``on_fit_start``; the loop
             neither moves nor trains them.
+        loss_reduction: How a batch's loss relates to its samples, for the epoch losses
+            (``train_loss``, ``val_loss``, ``evaluate``'s): ``"mean"``, the loss is the
+            batch's mean, weighted by the batch size; ``"sum"``, the loss is the sum over
+            the batch's samples (``reduction="sum"``, a VAE's loss), added as it is; both
+            are divided by the number of samples, so the reported number is the mean loss
+            per sample, as a script's ``total / len(dataset)``. ``"auto"`` (default): the
+            ``reduction`` attribute of a torch loss module given as ``loss_fn``
+            (``nn.MSELoss(reduction="sum")``), else ``"mean"``.
 
     How the loss is computed, first rule that applies: ``forward`` if given; a pair batch
     with ``loss_fn``: ``loss_fn(model(inputs), targets)``; a mapping batch:
@@ -99,7 +107,8 @@ class Loop(Geometry):
                  callbacks: Iterable[Callback] = (), device: torch.device | str | None = None,
                  val_every_n_epochs: int | None = 1, val_every_n_steps: int | None = None,
                  sanity_val_batches: int = 2, state: dict[str, Any] | None = None,
-                 inputs: Selector | None = None, targets: Selector | None = None) -> None:
+                 inputs: Selector | None = None, targets: Selector | None = None,
+                 loss_reduction: str = "auto") -> None:
         self.device = checks.check_loop_arguments(
             model, optimizer, train_data, val_data, loss_fn, forward, callbacks, device,
             val_every_n_epochs=val_every_n_epochs, val_every_n_steps=val_every_n_steps,
@@ -110,6 +119,9 @@ class Loop(Geometry):
         self.callbacks: list[Callback] = list(callbacks)
         self.val_every_n_epochs, self.val_every_n_steps = val_every_n_epochs, val_every_n_steps
         self.sanity_val_batches = sanity_val_batches
+        #: ``"mean"`` or ``"sum"``: how the epoch losses weigh a batch's loss (``loss_reduction``).
+        self.loss_reduction = checks.check_loss_reduction(loss_reduction, loss_fn)
+        self._loss_weight = 1 if self.loss_reduction == "sum" else None  # LossSum.add's
         #: More objects saved and restored with the run (``state=``), by name.
         self.extra_state = checks.check_extra_state(state)
         self.state = LoopState()
@@ -490,7 +502,7 @@ class Loop(Geometry):
             if state.loss is not loss:  # replaced by a callback (a penalty term)
                 check_loss(state.loss, training=True, replaced=True)
                 loss = state.loss
-        batches.losses.add(loss, state.batch_size)
+        batches.losses.add(loss, state.batch_size, self._loss_weight)
         for scale in table.scale_loss:
             loss = call(scale, self, loss)
         return loss
@@ -542,7 +554,7 @@ class Loop(Geometry):
                         with entered(contexts.forward_context, self):
                             state.outputs, state.loss = compute(self, batch)
                         check_loss(state.loss, training=False)
-                        losses.add(state.loss, state.batch_size)
+                        losses.add(state.loss, state.batch_size, self._loss_weight)
                         if table.on_validation_batch_end:
                             emit(self, table.on_validation_batch_end)
                 empty = "val_data" if prefix == "val" else "the data given to evaluate()"
