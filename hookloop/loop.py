@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hookloop import checks, dispatch, distributed, run_state, sanity
+from hookloop.boundary import BoundaryStates
 from hookloop.cadence import Cadence
 from hookloop.callback import Callback
 from hookloop.data import LossSum
@@ -141,6 +142,7 @@ class Loop(Geometry):
         self._position = Position()  # where the weights are, in data terms (see state_dict)
         self._cadence = Cadence()
         self._stepper = OptimizerStep()
+        self._boundary = BoundaryStates()  # callbacks' states at the last step boundary
         self._end = RunEnd(self.state, self._position)
         self._epoch_completed = False
         self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
@@ -272,6 +274,7 @@ class Loop(Geometry):
         with self._stepper.observing(self.optimizer), self._phases.entered(Phase.TRAIN):
             try:
                 table = self._setup()
+                self._boundary.attach(self.callbacks)
                 self._cadence.begin(self, position.validated)
                 self.optimizer.zero_grad(set_to_none=True)
                 idle = self._end.nothing_to_train(epochs, max_steps, position.epoch, state.step)
@@ -287,6 +290,7 @@ class Loop(Geometry):
                     self._run_epoch(epoch, table)
             except BaseException as exc:
                 position.rewind()  # a later fit continues from the last step boundary
+                self._boundary.rewind(position.public)  # ... and so do the callbacks' states
                 terminated = dispatch.handle_exception(self, table, exc)
                 if terminated is not None:
                     raise terminated from exc  # exit with SIGTERM's status, the cause attached
@@ -453,6 +457,7 @@ class Loop(Geometry):
         state = self.state
         state.epoch, state.metrics = epoch, {}
         self._epoch_completed = False
+        self._boundary.mark(self._position.public)
         emit(self, table.on_epoch_start)
         self._epoch_completed = completed = self._train_epoch(table)
         if completed and self._cadence.at_epoch_end(epoch, state.step):
@@ -485,6 +490,8 @@ class Loop(Geometry):
                 self._step(batches, table)
             if table.on_batch_end:
                 emit(self, table.on_batch_end)
+            if state.step_boundary:
+                self._boundary.mark(self._position.public)
         train_loss = batches.train_loss()
         if train_loss is not None:
             state.metrics["train_loss"] = train_loss
