@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hookloop.callback import Callback
 from hookloop.dispatch import annotate
 from hookloop.ordering import overrides
+
+if TYPE_CHECKING:
+    from hookloop.position import Position
 
 __all__ = ["BoundaryStates", "WINDOW_EVENTS"]
 
@@ -52,12 +55,12 @@ class BoundaryStates:
             and any(overrides(callback, event) for event in WINDOW_EVENTS))
         self._states = self._at = None
 
-    def mark(self, at: tuple[int, int, int]) -> None:
+    def mark(self, position: Position) -> None:
         """At a step boundary (after its last event) or an epoch start (before its first):
-        copy the states, for the position ``at``."""
+        copy the states, for where ``position`` is now. Nothing to copy costs nothing."""
         if self.callbacks:
             self._states, self._at = [copy.deepcopy(callback.state_dict())
-                                      for callback in self.callbacks], tuple(at)
+                                      for callback in self.callbacks], tuple(position.public)
 
     def rewind(self, at: tuple[int, int, int]) -> None:
         """After an exception, the position at ``at``: put the copied states back, when

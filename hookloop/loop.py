@@ -273,8 +273,8 @@ class Loop(Geometry):
         table = Table(self.callbacks)  # until setup has run (DDP may create the group), all listen
         with self._stepper.observing(self.optimizer), self._phases.entered(Phase.TRAIN):
             try:
+                self._boundary.attach(self.callbacks)  # no copy of an earlier fit's
                 table = self._setup()
-                self._boundary.attach(self.callbacks)
                 self._cadence.begin(self, position.validated)
                 self.optimizer.zero_grad(set_to_none=True)
                 idle = self._end.nothing_to_train(epochs, max_steps, position.epoch, state.step)
@@ -457,7 +457,7 @@ class Loop(Geometry):
         state = self.state
         state.epoch, state.metrics = epoch, {}
         self._epoch_completed = False
-        self._boundary.mark(self._position.public)
+        self._boundary.mark(self._position)
         emit(self, table.on_epoch_start)
         self._epoch_completed = completed = self._train_epoch(table)
         if completed and self._cadence.at_epoch_end(epoch, state.step):
@@ -491,7 +491,7 @@ class Loop(Geometry):
             if table.on_batch_end:
                 emit(self, table.on_batch_end)
             if state.step_boundary:
-                self._boundary.mark(self._position.public)
+                self._boundary.mark(self._position)
         train_loss = batches.train_loss()
         if train_loss is not None:
             state.metrics["train_loss"] = train_loss
