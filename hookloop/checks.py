@@ -15,6 +15,7 @@ constructor reads ``self.patience = check_int("EarlyStopping patience", patience
 from __future__ import annotations
 
 import datetime
+import functools
 import inspect
 import math
 import os
@@ -188,7 +189,8 @@ def check_name(label: str, value: Any, *, optional: bool = True, hint: str = "")
 
 def check_loss_reduction(value: Any, loss_fn: Any) -> str:
     """``Loop(loss_reduction=...)`` as ``"mean"`` or ``"sum"``; ``"auto"`` reads the
-    ``reduction`` of a torch loss module (``nn.MSELoss(reduction="sum")``), else ``"mean"``.
+    ``reduction`` of a torch loss module (``nn.MSELoss(reduction="sum")``) or of a
+    ``functools.partial`` (``partial(F.mse_loss, reduction="sum")``), else ``"mean"``.
 
     Example:
         >>> import torch
@@ -196,14 +198,20 @@ def check_loss_reduction(value: Any, loss_fn: Any) -> str:
         'sum'
         >>> check_loss_reduction("auto", torch.nn.functional.mse_loss)
         'mean'
+        >>> import functools
+        >>> check_loss_reduction("auto", functools.partial(torch.nn.functional.l1_loss,
+        ...                                                reduction="sum"))
+        'sum'
     """
     check_choice("Loop loss_reduction", value, ("auto", "mean", "sum"),
                  hint="'mean': each batch's loss is its mean (weighted by the batch size); "
                       "'sum': it is the sum over its samples; 'auto' reads loss_fn.reduction.")
     if value != "auto":
         return value
-    reduction = getattr(loss_fn, "reduction", None) if isinstance(loss_fn, torch.nn.Module) \
-        else None
+    if isinstance(loss_fn, functools.partial):  # partial(F.mse_loss, reduction="sum")
+        reduction = loss_fn.keywords.get("reduction")
+    else:
+        reduction = getattr(loss_fn, "reduction", None)
     if reduction == "none":
         raise ConfigurationError(
             f"loss_fn {type(loss_fn).__name__}(reduction='none') returns one loss per sample, "

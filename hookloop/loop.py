@@ -82,8 +82,8 @@ class Loop(Geometry):
             the batch's samples (``reduction="sum"``, a VAE's loss), added as it is; both
             are divided by the number of samples, so the reported number is the mean loss
             per sample, as a script's ``total / len(dataset)``. ``"auto"`` (default): the
-            ``reduction`` attribute of a torch loss module given as ``loss_fn``
-            (``nn.MSELoss(reduction="sum")``), else ``"mean"``.
+            ``reduction`` of ``loss_fn``, a torch loss module (``nn.MSELoss(reduction=
+            "sum")``) or a ``functools.partial(F.mse_loss, reduction="sum")``, else ``"mean"``.
 
     How the loss is computed, first rule that applies: ``forward`` if given; a pair batch
     with ``loss_fn``: ``loss_fn(model(inputs), targets)``; a mapping batch:

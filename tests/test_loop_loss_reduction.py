@@ -3,6 +3,8 @@ sum-reduced losses (``Loop(loss_reduction=...)``; ``"auto"`` reads ``loss_fn.red
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,14 +31,19 @@ def script_average(model: nn.Module, data: list, loss_fn) -> float:  # noqa: ANN
     with torch.no_grad():
         for inputs, targets in data:
             loss = loss_fn(model(inputs), targets).item()
-            total += loss if loss_fn is summed or getattr(loss_fn, "reduction", "") == "sum" \
-                else loss * len(inputs)
+            is_sum = loss_fn in (summed, SUMMED_PARTIAL) or getattr(loss_fn, "reduction",
+                                                                     "") == "sum"
+            total += loss if is_sum else loss * len(inputs)
     return total / sum(len(inputs) for inputs, _ in data)
 
 
+SUMMED_PARTIAL = functools.partial(F.mse_loss, reduction="sum")
+
+
 @pytest.mark.parametrize("loss_fn, reduction", [
-    (summed, "sum"), (nn.MSELoss(reduction="sum"), "auto"), (F.mse_loss, "auto"),
-    (nn.MSELoss(), "mean")], ids=["fn-sum", "module-sum-auto", "fn-mean", "module-mean"])
+    (summed, "sum"), (nn.MSELoss(reduction="sum"), "auto"), (SUMMED_PARTIAL, "auto"),
+    (F.mse_loss, "auto"), (nn.MSELoss(), "mean")],
+    ids=["fn-sum", "module-sum-auto", "partial-sum-auto", "fn-mean", "module-mean"])
 def test_val_loss_and_evaluate_equal_the_scripts_own_average(loss_fn, reduction: str) -> None:  # noqa: ANN001
     torch.manual_seed(0)
     model = nn.Linear(3, 2)

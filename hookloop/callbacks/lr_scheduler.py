@@ -32,6 +32,8 @@ def _steps_by_count(obj: Any) -> bool:
 
 
 def _is_scheduler(obj: Any) -> bool:
+    if _steps_by_count(obj) and callable(getattr(obj, "step", None)):
+        return True  # timm's: state_dict and optimizer are optional
     return isinstance(obj, (TorchScheduler, ReduceLROnPlateau)) or (
         callable(getattr(obj, "step", None)) and callable(getattr(obj, "state_dict", None))
         and hasattr(obj, "optimizer"))
@@ -329,11 +331,11 @@ class LRScheduler(Callback):
         self._fit_start(loop)
         if self.steps_by_count and loop.state.step:  # a resumed run: the rate of where it is
             self._scheduler.step(loop.position.epoch)
-            self._scheduler.step_update(num_updates=loop.state.step)
+            self._scheduler.step_update(loop.state.step)
 
     def after_step(self, loop: Loop) -> None:
         if self.steps_by_count:
-            self._scheduler.step_update(num_updates=loop.state.step)
+            self._scheduler.step_update(loop.state.step)
         elif self.interval == "step" and not self.is_plateau:
             self._scheduler.step()
 
@@ -365,7 +367,7 @@ class LRScheduler(Callback):
     def state_dict(self) -> dict[str, Any]:
         """The scheduler's own ``state_dict()`` (empty before it is built); for a factory's
         schedule also ``factory_total_steps``, the total it was built for."""
-        if self._scheduler is None:
+        if self._scheduler is None or not callable(getattr(self._scheduler, "state_dict", None)):
             return {}
         state = self._scheduler.state_dict()
         if self._factory is not None and self._built_total is not None:
@@ -386,6 +388,9 @@ class LRScheduler(Callback):
         if self._scheduler is None:
             # A factory's scheduler is built at the next fit (not in validate() alone), and
             # then advanced to the run's step: nothing to load into yet.
+            return
+        if self.steps_by_count and not callable(getattr(self._scheduler, "load_state_dict",
+                                                         None)):
             return
         if self._factory is None or self.is_plateau or self.steps_by_count:
             self._scheduler.load_state_dict(state)

@@ -523,3 +523,24 @@ def test_a_timm_protocol_factory_with_a_monitor_gets_the_metric_and_resumes(tmp_
     assert model.state_dict().keys() == hand.state_dict().keys()
     for p, q in zip(model.parameters(), hand.parameters()):
         assert torch.equal(p, q)
+
+
+class BareCountStepped(CountStepped):
+    """timm's protocol without state_dict/load_state_dict (state is the caller's problem)."""
+
+    state_dict = None  # type: ignore[assignment]
+    load_state_dict = None  # type: ignore[assignment]
+
+
+def test_a_timm_protocol_scheduler_without_state_methods_is_driven_too() -> None:
+    data, epochs = make_data(4), 2
+    hand, hand_lrs, _ = timm_style_hand_loop(data, epochs, 1, False)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = LRLog()
+    callback = LRScheduler(BareCountStepped(optimizer, t_in_epochs=False))
+    loop = Loop(model, optimizer, data, loss_fn=F.mse_loss, device="cpu",
+                callbacks=[callback, log])
+    loop.fit(epochs)
+    assert log.lrs == hand_lrs and callback.state_dict() == {}
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), hand.parameters()))
