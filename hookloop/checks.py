@@ -15,6 +15,7 @@ constructor reads ``self.patience = check_int("EarlyStopping patience", patience
 from __future__ import annotations
 
 import datetime
+import functools
 import inspect
 import math
 import os
@@ -213,6 +214,39 @@ def check_name(label: str, value: Any, *, optional: bool = True, hint: str = "")
         requirement = "a non-empty string without '/'" + (" or None" if optional else "")
         raise _refuse(label, requirement, value, hint)
     return value
+
+
+def check_loss_reduction(value: Any, loss_fn: Any) -> str:
+    """``Loop(loss_reduction=...)`` as ``"mean"`` or ``"sum"``; ``"auto"`` reads the
+    ``reduction`` of a torch loss module (``nn.MSELoss(reduction="sum")``) or of a
+    ``functools.partial`` (``partial(F.mse_loss, reduction="sum")``), else ``"mean"``.
+
+    Example:
+        >>> import torch
+        >>> check_loss_reduction("auto", torch.nn.MSELoss(reduction="sum"))
+        'sum'
+        >>> check_loss_reduction("auto", torch.nn.functional.mse_loss)
+        'mean'
+        >>> import functools
+        >>> check_loss_reduction("auto", functools.partial(torch.nn.functional.l1_loss,
+        ...                                                reduction="sum"))
+        'sum'
+    """
+    check_choice("Loop loss_reduction", value, ("auto", "mean", "sum"),
+                 hint="'mean': each batch's loss is its mean (weighted by the batch size); "
+                      "'sum': it is the sum over its samples; 'auto' reads loss_fn.reduction.")
+    if value != "auto":
+        return value
+    if isinstance(loss_fn, functools.partial):  # partial(F.mse_loss, reduction="sum")
+        reduction = loss_fn.keywords.get("reduction")
+    else:
+        reduction = getattr(loss_fn, "reduction", None)
+    if reduction == "none":
+        raise ConfigurationError(
+            f"loss_fn {type(loss_fn).__name__}(reduction='none') returns one loss per sample, "
+            "but the loop needs a scalar. Build it with reduction='mean' (or 'sum', then the "
+            "epoch losses are divided by the number of samples).")
+    return "sum" if reduction == "sum" else "mean"
 
 
 def check_choice(label: str, value: Any, choices: Iterable[Any], *, hint: str = "") -> Any:

@@ -212,11 +212,12 @@ class LossSum:
         self._losses: list[torch.Tensor] = []
         self._sizes: list[int] = []
 
-    def add(self, loss: torch.Tensor, batch_size: int) -> None:
-        """Add a batch's loss weighted by its size."""
+    def add(self, loss: torch.Tensor, batch_size: int, weight: int | None = None) -> None:
+        """Add a batch's loss weighted by its size (or by ``weight``: 1 for a loss that is
+        already the sum over the batch's samples)."""
         losses = self._losses
         losses.append(loss.detach())
-        self._sizes.append(batch_size)
+        self._sizes.append(batch_size if weight is None else weight)
         self.samples += batch_size
         if len(losses) >= self.FOLD:
             self._fold()

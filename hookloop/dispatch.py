@@ -105,6 +105,18 @@ def emit(loop: Any, handlers: Handlers) -> None:
             raise
 
 
+def emit_recording(loop: Any, handlers: Handlers, record: Callable[[], None]) -> None:
+    """`emit`, with ``record()`` after each handler: what a handler wrote (an epoch's
+    metrics) is in the record for the handlers after it."""
+    for handler in handlers:
+        try:
+            handler(loop)
+        except BaseException as exc:
+            annotate(exc, handler)
+            raise
+        record()
+
+
 def call(hook: Callable[..., Any], loop: Any, *args: Any) -> Any:
     """Call one hook (``setup``, ``scale_loss``, ``optimizer_step``...), naming it on error."""
     try:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hookloop import checks, dispatch, distributed, run_state, sanity
+from hookloop.boundary import BoundaryStates
 from hookloop.cadence import Cadence
 from hookloop.callback import Callback
 from hookloop.data import LossSum
@@ -75,6 +76,14 @@ class Loop(Geometry):
             ``state={"discriminator": net_d, "opt_d": opt_d}``). They are in
             `state_dict` under ``"state"`` and restored before ``on_fit_start``; the loop
             neither moves nor trains them.
+        loss_reduction: How a batch's loss relates to its samples, for the epoch losses
+            (``train_loss``, ``val_loss``, ``evaluate``'s): ``"mean"``, the loss is the
+            batch's mean, weighted by the batch size; ``"sum"``, the loss is the sum over
+            the batch's samples (``reduction="sum"``, a VAE's loss), added as it is; both
+            are divided by the number of samples, so the reported number is the mean loss
+            per sample, as a script's ``total / len(dataset)``. ``"auto"`` (default): the
+            ``reduction`` of ``loss_fn``, a torch loss module (``nn.MSELoss(reduction=
+            "sum")``) or a ``functools.partial(F.mse_loss, reduction="sum")``, else ``"mean"``.
 
     How the loss is computed, first rule that applies: ``forward`` if given; a pair batch
     with ``loss_fn``: ``loss_fn(model(inputs), targets)``; a mapping batch:
@@ -99,7 +108,8 @@ class Loop(Geometry):
                  callbacks: Iterable[Callback] = (), device: torch.device | str | None = None,
                  val_every_n_epochs: int | None = 1, val_every_n_steps: int | None = None,
                  sanity_val_batches: int = 2, state: dict[str, Any] | None = None,
-                 inputs: Selector | None = None, targets: Selector | None = None) -> None:
+                 inputs: Selector | None = None, targets: Selector | None = None,
+                 loss_reduction: str = "auto") -> None:
         self.device = checks.check_loop_arguments(
             model, optimizer, train_data, val_data, loss_fn, forward, callbacks, device,
             val_every_n_epochs=val_every_n_epochs, val_every_n_steps=val_every_n_steps,
@@ -110,6 +120,9 @@ class Loop(Geometry):
         self.callbacks: list[Callback] = list(callbacks)
         self.val_every_n_epochs, self.val_every_n_steps = val_every_n_epochs, val_every_n_steps
         self.sanity_val_batches = sanity_val_batches
+        #: ``"mean"`` or ``"sum"``: how the epoch losses weigh a batch's loss (``loss_reduction``).
+        self.loss_reduction = checks.check_loss_reduction(loss_reduction, loss_fn)
+        self._loss_weight = 1 if self.loss_reduction == "sum" else None  # LossSum.add's
         #: More objects saved and restored with the run (``state=``), by name.
         self.extra_state = checks.check_extra_state(state, model, optimizer)
         self.state = LoopState()
@@ -129,6 +142,7 @@ class Loop(Geometry):
         self._position = Position()  # where the weights are, in data terms (see state_dict)
         self._cadence = Cadence()
         self._stepper = OptimizerStep()
+        self._boundary = BoundaryStates()  # callbacks' states at the last step boundary
         self._end = RunEnd(self.state, self._position)
         self._epoch_completed = False
         self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
@@ -259,6 +273,7 @@ class Loop(Geometry):
         table = Table(self.callbacks)  # until setup has run (DDP may create the group), all listen
         with self._stepper.observing(self.optimizer), self._phases.entered(Phase.TRAIN):
             try:
+                self._boundary.attach(self.callbacks)  # no copy of an earlier fit's
                 table = self._setup()
                 self._cadence.begin(self, position.validated)
                 self.optimizer.zero_grad(set_to_none=True)
@@ -275,6 +290,7 @@ class Loop(Geometry):
                     self._run_epoch(epoch, table)
             except BaseException as exc:
                 position.rewind()  # a later fit continues from the last step boundary
+                self._boundary.rewind(position.public)  # ... and so do the callbacks' states
                 terminated = dispatch.handle_exception(self, table, exc)
                 if terminated is not None:
                     raise terminated from exc  # exit with SIGTERM's status, the cause attached
@@ -449,16 +465,17 @@ class Loop(Geometry):
         state = self.state
         state.epoch, state.metrics = epoch, {}
         self._epoch_completed = False
+        self._boundary.mark(self._position)
         emit(self, table.on_epoch_start)
         self._epoch_completed = completed = self._train_epoch(table)
-        validated = completed and self._cadence.at_epoch_end(epoch, state.step)
-        if validated:
+        if completed and self._cadence.at_epoch_end(epoch, state.step):
             self._validate_pass(self.val_data, "val")
         if completed:
             self._position.record(epoch + 1, 0, state.step, None, 0)
-        emit(self, table.on_epoch_end)
-        if completed and not validated:
-            state.record_epoch_end()
+            # The epoch's history row takes the metrics each on_epoch_end writes, at once.
+            dispatch.emit_recording(self, table.on_epoch_end, state.epoch_recorder())
+        else:
+            emit(self, table.on_epoch_end)
 
     def _train_epoch(self, table: Table) -> bool:
         """One training pass. Returns False when `stop` ended it before the data ran out."""
@@ -481,6 +498,8 @@ class Loop(Geometry):
                 self._step(batches, table)
             if table.on_batch_end:
                 emit(self, table.on_batch_end)
+            if state.step_boundary:
+                self._boundary.mark(self._position)
         train_loss = batches.train_loss()
         if train_loss is not None:
             state.metrics["train_loss"] = train_loss
@@ -498,7 +517,7 @@ class Loop(Geometry):
             if state.loss is not loss:  # replaced by a callback (a penalty term)
                 check_loss(state.loss, training=True, replaced=True)
                 loss = state.loss
-        batches.losses.add(loss, state.batch_size)
+        batches.losses.add(loss, state.batch_size, self._loss_weight)
         for scale in table.scale_loss:
             loss = call(scale, self, loss)
         return loss
@@ -550,7 +569,7 @@ class Loop(Geometry):
                         with entered(contexts.forward_context, self):
                             state.outputs, state.loss = compute(self, batch)
                         check_loss(state.loss, training=False)
-                        losses.add(state.loss, state.batch_size)
+                        losses.add(state.loss, state.batch_size, self._loss_weight)
                         if table.on_validation_batch_end:
                             emit(self, table.on_validation_batch_end)
                 empty = "val_data" if prefix == "val" else "the data given to evaluate()"

@@ -36,6 +36,14 @@ class RunPosition(NamedTuple):
     batch_idx = deprecated_alias("loop.position.batches_done", lambda self: self.batches_done,
                                  old="loop.position.batch_idx")
 
+    @property
+    def resumed_mid_epoch(self) -> bool:
+        """Read in ``on_epoch_start``: True when this epoch starts part-way, at batch
+        ``batches_done`` (a resume from a mid-epoch checkpoint, ``fit()`` again after an
+        exception or a stop). ``on_epoch_start`` fires again for such an epoch; a callback
+        that must act once per epoch skips it then. Same as ``batches_done > 0``."""
+        return self.batches_done > 0
+
 
 class Position:
     """The last step boundary (or epoch end) the loop reached, and the data that follows it.

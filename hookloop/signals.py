@@ -96,11 +96,24 @@ def _shared() -> tuple[Any, Any]:
     """The values shared with the workers: the running fits, the last fit's end."""
     global _fitting, _ended
     if _fitting is None:
+        import atexit
         import multiprocessing  # only for a loop whose loaders have workers
+        import multiprocessing.util  # registers its exit handler (terminate, then join)
 
         _fitting = multiprocessing.RawValue("i", 0)
         _ended = multiprocessing.RawValue("d", float("-inf"))
+        # atexit runs its handlers last registered first: this one before multiprocessing's,
+        # which terminates the (persistent) workers and joins them without a timeout. A
+        # worker still in the grace after a fit would ignore that SIGTERM and the join
+        # would wait forever; at the exit there is no fit whose signal it could be.
+        atexit.register(_exiting)
     return _fitting, _ended
+
+
+def _exiting() -> None:
+    """At the interpreter's exit: the grace ends, the workers end on the next signal."""
+    if _ended is not None:
+        _ended.value = float("-inf")
 
 
 class _SparingWorkerInit:
@@ -133,9 +146,10 @@ def sparing_workers(loaders: tuple[Any, ...], numbers: list[int]) -> Iterator[No
     SIGTERM ends makes the next fetch (torch checks on SIGCHLD) raise "DataLoader worker ...
     is killed by signal" in the main process, at any line, and the launch would end on the
     exception path instead of at a step boundary. The main process decides when to stop.
-    Outside the block (the process exiting, multiprocessing terminating its workers) the
-    signals end the workers as before, from `GRACE` seconds after the fit's end: a worker
-    busy in a C call runs its handler late, and a signal of the fit must not end it then.
+    Outside the block the signals end the workers as before, from `GRACE` seconds after the
+    fit's end (a worker busy in a C call runs its handler late, and a signal of the fit must
+    not end it then), and at once when the interpreter exits: multiprocessing's exit handler
+    terminates the workers a ``persistent_workers=True`` loader keeps, then waits for them.
     Wraps ``worker_init_fn`` of the loaders with workers (once), for the workers started
     from now on (``DDP`` rebuilds its loaders with it).
     """

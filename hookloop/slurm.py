@@ -1,5 +1,5 @@
-"""SLURM: the task ``srun`` started (rank, world, address and port of the group), and the
-requeue of the job at the end of a launch.
+"""SLURM: the task ``srun`` started (rank, world, address and port of the group), the
+requeue of the job at the end of a launch, and the job's end time (`job_end_time`).
 
 ``srun`` starts every task itself (no torchrun) and describes it in variables: the global
 rank ``SLURM_PROCID``, the number of tasks of the step ``SLURM_STEP_NUM_TASKS`` (or
@@ -14,6 +14,7 @@ the batch step's): a script run there trains in one process, whatever ``--ntasks
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
@@ -26,7 +27,8 @@ from hookloop.errors import ConfigurationError
 from hookloop.suspension import SIGUSR1, Suspension
 
 __all__ = ["SlurmTask", "expand_hostlist", "first_host", "srun_task", "adopt_srun_task",
-           "port_for_job", "requeue_id", "check_scontrol", "requeue", "requeue_on_sigusr1"]
+           "port_for_job", "requeue_id", "check_scontrol", "requeue", "requeue_on_sigusr1",
+           "job_end_time"]
 
 _adopted: SlurmTask | None = None  # the task adopt_srun_task described in torchrun's variables
 _BATCH_STEP = {"4294967294", "batch"}  # the batch script's step (0xfffffffe), not an srun task
@@ -260,3 +262,55 @@ def requeue_on_sigusr1(owner: str, main: bool) -> Callable[[Suspension], None] |
         print(message, file=sys.stderr if problem else sys.stdout, flush=True)
 
     return act
+
+
+def _unix_time(text: str) -> float | None:
+    """SLURM's ``2026-12-01T23:00:00`` (local time) as Unix time; None for ``Unknown``,
+    ``N/A``, ``NONE`` or anything else."""
+    try:
+        return datetime.datetime.fromisoformat(text.strip()).timestamp()
+    except ValueError:
+        return None
+
+
+def job_end_time(environ: Mapping[str, str] | None = None) -> float | None:
+    """When SLURM ends this job (its time limit), as Unix time; None outside a SLURM job
+    (no ``SLURM_JOB_ID``) or when it cannot be told.
+
+    First ``SLURM_JOB_END_TIME`` (Unix time, set by recent SLURM versions), else
+    ``squeue -h -j JOB -o %e``, else ``EndTime=`` of ``scontrol show job JOB``.
+
+    Example:
+        >>> job_end_time({"SLURM_JOB_ID": "7", "SLURM_JOB_END_TIME": "1767225600"})
+        1767225600.0
+        >>> job_end_time({}) is None
+        True
+    """
+    environ = os.environ if environ is None else environ
+    job = environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    try:
+        return float(environ["SLURM_JOB_END_TIME"])
+    except (KeyError, ValueError):
+        pass
+    for command in (("squeue", "-h", "-j", job, "-o", "%e"), ("scontrol", "show", "job", job)):
+        path = shutil.which(command[0])
+        if path is None:
+            continue
+        try:
+            done = subprocess.run([path, *command[1:]], capture_output=True, text=True,
+                                  timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if done.returncode != 0:
+            continue
+        if command[0] == "squeue":
+            lines = done.stdout.strip().splitlines()
+            end = _unix_time(lines[0]) if lines else None
+        else:
+            match = re.search(r"\bEndTime=(\S+)", done.stdout)
+            end = _unix_time(match.group(1)) if match else None
+        if end is not None:
+            return end
+    return None

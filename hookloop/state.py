@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -95,15 +95,33 @@ class LoopState:
         self.history.append({"epoch": self.epoch, "step": self.step, **self.metrics})
 
     def record_epoch_end(self) -> None:
-        """The row of an epoch whose end did not validate: its training metrics only (a
-        validation earlier in the epoch has its own row); joined to the row of a validation
-        at the same step."""
-        row = {key: value for key, value in self.metrics.items() if not key.startswith("val_")}
+        """The row of an epoch at its end (see `epoch_recorder`), as it is now."""
+        self.epoch_recorder()
+
+    def epoch_recorder(self) -> Callable[[], None]:
+        """At an epoch's end: record its history row now, and return ``record()``, which
+        adds what was written into ``metrics`` since (the loop calls it after each
+        ``on_epoch_end``, so a metric a callback writes there is in the row at once).
+
+        The row is the validation's at this step when there is one; else a row of its own,
+        without the ``val_*`` values that were there at the epoch's end (an earlier
+        validation's, which has its own row). A ``val_*`` value written after is kept.
+        """
         last = self.history[-1] if self.history else None
+        stale: dict[str, Any] = {}
         if last is not None and (last["epoch"], last["step"]) == (self.epoch, self.step):
-            last.update(row)
+            row = last
         else:
-            self.history.append({"epoch": self.epoch, "step": self.step, **row})
+            stale = {key: value for key, value in self.metrics.items() if key.startswith("val_")}
+            row = {"epoch": self.epoch, "step": self.step}
+            self.history.append(row)
+
+        def record() -> None:
+            row.update({key: value for key, value in self.metrics.items()
+                        if key not in stale or stale[key] is not value})
+
+        record()
+        return record
 
     @contextmanager
     def kept(self, *names: str) -> Iterator[None]:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from hookloop.dispatch import Table, call, emit
+import torch
+
+from hookloop.dispatch import Table, call, emit, entered
 from hookloop.errors import ConfigurationError
+from hookloop.forward import check_loss, compute
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -23,9 +27,19 @@ class OptimizerStep:
     A step is observed through an optimizer step hook, so a step a GradScaler skipped
     (inf/NaN gradients) or a callback cancelled in ``before_step`` is not counted. An
     optimizer without step hooks (a duck-typed one) is trusted: every call counts.
+
+    An optimizer whose ``step`` needs a closure (``torch.optim.LBFGS``: a ``closure``
+    parameter without a default) is given one (`closure`): its first call returns the
+    batch's loss the loop just computed, with the gradients its backward left (the weights
+    have not moved yet, so a recomputation would give the same); every later call
+    recomputes the current batch's loss at the optimizer's new trial weights, as a
+    hand-written closure does: ``zero_grad``, the forward and the loss inside the loop's
+    contexts (``train_step_context``, ``forward_context``: autocast, ``no_sync``), the
+    ``after_forward`` event (so a loss a callback replaces there is the one optimized),
+    the ``scale_loss`` hooks, ``backward``. No other event fires in it.
     """
 
-    __slots__ = ("cancelled", "stepped", "_observed", "_checked")
+    __slots__ = ("cancelled", "stepped", "_observed", "_checked", "_closure")
 
     def __init__(self) -> None:
         #: A callback called ``loop.cancel_step()`` at this boundary.
@@ -34,6 +48,7 @@ class OptimizerStep:
         self.stepped = False
         self._observed = True
         self._checked = False  # the first routed step of the fit was checked
+        self._closure = False  # the optimizer's step needs a closure (LBFGS)
 
     @contextmanager
     def observing(self, optimizer: Any) -> Iterator[None]:
@@ -41,6 +56,7 @@ class OptimizerStep:
         register = getattr(optimizer, "register_step_post_hook", None)
         handle = register(self._mark) if register is not None else None
         self._observed, self._checked = handle is not None, False
+        self._closure = needs_closure(optimizer)
         try:
             yield
         finally:
@@ -59,7 +75,13 @@ class OptimizerStep:
         if self.cancelled:
             return False
         if table.step is None:
-            loop.optimizer.step()
+            if self._closure:  # the batch's own outputs and loss stay the state's after it
+                state = loop.state
+                outputs, loss = state.outputs, state.loss
+                loop.optimizer.step(closure(loop, table))
+                state.outputs, state.loss = outputs, loss
+            else:
+                loop.optimizer.step()
         else:
             said = call(table.step, loop)
             if said is True and not self.stepped:  # the router updated the weights itself
@@ -83,3 +105,45 @@ class OptimizerStep:
             "loop.optimizer.step() (or scaler.step(loop.optimizer)) inside optimizer_step; if "
             "it updates the weights another way, return True from it; to skip a step on "
             "purpose, call loop.cancel_step() in before_step.")
+
+
+def needs_closure(optimizer: Any) -> bool:
+    """True when ``optimizer.step`` has a ``closure`` parameter without a default (LBFGS).
+
+    Example:
+        >>> import torch
+        >>> weight = [torch.nn.Parameter(torch.zeros(1))]
+        >>> needs_closure(torch.optim.LBFGS(weight)), needs_closure(torch.optim.SGD(weight))
+        (True, False)
+    """
+    try:
+        parameter = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a builtin or an odd callable: call it as before
+        return False
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def closure(loop: Loop, table: Table) -> Callable[[], torch.Tensor]:
+    """The closure a closure optimizer's ``step`` calls (see `OptimizerStep`): the loss of
+    the current batch, first as the loop computed it, then recomputed at each call."""
+    state, batch, first = loop.state, loop.state.batch, [True]
+
+    def evaluate() -> torch.Tensor:
+        if first:
+            first.clear()
+            assert state.loss is not None
+            return state.loss.detach()
+        loop.optimizer.zero_grad(set_to_none=True)
+        with entered(table.train_step_context, loop):
+            with entered(table.forward_context, loop):
+                state.outputs, state.loss = compute(loop, batch)
+            check_loss(state.loss, training=True)
+            if table.after_forward:
+                emit(loop, table.after_forward)
+            loss = state.loss
+            for scale in table.scale_loss:
+                loss = call(scale, loop, loss)
+            loss.backward()
+        return state.loss.detach()
+
+    return evaluate

@@ -49,13 +49,15 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def stand_in_scontrol(directory: Path, calls: Path, status: int = 0) -> Path:
+def stand_in_scontrol(directory: Path, calls: Path, status: int = 0, output: str = "") -> Path:
     """A stand-in ``scontrol`` in ``directory`` (put it first on PATH) that appends its
-    arguments to ``calls``; with a ``status`` other than 0 it says "boom" and fails with it."""
+    arguments to ``calls`` and prints ``output`` (``scontrol show job``'s answer); with a
+    ``status`` other than 0 it says "boom" and fails with it."""
     directory.mkdir(parents=True, exist_ok=True)
     script = directory / "scontrol"
     failing = f'echo "boom" >&2\nexit {status}\n' if status else ""
-    script.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n{failing}')
+    printing = f"printf '%s\\n' '{output}'\n" if output else ""  # a builtin: PATH may be bare
+    script.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n{printing}{failing}')
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return script
 

@@ -167,3 +167,36 @@ def test_sigterm_to_the_whole_job_spares_the_dataloader_workers(tmp_path: Path) 
     assert process.returncode == 143, errors[-3000:]
     assert "killed by signal" not in errors and "Traceback" not in errors, errors[-3000:]
     assert len(list((tmp_path / "ckpt").glob("epoch=0000-step=*.pt"))) == 1
+
+
+PERSISTENT_WORKERS_SCRIPT = textwrap.dedent("""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from hookloop import Loop
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    def loader():
+        return DataLoader(TensorDataset(torch.randn(16, 3), torch.randn(16, 1)), batch_size=4,
+                          num_workers=2, persistent_workers=True)
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), loader(),
+                val_data=loader(), loss_fn=torch.nn.functional.mse_loss, device="cpu")
+    loop.fit(1)
+    print("fit returned", flush=True)
+""")
+
+
+def test_a_script_that_ends_right_after_a_fit_with_persistent_workers_exits(
+        tmp_path: Path) -> None:
+    """multiprocessing's exit handler terminates the persistent workers and joins them: a
+    worker still in the grace after the fit ignored that SIGTERM, and the process never
+    exited. The timeout is the hang detector (the script itself takes seconds)."""
+    script = tmp_path / "train.py"
+    script.write_text(PERSISTENT_WORKERS_SCRIPT)
+    try:
+        done = subprocess.run([sys.executable, str(script)], env=subprocess_env(),
+                              capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as hang:
+        pytest.fail(f"the process did not exit after its fit: {hang.stdout!r}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fit returned" in done.stdout

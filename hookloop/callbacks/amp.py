@@ -124,6 +124,8 @@ class AMP(Callback):
         3
     """
 
+    state_at_boundaries = True  # its scaler changes at steps only
+
     unique = True
     runs_after = {"FSDP": "AMP gives a model FSDP shards its sharded GradScaler (a step with an "
                           "inf/NaN in any rank's shards is skipped on every rank), so FSDP must "

@@ -79,6 +79,8 @@ class Checkpoint(Callback, CheckpointAliases):
         ['epoch=0001-step=00000006.pt', 'epoch=0002-step=00000009.pt']
     """
 
+    state_at_boundaries = True  # its bookkeeping changes at saves, which are at boundaries
+
     runs_after = {"stateful": "Checkpoint saves the state of every stateful callback, so they "
                               "must have updated it before Checkpoint writes"}
 

@@ -25,7 +25,15 @@ SchedulerFactory = Callable[[torch.optim.Optimizer, int], Any]
 _INTERVALS = ("step", "epoch")
 
 
+def _steps_by_count(obj: Any) -> bool:
+    """timm's protocol: ``step(epoch, metric=None)`` at epoch ends and
+    ``step_update(num_updates, metric=None)`` after optimizer updates."""
+    return callable(getattr(obj, "step_update", None))
+
+
 def _is_scheduler(obj: Any) -> bool:
+    if _steps_by_count(obj) and callable(getattr(obj, "step", None)):
+        return True  # timm's: state_dict and optimizer are optional
     return isinstance(obj, (TorchScheduler, ReduceLROnPlateau)) or (
         callable(getattr(obj, "step", None)) and callable(getattr(obj, "state_dict", None))
         and hasattr(obj, "optimizer"))
@@ -66,6 +74,15 @@ class LRScheduler(Callback):
       so (Keras' ``verbose``), with the metric, the old and the new rates and where:
       ``LRScheduler: val_loss stopped improving; ReduceLROnPlateau lowered the learning
       rate from 0.1 to 0.05 (epoch 4/10, step 40).`` ``verbose=False`` keeps it quiet.
+    * A scheduler with timm's stepping protocol (``step(epoch, metric=None)`` and
+      ``step_update(num_updates, metric=None)``, any object with a ``step_update`` method)
+      is driven as timm's own training script drives it: ``step_update(num_updates=
+      loop.state.step)`` after every real optimizer step, and ``step(loop.state.epoch + 1)``
+      at the end of every epoch that ran through all the data (with
+      ``metric=loop.state.metrics[monitor]`` when ``monitor`` is given, for timm's plateau
+      schedule). The scheduler's own ``t_in_epochs`` decides which of the two moves the
+      learning rate; ``interval`` does not apply. A resumed run loads its state and calls
+      both once with where the run is, so the learning rate is the schedule's there.
 
     Args:
         scheduler: A torch scheduler, or ``fn(optimizer, total_steps)`` returning one
@@ -149,7 +166,14 @@ class LRScheduler(Callback):
     def monitors(self) -> Iterable[str]:
         return (self.monitor,) if self.monitor is not None else ()
 
+    @property
+    def steps_by_count(self) -> bool:
+        """True for a scheduler with timm's protocol (``step(epoch)``/``step_update(n)``)."""
+        return _steps_by_count(self._scheduler)
+
     def _check_monitor(self, scheduler: Any) -> None:
+        if _steps_by_count(scheduler):
+            return  # timm's plateau schedule reads a metric; the others ignore it
         if isinstance(scheduler, ReduceLROnPlateau):
             if self.monitor is None:
                 raise ConfigurationError(
@@ -160,7 +184,8 @@ class LRScheduler(Callback):
             raise ConfigurationError(
                 "LRScheduler monitor must be None for "
                 f"{with_article(type(scheduler).__name__)}, which does not read metrics, got "
-                f"{self.monitor!r}. monitor is only used by ReduceLROnPlateau: remove monitor=.")
+                f"{self.monitor!r}. monitor is only used by ReduceLROnPlateau (and schedulers "
+                "with timm's step(epoch, metric) protocol): remove monitor=.")
 
     # ------------------------------------------------------------------ events
     def setup(self, loop: Loop) -> None:
@@ -228,7 +253,7 @@ class LRScheduler(Callback):
                 if old_total is not None and done:
                     self._note_stretch(old_total, rates, done)
 
-    def on_fit_start(self, loop: Loop) -> None:
+    def _fit_start(self, loop: Loop) -> None:
         """Check that a fixed-length scheduler lasts for what is left of the run; on rank 0,
         say when a factory's schedule was stretched (nothing is said when nothing trains)."""
         stretched, self._stretched = self._stretched, None
@@ -315,6 +340,8 @@ class LRScheduler(Callback):
         state holds the saved run's), since some schedulers compute each step from the last.
         """
         scheduler = self._scheduler
+        if _steps_by_count(scheduler):
+            return  # its learning rate is a function of the count: set at the next call
         get_last_lr = getattr(scheduler, "get_last_lr", None)
         try:
             last = get_last_lr() if callable(get_last_lr) else None
@@ -339,8 +366,18 @@ class LRScheduler(Callback):
                 f"ReduceLROnPlateau has mode={mode!r}, so it would cut the learning rate while "
                 f"the metric improves. Build it with mode={expected!r}.")
 
+    def on_fit_start(self, loop: Loop) -> None:
+        """The checks of `_fit_start`; a timm-protocol scheduler of a resumed run is told
+        where the run is (``step(epoch)``, then ``step_update(step)``)."""
+        self._fit_start(loop)
+        if self.steps_by_count and loop.state.step:  # a resumed run: the rate of where it is
+            self._scheduler.step(loop.position.epoch)
+            self._scheduler.step_update(loop.state.step)
+
     def after_step(self, loop: Loop) -> None:
-        if self.interval == "step" and not self.is_plateau:
+        if self.steps_by_count:
+            self._scheduler.step_update(loop.state.step)
+        elif self.interval == "step" and not self.is_plateau:
             self._scheduler.step()
 
     def on_validation_end(self, loop: Loop) -> None:
@@ -352,7 +389,11 @@ class LRScheduler(Callback):
     def on_epoch_end(self, loop: Loop) -> None:
         if not loop.epoch_completed:  # cut short by stop(): the epoch is done again later
             return
-        if self.is_plateau:
+        if self.steps_by_count:
+            metric = self.monitor is not None and self.monitor in loop.state.metrics
+            self._scheduler.step(loop.state.epoch + 1, *(
+                (self._plateau_monitor().read(loop),) if metric else ()))
+        elif self.is_plateau:
             monitor = self._plateau_monitor()
             if monitor.due(loop, epoch_end=True) and self.monitor in loop.state.metrics:
                 self._step_plateau(loop, monitor)
@@ -379,7 +420,7 @@ class LRScheduler(Callback):
     def state_dict(self) -> dict[str, Any]:
         """The scheduler's own ``state_dict()`` (empty before it is built); for a factory's
         schedule also ``factory_total_steps``, the total it was built for."""
-        if self._scheduler is None:
+        if self._scheduler is None or not callable(getattr(self._scheduler, "state_dict", None)):
             return {}
         state = self._scheduler.state_dict()
         if self._factory is not None and self._built_total is not None:
@@ -401,7 +442,10 @@ class LRScheduler(Callback):
             # A factory's scheduler is built at the next fit (not in validate() alone), and
             # then advanced to the run's step: nothing to load into yet.
             return
-        if self._factory is None or self.is_plateau:
+        if self.steps_by_count and not callable(getattr(self._scheduler, "load_state_dict",
+                                                         None)):
+            return
+        if self._factory is None or self.is_plateau or self.steps_by_count:
             self._scheduler.load_state_dict(state)
             return
         saved = int(state.get("last_epoch", 0))

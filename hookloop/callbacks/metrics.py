@@ -217,6 +217,8 @@ class Metrics(Callback):
         ['val_acc']
     """
 
+    state_at_boundaries = True  # it keeps the training sums of the boundary itself
+
     def __init__(self, *, on_train: bool = False, name: str | None = None,
                  targets: Callable[[Any], Any] | None = None,
                  outputs: Callable[[Any], Any] | None = None, **metrics: Any) -> None:

@@ -323,16 +323,24 @@ class ProgressBar(Callback):
     def on_epoch_end(self, loop: Loop) -> None:
         """Print the epoch's metrics: a table row (terminal) or a plain line.
 
-        The ``val_*`` metrics only when a validation ran at this step and was not shown yet:
-        otherwise they are an earlier validation's values.
+        The epoch's row of ``loop.state.history`` as it is when this runs (what the
+        callbacks before it wrote in ``on_epoch_end`` included): ``val_*`` metrics only when
+        a validation ran at this step or a callback wrote them at this epoch end, otherwise
+        they are an earlier validation's values.
         """
         state = loop.state
         seconds = time.perf_counter() - self._epoch_start
         fresh = self._validated_step == state.step
         self._validated_step, self._after_validation = -1, False
-        metrics = {name: value for name, value in state.metrics.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool)
-                   and (fresh or not name.startswith("val_"))}
+        row = state.history[-1] if state.history else {}
+        if loop.epoch_completed and (row.get("epoch"), row.get("step")) == (state.epoch,
+                                                                            state.step):
+            shown = {name: value for name, value in row.items() if name not in ("epoch", "step")}
+        else:  # an epoch stop() cut short records no row
+            shown = {name: value for name, value in state.metrics.items()
+                     if fresh or not name.startswith("val_")}
+        metrics = {name: value for name, value in shown.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
         lr = loop.optimizer.param_groups[0]["lr"] if loop.optimizer.param_groups else None
         if self._progress is None:
             parts = [f"epoch {state.epoch + 1}/{state.epochs}", f"step {state.step}"]

@@ -260,6 +260,8 @@ class TensorBoard(Callback):
         4
     """
 
+    state_at_boundaries = True  # its state changes at steps and epochs (and state_dict flushes)
+
     rank_zero_only = True
 
     def __init__(self, log_dir: str | os.PathLike[str] = "runs", *, every_n_steps: int = 50,

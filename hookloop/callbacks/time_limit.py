@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from typing import TYPE_CHECKING
 
+from hookloop import slurm
 from hookloop.callback import Callback
-from hookloop.checks import check_duration, check_number
+from hookloop.checks import check_choice, check_duration, check_number
+from hookloop.clock import process_start
+from hookloop.errors import ConfigurationError
 from hookloop.suspension import current
 
 if TYPE_CHECKING:
@@ -20,8 +24,12 @@ class TimeLimit(Callback):
     """End this launch resumably before ``duration`` has passed, leaving time for the save.
 
     For jobs with a wall-time limit (SLURM's ``--time``, a reservation, a CI slot). The
-    budget counts from the creation of this callback, so create it at the top of the
-    script: loading the data counts too. At every step boundary the launch is ended with
+    budget counts from the start of this process, as the scheduler's clock does: the
+    interpreter's start, torch's import and a slow setup before this callback was created
+    count too (`hookloop.clock.process_start`). Under SLURM, ``TimeLimit()`` with no
+    duration reads the job's end time (`hookloop.slurm.job_end_time`: ``SLURM_JOB_END_TIME``,
+    else ``squeue``, else ``scontrol``), so the budget is what is left of the job's
+    ``--time``. At every step boundary the launch is ended with
     ``loop.stop(reason, resumable=True)`` when the time left is less than the reserve:
 
     * the longest time between two step boundaries of this launch (the next step may still
@@ -34,18 +42,22 @@ class TimeLimit(Callback):
     Every rank agrees on that step boundary, `Checkpoint` saves it, every ``on_fit_end``
     runs, and ``fit`` raises `hookloop.errors.Suspended` (exit status 75). Relaunched
     with the same command, the run continues exactly; each launch gets the whole budget
-    again (this callback keeps no state across launches). Under SLURM, give the job's
-    ``--time``: the job's start-up before this callback's creation is the only part it
-    does not see (or let SLURM time it: ``--signal=USR1@90`` and ``DDP(requeue=True)``).
+    again (this callback keeps no state across launches), counted from the relaunched
+    process's start. (Or let SLURM time it: ``--signal=USR1@90`` and ``DDP(requeue=True)``.)
 
     Args:
-        duration: The budget: seconds, a ``datetime.timedelta``, or SLURM's time forms
-            (``"4:00:00"``, ``"1-12:00:00"``, ``"90"`` for 90 minutes).
+        duration: The budget from the process's start: seconds, a ``datetime.timedelta``,
+            or SLURM's time forms (``"4:00:00"``, ``"1-12:00:00"``, ``"90"`` for 90
+            minutes). None (default): the SLURM job's end time.
         margin: Seconds kept for the final save; None measures it (twice the last save).
+        start: ``"process"`` (default): the budget counts from this process's start;
+            ``"created"``: from this callback's creation, for launches that run one after
+            another in one process (a notebook, a relaunch loop in Python).
 
     Raises:
         ConfigurationError: a duration that is not > 0, a SLURM time with a field out of
-            its range (``"00:75"``), or a negative margin.
+            its range (``"00:75"``), or a negative margin; no duration outside a SLURM job,
+            or in one whose end time cannot be read.
         CallbackOrderError: at fit start, a second ``TimeLimit`` in the stack (one budget
             per launch: keep the one you mean).
 
@@ -64,20 +76,46 @@ class TimeLimit(Callback):
 
     unique = True  # two budgets in one stack: the shorter would silently decide
 
-    def __init__(self, duration: float | datetime.timedelta | str, *,
-                 margin: float | None = None) -> None:
-        self.duration = check_duration("TimeLimit duration", duration)
+    def __init__(self, duration: float | datetime.timedelta | str | None = None, *,
+                 margin: float | None = None, start: str = "process") -> None:
         self.margin = check_number("TimeLimit margin", margin, minimum=0.0, optional=True)
-        self.started = time.monotonic()
+        self.start = check_choice(
+            "TimeLimit start", start, ("process", "created"),
+            hint="'process': the budget counts from the process's start, as a scheduler "
+                 "counts a job's time; 'created': from this callback's creation (launches "
+                 "run one after another in one process, a notebook).")
+        #: Where the budget counts from (``time.monotonic()``): the process's start, or
+        #: this callback's creation with ``start="created"``.
+        self.started = process_start() if start == "process" else time.monotonic()
+        if duration is None:
+            #: Seconds from the process's start to the end of the budget.
+            self.duration = self._job_budget()
+        else:
+            self.duration = check_duration("TimeLimit duration", duration)
         self._longest = 0.0
         self._last = self.started
 
     def __repr__(self) -> str:
-        return f"TimeLimit({self.duration:g}, margin={self.margin!r})"
+        start = "" if self.start == "process" else f", start={self.start!r}"
+        return f"TimeLimit({self.duration:g}, margin={self.margin!r}{start})"
+
+    def _job_budget(self) -> float:
+        """Seconds from the process's start to the SLURM job's end."""
+        end = slurm.job_end_time()
+        if end is None:
+            where = ("this process is not in a SLURM job (no SLURM_JOB_ID)"
+                     if not os.environ.get("SLURM_JOB_ID") else
+                     "SLURM_JOB_END_TIME is not set and neither squeue nor scontrol told the "
+                     f"end time of job {os.environ['SLURM_JOB_ID']}")
+            raise ConfigurationError(
+                f"TimeLimit() without a duration reads the SLURM job's end time, but {where}. "
+                "Pass the budget: TimeLimit('3:50:00') (the job's --time).")
+        return max(end - time.time() + time.monotonic() - self.started, 0.0)
 
     @property
     def elapsed(self) -> float:
-        """Seconds since this callback was created."""
+        """Seconds of the budget spent: since the process started (or, with
+        ``start="created"``, since this callback was created)."""
         return time.monotonic() - self.started
 
     def reserve(self) -> float:

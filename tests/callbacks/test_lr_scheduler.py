@@ -512,3 +512,125 @@ def test_two_fixed_schedules_on_one_optimizer_are_still_accepted() -> None:
         for schedule in schedules:
             schedule.step()
     assert optimizer.param_groups[0]["lr"] == by_hand.param_groups[0]["lr"]
+
+
+class CountStepped:
+    """A scheduler with timm's stepping protocol (timm is not a dependency): the learning
+    rate is a function of the epoch (``t_in_epochs=True``) or of the update count, set by
+    ``step(epoch, metric=None)`` or ``step_update(num_updates, metric=None)``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, t_in_epochs: bool,
+                 warmup: int = 3, decay: float = 0.8) -> None:
+        self.optimizer, self.t_in_epochs = optimizer, t_in_epochs
+        self.warmup, self.decay = warmup, decay
+        self.base = [group["lr"] for group in optimizer.param_groups]
+        self.metrics: list[float | None] = []
+        self._set(0)
+
+    def _set(self, t: int) -> None:
+        factor = (t + 1) / (self.warmup + 1) if t < self.warmup else self.decay ** (t - self.warmup)
+        for group, base in zip(self.optimizer.param_groups, self.base):
+            group["lr"] = base * factor
+
+    def step(self, epoch: int, metric: float | None = None) -> None:
+        self.metrics.append(metric)
+        if self.t_in_epochs:
+            self._set(epoch)
+
+    def step_update(self, num_updates: int, metric: float | None = None) -> None:
+        if not self.t_in_epochs:
+            self._set(num_updates)
+
+    def state_dict(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if key != "optimizer"}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
+def timm_style_hand_loop(data: list, epochs: int, k: int, t_in_epochs: bool,
+                         val: list | None = None) -> tuple[nn.Module, list[float], list]:
+    """timm's train.py: step_update(num_updates) after every update, step(epoch + 1,
+    metric) after every epoch."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = CountStepped(optimizer, t_in_epochs=t_in_epochs)
+    num_updates, lrs = 0, []
+    for epoch in range(epochs):
+        for batch_idx, (inputs, labels) in enumerate(data):
+            (F.mse_loss(model(inputs), labels) / k).backward()
+            if (batch_idx + 1) % k == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+                num_updates += 1
+                scheduler.step_update(num_updates=num_updates)
+        metric = None
+        if val is not None:
+            with torch.no_grad():
+                metric = sum(F.mse_loss(model(x), y) * len(x) for x, y in val).item() / sum(
+                    len(x) for x, _ in val)
+        scheduler.step(epoch + 1, metric)
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return model, lrs, scheduler.metrics
+
+
+@pytest.mark.parametrize("t_in_epochs", [False, True], ids=["updates", "epochs"])
+def test_a_scheduler_with_timms_protocol_is_stepped_as_timm_steps_it(t_in_epochs: bool) -> None:
+    data, epochs, k = make_data(6), 3, 2
+    hand, hand_lrs, _ = timm_style_hand_loop(data, epochs, k, t_in_epochs)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = LRLog()
+    callback = LRScheduler(CountStepped(optimizer, t_in_epochs=t_in_epochs))
+    Loop(model, optimizer, data, loss_fn=F.mse_loss, device="cpu",
+         callbacks=[GradAccumulation(k), callback, log]).fit(epochs)
+    assert callback.steps_by_count
+    assert log.lrs == hand_lrs and len(set(hand_lrs)) == epochs  # the rate moved each epoch
+    for p, q in zip(model.parameters(), hand.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_timm_protocol_factory_with_a_monitor_gets_the_metric_and_resumes(tmp_path) -> None:  # noqa: ANN001
+    data, val, epochs = make_data(4), make_data(2, seed=8), 4
+    hand, hand_lrs, hand_metrics = timm_style_hand_loop(data, epochs, 1, False, val=val)
+
+    def run(epochs_now: int, resume: bool) -> tuple[nn.Module, LRScheduler]:
+        from hookloop.callbacks import Checkpoint
+        model = make_model()
+        callback = LRScheduler(lambda opt, total: CountStepped(opt, t_in_epochs=False),
+                               monitor="val_loss")
+        Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=val,
+             loss_fn=F.mse_loss, device="cpu", sanity_val_batches=0,
+             callbacks=[callback, Checkpoint(tmp_path, resume=resume)]).fit(epochs_now)
+        return model, callback
+
+    run(2, resume=False)  # a launch that ends after two epochs, then the relaunch
+    model, callback = run(epochs, resume=True)
+    # The relaunch's own step(epoch) at its start passes no metric; the epoch ends all do.
+    metrics = callback.scheduler.metrics
+    assert [m for m in metrics if m is not None] == pytest.approx(hand_metrics)
+    assert metrics.count(None) == 1
+    assert model.state_dict().keys() == hand.state_dict().keys()
+    for p, q in zip(model.parameters(), hand.parameters()):
+        assert torch.equal(p, q)
+
+
+class BareCountStepped(CountStepped):
+    """timm's protocol without state_dict/load_state_dict (state is the caller's problem)."""
+
+    state_dict = None  # type: ignore[assignment]
+    load_state_dict = None  # type: ignore[assignment]
+
+
+def test_a_timm_protocol_scheduler_without_state_methods_is_driven_too() -> None:
+    data, epochs = make_data(4), 2
+    hand, hand_lrs, _ = timm_style_hand_loop(data, epochs, 1, False)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = LRLog()
+    callback = LRScheduler(BareCountStepped(optimizer, t_in_epochs=False))
+    loop = Loop(model, optimizer, data, loss_fn=F.mse_loss, device="cpu",
+                callbacks=[callback, log])
+    loop.fit(epochs)
+    assert log.lrs == hand_lrs and callback.state_dict() == {}
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), hand.parameters()))

@@ -4,9 +4,11 @@ the relaunches together end with the weights of the uninterrupted run (torch.equ
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from hookloop.callbacks import Checkpoint, TimeLimit
 from hookloop.suspension import current
 
 from builders import BatchCounter, dropout_loop
-from conftest import subprocess_env
+from conftest import stand_in_scontrol, subprocess_env
 
 BUDGET = 2.0  # seconds per launch; the whole run trains for about 3 s
 
@@ -29,7 +31,9 @@ SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from builders import dropout_loop
 
-    limit = TimeLimit(float(sys.argv[2]))  # the budget counts from here
+    # The budget counts from here (start="created"): BUDGET is too short for the seconds
+    # an interpreter and torch's import take on a loaded machine, which the default counts.
+    limit = TimeLimit(float(sys.argv[2]), start="created")
 
     class Slow(Callback):
         def on_batch_end(self, loop):
@@ -99,13 +103,13 @@ def test_the_reserve_is_the_longest_step_and_twice_the_last_save(tmp_path: Path)
 def test_a_budget_spent_before_the_fit_ends_the_launch_at_the_first_step() -> None:
     from hookloop import Suspended
 
-    loop = dropout_loop([TimeLimit(datetime.timedelta(microseconds=1))])
+    loop = dropout_loop([TimeLimit(datetime.timedelta(microseconds=1), start="created")])
     with pytest.raises(Suspended) as ended:
         loop.fit(2)
     assert ended.value.code == 75 and loop.state.step == 1
 
 
-@pytest.mark.parametrize("duration", [0, -5, "soon", "1:2:3:4", None, True])
+@pytest.mark.parametrize("duration", [0, -5, "soon", "1:2:3:4", True])
 def test_a_bad_duration_is_refused(duration: object) -> None:
     with pytest.raises(ConfigurationError, match="TimeLimit duration must be seconds > 0"):
         TimeLimit(duration)  # type: ignore[arg-type]
@@ -143,3 +147,89 @@ def test_two_time_limits_in_one_stack_are_refused_naming_both() -> None:
                                                  r"TimeLimit\(7200.*position 2.*only once"):
         loop.fit(1)
     assert counter.batches == 0  # refused before the first batch
+
+
+START_SCRIPT = textwrap.dedent("""
+    import time
+    first_line = time.monotonic()  # before any import of the script
+    import torch
+    from hookloop.callbacks import TimeLimit
+    time.sleep(0.5)  # a slow setup before the callback is created
+    created = time.monotonic()
+    limit = TimeLimit(3600)
+    print(first_line, created, limit.started, flush=True)
+""")
+
+
+def test_the_budget_counts_from_the_process_start(tmp_path: Path) -> None:
+    """Not from the callback's creation: the interpreter's start, torch's import and a slow
+    setup before it count (they are the scheduler's time too)."""
+    script = tmp_path / "start.py"
+    script.write_text(START_SCRIPT)
+    before = time.monotonic()  # the same system-wide clock as the child's
+    done = subprocess.run([sys.executable, str(script)], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first_line, created, started = map(float, done.stdout.split())
+    tick = 2.0 / os.sysconf("SC_CLK_TCK")  # /proc's start time is in clock ticks
+    assert before - tick <= started <= first_line < created
+
+
+def test_a_created_start_counts_from_the_callbacks_creation() -> None:
+    before = time.monotonic()
+    limit = TimeLimit(60, start="created")
+    assert before <= limit.started <= time.monotonic()
+    assert "start='created'" in repr(limit)
+    with pytest.raises(ConfigurationError, match="TimeLimit start"):
+        TimeLimit(60, start="job")
+
+
+def _left_of_the_budget(limit: TimeLimit) -> float:
+    return limit.duration - limit.elapsed
+
+
+def test_no_duration_under_slurm_reads_slurm_job_end_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + 7200))
+    end = float(os.environ["SLURM_JOB_END_TIME"])
+    limit = TimeLimit()
+    assert _left_of_the_budget(limit) == pytest.approx(end - time.time(), abs=2.0)
+
+
+def test_no_duration_under_slurm_asks_scontrol_without_the_variable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    end = datetime.datetime.now().replace(microsecond=0) + datetime.timedelta(hours=3)
+    calls = tmp_path / "calls"
+    stand_in_scontrol(tmp_path / "bin", calls,
+                      output=f"JobId=4242 JobName=train\n   StartTime=2026-01-01T00:00:00 "
+                             f"EndTime={end.isoformat()} Deadline=N/A")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # no squeue there: scontrol answers
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
+    limit = TimeLimit()
+    assert calls.read_text().split() == ["show", "job", "4242"]
+    assert _left_of_the_budget(limit) == pytest.approx(end.timestamp() - time.time(), abs=2.0)
+
+
+def test_a_slurm_job_past_its_end_ends_the_launch_at_the_first_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from hookloop import Suspended
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) - 1))
+    loop = dropout_loop([TimeLimit()])
+    with pytest.raises(Suspended) as ended:
+        loop.fit(2)
+    assert ended.value.code == 75 and loop.state.step == 1
+
+
+def test_no_duration_without_a_slurm_end_time_is_refused_with_the_fix(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(ConfigurationError, match=r"not in a SLURM job.*TimeLimit\('3:50:00'\)"):
+        TimeLimit()
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither squeue nor scontrol
+    with pytest.raises(ConfigurationError, match="neither squeue nor scontrol"):
+        TimeLimit()

@@ -1,0 +1,91 @@
+"""A closure optimizer (torch.optim.LBFGS) through the loop, against a hand-written closure
+loop in the style of pytorch/examples' time_sequence_prediction: bit-identical weights."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from hookloop import Callback, Loop
+
+from builders import EventRecorder
+
+
+class Sequence(nn.Module):
+    """A small LSTM cell unrolled over a sine wave, as time_sequence_prediction's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(1, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(inputs.size(0), 8, dtype=inputs.dtype)
+        c = torch.zeros(inputs.size(0), 8, dtype=inputs.dtype)
+        outputs = []
+        for value in inputs.split(1, dim=1):
+            h, c = self.cell(value, (h, c))
+            outputs.append(self.head(h))
+        return torch.cat(outputs, dim=1)
+
+
+def waves() -> tuple[torch.Tensor, torch.Tensor]:
+    steps = torch.arange(0, 21, dtype=torch.float64)
+    shifts = torch.arange(0, 6, dtype=torch.float64).unsqueeze(1) * 3
+    data = torch.sin((steps + shifts) / 20 * 2 * math.pi)
+    return data[:, :-1].float(), data[:, 1:].float()
+
+
+def build() -> tuple[nn.Module, torch.optim.LBFGS]:
+    torch.manual_seed(0)
+    model = Sequence()
+    return model, torch.optim.LBFGS(model.parameters(), lr=0.8, max_iter=5)
+
+
+def hand_loop(epochs: int) -> tuple[nn.Module, list[float]]:
+    model, optimizer = build()
+    inputs, targets = waves()
+    criterion = nn.MSELoss()
+    losses = []
+    for _ in range(epochs):
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = criterion(model(inputs), targets)
+            loss.backward()
+            return loss
+        losses.append(float(optimizer.step(closure).detach()))
+    return model, losses
+
+
+class Counts(Callback):
+    def __init__(self) -> None:
+        self.forwards = 0
+        self.losses: list[float] = []
+
+    def after_forward(self, loop: Loop) -> None:
+        self.forwards += 1
+
+    def on_batch_end(self, loop: Loop) -> None:
+        self.losses.append(float(loop.state.loss.detach()))
+
+
+def test_lbfgs_through_the_loop_equals_a_hand_written_closure_loop() -> None:
+    epochs = 3
+    hand, hand_losses = hand_loop(epochs)
+    model, optimizer = build()
+    recorder, counts = EventRecorder(), Counts()
+    loop = Loop(model, optimizer, [waves()], loss_fn=nn.MSELoss(), device="cpu",
+                callbacks=[recorder, counts])
+    state = loop.fit(epochs)
+    for p, q in zip(model.parameters(), hand.parameters()):
+        assert torch.equal(p, q)
+    assert state.step == epochs
+    # The batch's own loss (the closure's first value) is the state's after the step.
+    assert counts.losses == hand_losses
+    # Each recomputation (up to max_iter - 1 per step) emits after_forward, nothing else.
+    names = recorder.labels()
+    assert names.count("on_batch_start") == names.count("after_backward") == epochs
+    assert names.count("after_forward") == counts.forwards
+    assert epochs < counts.forwards <= epochs * 5
