@@ -13,22 +13,25 @@ __all__ = ["Cadence"]
 
 
 class Cadence:
-    """When validation is due: at every n-th epoch end, after every n-th optimizer step, and
-    the step validation a resume owes.
+    """When validation is due: before the first training step (``val_at_start``), at every
+    n-th epoch end, after every n-th optimizer step, and the step validation a resume owes.
 
     Epochs and steps are counted from the start of the run (``state.epoch``,
     ``state.step``), not of the launch, so a resumed run keeps the cadence. An epoch end
     right after a step validation at the same step does not validate again, and a
     validation the run already did before an exception or a kill is not repeated.
 
-    The loop's ``val_every_n_epochs`` and ``val_every_n_steps`` are read at every fit start.
+    The loop's ``val_every_n_epochs``, ``val_every_n_steps`` and ``val_at_start`` are read at
+    every fit start.
     """
 
-    __slots__ = ("every_n_epochs", "every_n_steps", "_validated_step")
+    __slots__ = ("every_n_epochs", "every_n_steps", "at_start", "_validated_step")
 
     def __init__(self) -> None:
         self.every_n_epochs: int | None = None
         self.every_n_steps: int | None = None
+        #: The validation before the first training step is due (``Loop(val_at_start=True)``).
+        self.at_start = False
         self._validated_step = -1
 
     def begin(self, loop: Loop, validated: bool) -> None:
@@ -43,6 +46,9 @@ class Cadence:
         if loop.val_data is None:
             self.every_n_epochs = self.every_n_steps = None
         self._validated_step = loop.position.step if validated else -1
+        # Only at the run's very start: a resume, or fit() again, does not repeat it.
+        self.at_start = (bool(loop.val_at_start) and loop.val_data is not None
+                         and tuple(loop.position) == (0, 0, 0) and not validated)
 
     def at_epoch_end(self, epoch: int, step: int) -> bool:
         """Due at the end of ``epoch`` (0-based), at optimizer step ``step``?"""

@@ -447,7 +447,7 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
                          loss_fn: Any, forward: Any, callbacks: Any, device: Any, *,
                          val_every_n_epochs: Any = 1, val_every_n_steps: Any = None,
                          sanity_val_batches: Any = 2, inputs: Any = None,
-                         targets: Any = None) -> torch.device:
+                         targets: Any = None, val_at_start: Any = False) -> torch.device:
     """Check `Loop`'s arguments when it is built; return the device to train on.
 
     Checks: a ``nn.Module`` model; an optimizer with at least one of the model's
@@ -509,6 +509,10 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
     check_optional_int("Loop val_every_n_steps", val_every_n_steps)
     check_int("Loop sanity_val_batches", sanity_val_batches, minimum=0,
               hint="(0 turns the check off.)")
+    if check_flag("Loop val_at_start", val_at_start) and val_data is None:
+        raise ConfigurationError("Loop(val_at_start=True) validates before the first training "
+                                 "step, but there is no val_data: pass val_data=loader, or "
+                                 "leave val_at_start out.")
     return resolve_device(device)
 
 

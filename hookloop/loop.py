@@ -63,6 +63,11 @@ class Loop(Geometry):
             validation events, so a metric of the wrong shape or a missing target fails in
             seconds, not after an epoch. It changes no state, metric or random stream; 0 turns
             it off.
+        val_at_start: Validate once before the first training step of the run (nanoGPT's
+            and timm's iteration-0 evaluation): a validation that counts, at epoch 0, step
+            0. Its metrics are the first row of ``state.history``; ``EarlyStopping`` and
+            ``Checkpoint``'s ``best.pt`` start from it. A resumed run, or ``fit()`` again,
+            does not repeat it. The sanity check is skipped then (this pass runs first).
         inputs: For mapping batches (``{"image": ..., "label": ...}``) trained with a
             ``loss_fn``: the key of the model's input (or ``fn(batch) -> inputs``; a mapping
             it returns is passed as keyword arguments, a tuple as positional ones). The
@@ -99,17 +104,19 @@ class Loop(Geometry):
                  callbacks: Iterable[Callback] = (), device: torch.device | str | None = None,
                  val_every_n_epochs: int | None = 1, val_every_n_steps: int | None = None,
                  sanity_val_batches: int = 2, state: dict[str, Any] | None = None,
-                 inputs: Selector | None = None, targets: Selector | None = None) -> None:
+                 inputs: Selector | None = None, targets: Selector | None = None,
+                 val_at_start: bool = False) -> None:
         self.device = checks.check_loop_arguments(
             model, optimizer, train_data, val_data, loss_fn, forward, callbacks, device,
             val_every_n_epochs=val_every_n_epochs, val_every_n_steps=val_every_n_steps,
-            sanity_val_batches=sanity_val_batches, inputs=inputs, targets=targets)
+            sanity_val_batches=sanity_val_batches, inputs=inputs, targets=targets,
+            val_at_start=val_at_start)
         self.model, self.optimizer = model, optimizer
         self.train_data, self.val_data = train_data, val_data
         self.loss_fn, self.forward, self.inputs, self.targets = loss_fn, forward, inputs, targets
         self.callbacks: list[Callback] = list(callbacks)
         self.val_every_n_epochs, self.val_every_n_steps = val_every_n_epochs, val_every_n_steps
-        self.sanity_val_batches = sanity_val_batches
+        self.sanity_val_batches, self.val_at_start = sanity_val_batches, val_at_start
         #: More objects saved and restored with the run (``state=``), by name.
         self.extra_state = checks.check_extra_state(state)
         self.state = LoopState()
@@ -267,7 +274,10 @@ class Loop(Geometry):
                 if idle is not None and distributed.is_main():
                     print(f"hookloop: {idle}", flush=True)
                 run_state.check_callback_states(self.callbacks)
-                if idle is None:
+                if idle is None and self._cadence.at_start:  # before the first step
+                    self._validate_pass(self.val_data, "val")
+                    position.mark_validated()
+                elif idle is None:
                     sanity.check(self, self._phases, self._validate_pass, self._position.generators)
                 for epoch in range(position.epoch, epochs):
                     if self._end.due():
