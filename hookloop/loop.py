@@ -141,7 +141,8 @@ class Loop(Geometry):
         self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
 
     # ------------------------------------------------------------------ control
-    def stop(self, reason: str | None = None, *, resumable: bool = False) -> None:
+    def stop(self, reason: str | None = None, *, resumable: bool = False,
+             force: bool = False) -> None:
         """End training at the next step boundary; ``on_epoch_end``/``on_fit_end`` still fire.
 
         Without accumulation every batch ends a step; with ``GradAccumulation`` the current
@@ -156,8 +157,13 @@ class Loop(Geometry):
         and ``fit`` then raises `hookloop.errors.Suspended` (exit status 75); relaunched
         with the same command, the run continues exactly. SIGTERM, SIGUSR1 and
         `hookloop.callbacks.TimeLimit` end a launch this way.
+
+        Before ``fit(min_epochs=..., min_steps=...)`` are reached, a plain stop is held
+        (rank 0 says so once) and takes effect at the first boundary where they are, on
+        every rank alike; ``force=True`` ends training now anyway (``TerminateOnNaN`` and
+        a non-finite ``EarlyStopping`` value do: training on NaN weights goes nowhere).
         """
-        self._end.stop(reason, resumable=resumable)
+        self._end.stop(reason, resumable=resumable, force=force)
 
     @property
     def stop_requested(self) -> bool:
@@ -231,7 +237,8 @@ class Loop(Geometry):
         return self._position.public
 
     # --------------------------------------------------------------- public API
-    def fit(self, epochs: int, *, max_steps: int | None = None) -> LoopState:
+    def fit(self, epochs: int, *, max_steps: int | None = None, min_epochs: int | None = None,
+            min_steps: int | None = None) -> LoopState:
         """Train until ``epochs`` epochs are done in all (a resumed run does what is left).
 
         A restore asked for with `load_state_dict` (``Checkpoint(resume=...)`` asks for one)
@@ -242,6 +249,12 @@ class Loop(Geometry):
         Args:
             epochs: Total number of epochs of the run.
             max_steps: Optionally stop after this many optimizer steps in all.
+            min_epochs: Train at least this many epochs in all (Lightning's ``min_epochs``):
+                a stop asked earlier (``EarlyStopping``, ``loop.stop()``) is held until they
+                are done. ``max_steps``, ``TerminateOnNaN`` and the end of a launch (signals,
+                ``TimeLimit``) are not held.
+            min_steps: Take at least this many optimizer steps in all, likewise (both
+                given: both must be reached).
 
         Returns:
             The loop's final `LoopState` (``history`` holds every validation's metrics).
@@ -254,8 +267,9 @@ class Loop(Geometry):
                 `SystemExit` with the documented status, so the script exits without a
                 traceback; relaunch the same command to continue.
         """
-        checks.check_fit(self, epochs, max_steps)  # bad input, a stack that cannot work
+        checks.check_fit(self, epochs, max_steps, min_epochs, min_steps)  # before anything ran
         dispatch.bind(self, self.callbacks)
+        self.state.min_epochs, self.state.min_steps = min_epochs, min_steps
         with self._end.launch(self.train_data, self.val_data):  # Suspended once it ended
             return self._fit(epochs, max_steps)
 
@@ -398,7 +412,8 @@ class Loop(Geometry):
                 call it). False keeps this rank's only (for the exception path).
         """
         ended = self._end.record(self.state.epochs, self.state.max_steps, self._position.epoch)
-        return run_state.capture(self, self._position, ended, gather=gather)
+        return run_state.capture(self, self._position, ended, gather=gather,
+                                 held=self._end.held)
 
     def load_state_dict(self, state: Mapping[str, Any], *, source: str | None = None) -> None:
         """Continue the run of `state_dict` at the next ``fit`` (or ``validate``).

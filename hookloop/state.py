@@ -48,6 +48,10 @@ class LoopState:
             False accumulates. See docs/concepts.md, "Who sets the step boundary".
         epochs: Total number of epochs of the current ``fit``.
         max_steps: Step budget of the current ``fit``, or None.
+        min_epochs: Epochs the current ``fit`` trains at least (``fit(min_epochs=...)``): a
+            stop asked earlier waits for them; None: no minimum.
+        min_steps: Optimizer steps the current ``fit`` takes at least (``fit(min_steps=...)``),
+            or None.
         history: The metrics of the whole run, one row per validation (and one per epoch
             that ended without one): ``{"epoch": 0-based epoch, "step": global step,
             **metrics}``. Restored on resume, so it survives a kill and a relaunch.
@@ -70,6 +74,8 @@ class LoopState:
     step_boundary: bool = True
     epochs: int = 0
     max_steps: int | None = None
+    min_epochs: int | None = None
+    min_steps: int | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     prefix: str = "val"
 
