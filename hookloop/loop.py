@@ -475,7 +475,7 @@ class Loop(Geometry):
             self._position.record(epoch + 1, 0, state.step, None, 0)
         emit(self, table.on_epoch_end)
         if completed and not validated:
-            state.record_epoch_end()
+            state.record_epoch_end(self.optimizer)
 
     def _train_epoch(self, table: Table) -> bool:
         """One training pass. Returns False when `stop` ended it before the data ran out."""
@@ -575,4 +575,4 @@ class Loop(Geometry):
                 emit(self, table.on_validation_end)
         if phase is Phase.VALIDATE:
             self._cadence.validated(state.step)
-            state.record_validation()
+            state.record_validation(self.optimizer)

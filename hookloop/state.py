@@ -15,7 +15,28 @@ from hookloop.forward import batch_targets
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["LoopState"]
+__all__ = ["LoopState", "learning_rates"]
+
+
+def learning_rates(optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+    """The optimizer's learning rates now, as history keys: ``lr`` with one param group,
+    ``lr_group0``, ``lr_group1``... with several (the names `TensorBoard` logs under
+    ``step/``); none without an optimizer.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> learning_rates(torch.optim.SGD(model.parameters(), lr=0.1))
+        {'lr': 0.1}
+        >>> learning_rates(torch.optim.SGD([{"params": [model.weight]},
+        ...                                 {"params": [model.bias], "lr": 0.5}], lr=0.1))
+        {'lr_group0': 0.1, 'lr_group1': 0.5}
+    """
+    if optimizer is None:
+        return {}
+    groups = optimizer.param_groups
+    if len(groups) == 1:
+        return {"lr": float(groups[0]["lr"])}
+    return {f"lr_group{index}": float(group["lr"]) for index, group in enumerate(groups)}
 
 
 @dataclass(slots=True, repr=False)
@@ -54,7 +75,9 @@ class LoopState:
             or None.
         history: The metrics of the whole run, one row per validation (and one per epoch
             that ended without one): ``{"epoch": 0-based epoch, "step": global step,
-            **metrics}``. Restored on resume, so it survives a kill and a relaunch.
+            **metrics, "lr": learning rate}`` (``lr_group0``... with several param
+            groups; `learning_rates`). Restored on resume, so it survives a kill and a
+            relaunch.
         prefix: The metric prefix of the evaluation pass running now: ``"val"`` in
             validation, the ``prefix`` of `Loop.evaluate` otherwise (``"test"``...). Metric
             callbacks write ``f"{prefix}_{name}"``.
@@ -96,15 +119,18 @@ class LoopState:
         self.batch_size = batch_size_of(batch, targets)
         return batch
 
-    def record_validation(self) -> None:
-        """Append the history row of a validation that counts: ``epoch``, ``step``, metrics."""
-        self.history.append({"epoch": self.epoch, "step": self.step, **self.metrics})
+    def record_validation(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Append the history row of a validation that counts: ``epoch``, ``step``, metrics,
+        and the ``optimizer``'s learning rates then (`learning_rates`)."""
+        self.history.append({"epoch": self.epoch, "step": self.step, **self.metrics,
+                             **learning_rates(optimizer)})
 
-    def record_epoch_end(self) -> None:
+    def record_epoch_end(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """The row of an epoch whose end did not validate: its training metrics only (a
-        validation earlier in the epoch has its own row); joined to the row of a validation
-        at the same step."""
+        validation earlier in the epoch has its own row), and the learning rates; joined to
+        the row of a validation at the same step."""
         row = {key: value for key, value in self.metrics.items() if not key.startswith("val_")}
+        row.update(learning_rates(optimizer))
         last = self.history[-1] if self.history else None
         if last is not None and (last["epoch"], last["step"]) == (self.epoch, self.step):
             last.update(row)

@@ -39,6 +39,7 @@ from hookloop.callbacks import (
     TerminateOnNaN,
     ThroughputMonitor,
     TimeLimit,
+    Timer,
 )
 from hookloop.schedules import warmup_cosine
 
@@ -87,6 +88,7 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
                                                        peak_flops=1e12),
     "MemoryMonitor": lambda tmp: MemoryMonitor(),
     "TimeLimit": lambda tmp: TimeLimit("1:00:00"),
+    "Timer": lambda tmp: Timer(),
 }
 
 
