@@ -168,8 +168,9 @@ class Loop(Geometry):
     @property
     def stop_requested(self) -> bool:
         """True once `stop` was called in this fit, or once every rank agreed to end the
-        launch (a resumable stop is True from the boundary where all agreed)."""
-        return self._end.requested
+        launch (a resumable stop is True from the boundary where all agreed); a stop held by
+        ``fit(min_epochs=, min_steps=)`` is True from where they are reached."""
+        return self._end.release()
 
     @property
     def stop_reason(self) -> str | None:

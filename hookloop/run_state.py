@@ -109,14 +109,20 @@ class RunEnd:
                  f"min_steps={state.min_steps}" if state.min_steps else ""]
         return " and ".join(part for part in parts if part)
 
-    def due(self) -> bool:
-        """True when training must end: a stop, ``max_steps``, or an agreed launch end; a
-        held stop once the minimum is reached."""
-        state = self._state
+    def release(self) -> bool:
+        """`requested`, once a held stop took effect (the minimum is reached). Asked at every
+        boundary and by ``loop.stop_requested``, so the epoch end that reaches ``min_epochs``
+        already sees the stop (``Checkpoint`` saves the stopped run there)."""
         if self.held is not None and not self.requested and self.minimum_reached():
             reason = f"{self.held.rstrip('.')} (held until {self._minimum()} was reached)"
             self.requested, self.reason, self.held = True, reason, None
-        return self.requested or (state.max_steps is not None and state.step >= state.max_steps)
+        return self.requested
+
+    def due(self) -> bool:
+        """True when training must end: a stop (a held one once the minimum is reached),
+        ``max_steps``, or an agreed launch end."""
+        state = self._state
+        return self.release() or (state.max_steps is not None and state.step >= state.max_steps)
 
     def due_at_boundary(self) -> bool:
         """`due` at a step boundary of the training pass, where the ranks also vote on
@@ -382,7 +388,8 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
     loop.state.history = [dict(row) for row in loop_part.get("history") or []]
     if loop.state.history:  # what fit() returns when the resumed run has nothing left to do
         loop.state.metrics = {key: value for key, value in loop.state.history[-1].items()
-                              if key not in ("epoch", "step")}
+                              if key not in ("epoch", "step") and key != "lr"
+                              and not key.startswith("lr_group")}  # the row's, not metrics
     end.restored = loop_part.get("ended")
     end.held = loop_part.get("stop_held")
     _load_extra_state(loop, payload, source)

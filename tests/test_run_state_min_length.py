@@ -112,3 +112,18 @@ def test_bad_minimums_are_refused_before_training() -> None:
     with pytest.raises(ConfigurationError, match="min_epochs must be an int >= 1"):
         loop.fit(3, min_epochs=0)
     assert loop.state.step == 0
+
+
+def test_the_epoch_end_that_reaches_min_epochs_saves_the_stopped_run(tmp_path: Path) -> None:
+    """The held stop takes effect at the end of the epoch that reaches ``min_epochs``, so
+    that epoch's ``on_epoch_end`` sees it: ``Checkpoint`` writes the stopped run there even
+    when its cadence would not, and a relaunch says the run ended."""
+    loop = dropout_loop([StopAtStep(2), Checkpoint(tmp_path, every_n_epochs=10, keep_last=None)])
+    loop.fit(6, min_epochs=3)
+    files = sorted(path.name for path in tmp_path.glob("epoch=*.pt"))
+    assert files == ["epoch=0002-step=00000012.pt"]
+    saved = torch.load(tmp_path / files[0], weights_only=True)
+    assert "held until min_epochs=3" in saved["loop"]["ended"]["reason"]
+    relaunch = dropout_loop([Checkpoint(tmp_path, resume=True)])
+    relaunch.fit(6, min_epochs=3)
+    assert relaunch.state.step == 12 and "already ended" in relaunch.stop_reason

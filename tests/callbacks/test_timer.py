@@ -84,7 +84,8 @@ def test_a_resumed_run_goes_on_counting(ticks: Ticks, tmp_path: Path,
 
 
 def test_the_learning_rate_of_every_validation_is_in_the_history() -> None:
-    def halving(optimizer: torch.optim.Optimizer, total: int) -> torch.optim.lr_scheduler.LRScheduler:
+    def halving(optimizer: torch.optim.Optimizer,
+                total: int) -> torch.optim.lr_scheduler.LRScheduler:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
 
     loop = _loop([LRScheduler(halving)])  # sgd(0.1), a step scheduler: 4 steps an epoch
