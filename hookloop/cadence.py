@@ -2,33 +2,39 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
-from hookloop.checks import check_optional_int
+from hookloop import distributed
+from hookloop.checks import check_number, check_optional_int
+from hookloop.suspension import current
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["Cadence"]
+__all__ = ["Cadence", "TimedSaves"]
 
 
 class Cadence:
-    """When validation is due: at every n-th epoch end, after every n-th optimizer step, and
-    the step validation a resume owes.
+    """When validation is due: before the first training step (``val_at_start``), at every
+    n-th epoch end, after every n-th optimizer step, and the step validation a resume owes.
 
     Epochs and steps are counted from the start of the run (``state.epoch``,
     ``state.step``), not of the launch, so a resumed run keeps the cadence. An epoch end
     right after a step validation at the same step does not validate again, and a
     validation the run already did before an exception or a kill is not repeated.
 
-    The loop's ``val_every_n_epochs`` and ``val_every_n_steps`` are read at every fit start.
+    The loop's ``val_every_n_epochs``, ``val_every_n_steps`` and ``val_at_start`` are read at
+    every fit start.
     """
 
-    __slots__ = ("every_n_epochs", "every_n_steps", "_validated_step")
+    __slots__ = ("every_n_epochs", "every_n_steps", "at_start", "_validated_step")
 
     def __init__(self) -> None:
         self.every_n_epochs: int | None = None
         self.every_n_steps: int | None = None
+        #: The validation before the first training step is due (``Loop(val_at_start=True)``).
+        self.at_start = False
         self._validated_step = -1
 
     def begin(self, loop: Loop, validated: bool) -> None:
@@ -43,6 +49,9 @@ class Cadence:
         if loop.val_data is None:
             self.every_n_epochs = self.every_n_steps = None
         self._validated_step = loop.position.step if validated else -1
+        # Only at the run's very start: a resume, or fit() again, does not repeat it.
+        self.at_start = (bool(loop.val_at_start) and loop.val_data is not None
+                         and tuple(loop.position) == (0, 0, 0) and not validated)
 
     def at_epoch_end(self, epoch: int, step: int) -> bool:
         """Due at the end of ``epoch`` (0-based), at optimizer step ``step``?"""
@@ -65,3 +74,49 @@ class Cadence:
     def validated(self, step: int) -> None:
         """A validation that counts ran at ``step``."""
         self._validated_step = step
+
+
+class TimedSaves:
+    """A save every ``every_n_seconds`` of wall time in ``fit`` (Lightning's
+    ``train_time_interval``), decided alike on every rank.
+
+    Only rank 0's clock counts: at a step boundary where ``every_n_seconds`` have passed
+    since the fit's start or the last save it triggered, rank 0 raises the fit's
+    `hookloop.suspension.Vote.save_request`. The ranks' vote at each step boundary carries
+    it (in the gradient all-reduce under DDP, or the vote's own all-reduce), so every rank
+    learns it at the same boundary and `due` is True there on all of them: no collective
+    and no host sync beyond the vote's. Alone (one process), the save comes at the
+    boundary after the one that found the time up.
+
+    Args:
+        every_n_seconds: The interval; None: never.
+        owner: Who asks (named in errors), e.g. ``"Checkpoint"``.
+
+    Example:
+        >>> TimedSaves(None, owner="Checkpoint").due()
+        False
+    """
+
+    __slots__ = ("every_n_seconds", "_since", "_acted")
+
+    def __init__(self, every_n_seconds: float | None, *, owner: str) -> None:
+        self.every_n_seconds = check_number(f"{owner} every_n_seconds", every_n_seconds,
+                                            above=0.0, optional=True)
+        self._since = time.monotonic()
+        self._acted = 0  # the vote's agreed_save this callback saved for last
+
+    def begin(self) -> None:
+        """At fit start: the clock counts from now; no request is in flight."""
+        self._since, self._acted = time.monotonic(), 0
+
+    def due(self) -> bool:
+        """At a step boundary (after the loop recorded it): save now? The same on every rank."""
+        vote = current()
+        if self.every_n_seconds is None or vote is None:
+            return False
+        if vote.agreed_save != self._acted:  # every rank learnt it at this boundary
+            self._acted, self._since = vote.agreed_save, time.monotonic()
+            return True
+        if distributed.is_main() and time.monotonic() - self._since >= self.every_n_seconds:
+            vote.ask_save()  # agreed at a coming boundary (a second ask waits for it)
+        return False

@@ -593,7 +593,7 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
                          loss_fn: Any, forward: Any, callbacks: Any, device: Any, *,
                          val_every_n_epochs: Any = 1, val_every_n_steps: Any = None,
                          sanity_val_batches: Any = 2, inputs: Any = None,
-                         targets: Any = None) -> torch.device:
+                         targets: Any = None, val_at_start: Any = False) -> torch.device:
     """Check `Loop`'s arguments when it is built; return the device to train on.
 
     Checks: a ``nn.Module`` model; an optimizer with at least one of the model's
@@ -671,6 +671,10 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
     check_optional_int("Loop val_every_n_steps", val_every_n_steps)
     check_int("Loop sanity_val_batches", sanity_val_batches, minimum=0,
               hint="(0 turns the check off.)")
+    if check_flag("Loop val_at_start", val_at_start) and val_data is None:
+        raise ConfigurationError("Loop(val_at_start=True) validates before the first training "
+                                 "step, but there is no val_data: pass val_data=loader, or "
+                                 "leave val_at_start out.")
     return resolve_device(device)
 
 
@@ -712,10 +716,11 @@ def check_fit_data(train_data: Any, epochs_left: int, val_data: Any = None) -> N
                 "(class Batches: def __iter__(self): yield from make_batches()).")
 
 
-def check_fit(loop: Any, epochs: Any, max_steps: Any) -> None:
+def check_fit(loop: Any, epochs: Any, max_steps: Any, min_epochs: Any = None,
+              min_steps: Any = None) -> None:
     """At ``fit``: its arguments (`check_fit_arguments`), the callback stack
     (`hookloop.ordering.check_callbacks`) and one-shot data (`check_fit_data`)."""
-    check_fit_arguments(epochs, max_steps)
+    check_fit_arguments(epochs, max_steps, min_epochs, min_steps)
     check_callbacks(loop.callbacks, loop)  # a stack that cannot work: nothing ran yet
     check_fit_data(loop.train_data, epochs - loop.position.epoch, loop.val_data)
     check_batch_rule(loop, _first_sample(loop.train_data))
@@ -737,8 +742,11 @@ def _first_sample(data: Any) -> Any:
     return None
 
 
-def check_fit_arguments(epochs: Any, max_steps: Any) -> None:
-    """``fit``'s own arguments: ``epochs`` an int >= 0, ``max_steps`` None or an int >= 1.
+def check_fit_arguments(epochs: Any, max_steps: Any, min_epochs: Any = None,
+                        min_steps: Any = None) -> None:
+    """``fit``'s own arguments: ``epochs`` an int >= 0, ``max_steps`` None or an int >= 1,
+    ``min_epochs`` None or an int from 1 to ``epochs``, ``min_steps`` None or an int >= 1
+    and not above ``max_steps``.
 
     Bools are refused (``max_steps=True`` would silently mean one step).
 
@@ -761,6 +769,16 @@ def check_fit_arguments(epochs: Any, max_steps: Any) -> None:
         raise ConfigurationError(
             f"max_steps must be a positive int or None, got {max_steps!r} "
             f"({type(max_steps).__name__}).")
+    check_optional_int("fit min_epochs", min_epochs)
+    check_optional_int("fit min_steps", min_steps)
+    if min_epochs is not None and min_epochs > epochs:
+        raise ConfigurationError(
+            f"fit min_epochs={min_epochs} is more than epochs={epochs}: training could never "
+            f"reach it. Pass epochs >= {min_epochs}, or a smaller min_epochs.")
+    if min_steps is not None and max_steps is not None and min_steps > max_steps:
+        raise ConfigurationError(
+            f"fit min_steps={min_steps} is more than max_steps={max_steps}: training could "
+            f"never reach it. Pass max_steps >= {min_steps}, or a smaller min_steps.")
 
 
 def check_evaluation(data: Any, prefix: Any) -> None:

@@ -64,6 +64,11 @@ class Loop(Geometry):
             validation events, so a metric of the wrong shape or a missing target fails in
             seconds, not after an epoch. It changes no state, metric or random stream; 0 turns
             it off.
+        val_at_start: Validate once before the first training step of the run (nanoGPT's
+            and timm's iteration-0 evaluation): a validation that counts, at epoch 0, step
+            0. Its metrics are the first row of ``state.history``; ``EarlyStopping`` and
+            ``Checkpoint``'s ``best.pt`` start from it. A resumed run, or ``fit()`` again,
+            does not repeat it. The sanity check is skipped then (this pass runs first).
         inputs: For mapping batches (``{"image": ..., "label": ...}``) trained with a
             ``loss_fn``: the key of the model's input (or ``fn(batch) -> inputs``; a mapping
             it returns is passed as keyword arguments, a tuple as positional ones). The
@@ -109,17 +114,18 @@ class Loop(Geometry):
                  val_every_n_epochs: int | None = 1, val_every_n_steps: int | None = None,
                  sanity_val_batches: int = 2, state: dict[str, Any] | None = None,
                  inputs: Selector | None = None, targets: Selector | None = None,
-                 loss_reduction: str = "auto") -> None:
+                 loss_reduction: str = "auto", val_at_start: bool = False) -> None:
         self.device = checks.check_loop_arguments(
             model, optimizer, train_data, val_data, loss_fn, forward, callbacks, device,
             val_every_n_epochs=val_every_n_epochs, val_every_n_steps=val_every_n_steps,
-            sanity_val_batches=sanity_val_batches, inputs=inputs, targets=targets)
+            sanity_val_batches=sanity_val_batches, inputs=inputs, targets=targets,
+            val_at_start=val_at_start)
         self.model, self.optimizer = model, optimizer
         self.train_data, self.val_data = train_data, val_data
         self.loss_fn, self.forward, self.inputs, self.targets = loss_fn, forward, inputs, targets
         self.callbacks: list[Callback] = list(callbacks)
         self.val_every_n_epochs, self.val_every_n_steps = val_every_n_epochs, val_every_n_steps
-        self.sanity_val_batches = sanity_val_batches
+        self.sanity_val_batches, self.val_at_start = sanity_val_batches, val_at_start
         #: ``"mean"`` or ``"sum"``: how the epoch losses weigh a batch's loss (``loss_reduction``).
         self.loss_reduction = checks.check_loss_reduction(loss_reduction, loss_fn)
         self._loss_weight = 1 if self.loss_reduction == "sum" else None  # LossSum.add's
@@ -148,7 +154,8 @@ class Loop(Geometry):
         self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
 
     # ------------------------------------------------------------------ control
-    def stop(self, reason: str | None = None, *, resumable: bool = False) -> None:
+    def stop(self, reason: str | None = None, *, resumable: bool = False,
+             force: bool = False) -> None:
         """End training at the next step boundary; ``on_epoch_end``/``on_fit_end`` still fire.
 
         Without accumulation every batch ends a step; with ``GradAccumulation`` the current
@@ -163,14 +170,20 @@ class Loop(Geometry):
         and ``fit`` then raises `hookloop.errors.Suspended` (exit status 75); relaunched
         with the same command, the run continues exactly. SIGTERM, SIGUSR1 and
         `hookloop.callbacks.TimeLimit` end a launch this way.
+
+        Before ``fit(min_epochs=..., min_steps=...)`` are reached, a plain stop is held
+        (rank 0 says so once) and takes effect at the first boundary where they are, on
+        every rank alike; ``force=True`` ends training now anyway (``TerminateOnNaN`` and
+        a non-finite ``EarlyStopping`` value do: training on NaN weights goes nowhere).
         """
-        self._end.stop(reason, resumable=resumable)
+        self._end.stop(reason, resumable=resumable, force=force)
 
     @property
     def stop_requested(self) -> bool:
         """True once `stop` was called in this fit, or once every rank agreed to end the
-        launch (a resumable stop is True from the boundary where all agreed)."""
-        return self._end.requested
+        launch (a resumable stop is True from the boundary where all agreed); a stop held by
+        ``fit(min_epochs=, min_steps=)`` is True from where they are reached."""
+        return self._end.release()
 
     @property
     def stop_reason(self) -> str | None:
@@ -238,7 +251,8 @@ class Loop(Geometry):
         return self._position.public
 
     # --------------------------------------------------------------- public API
-    def fit(self, epochs: int, *, max_steps: int | None = None) -> LoopState:
+    def fit(self, epochs: int, *, max_steps: int | None = None, min_epochs: int | None = None,
+            min_steps: int | None = None) -> LoopState:
         """Train until ``epochs`` epochs are done in all (a resumed run does what is left).
 
         A restore asked for with `load_state_dict` (``Checkpoint(resume=...)`` asks for one)
@@ -249,6 +263,12 @@ class Loop(Geometry):
         Args:
             epochs: Total number of epochs of the run.
             max_steps: Optionally stop after this many optimizer steps in all.
+            min_epochs: Train at least this many epochs in all (Lightning's ``min_epochs``):
+                a stop asked earlier (``EarlyStopping``, ``loop.stop()``) is held until they
+                are done. ``max_steps``, ``TerminateOnNaN`` and the end of a launch (signals,
+                ``TimeLimit``) are not held.
+            min_steps: Take at least this many optimizer steps in all, likewise (both
+                given: both must be reached).
 
         Returns:
             The loop's final `LoopState` (``history`` holds every validation's metrics).
@@ -261,8 +281,9 @@ class Loop(Geometry):
                 `SystemExit` with the documented status, so the script exits without a
                 traceback; relaunch the same command to continue.
         """
-        checks.check_fit(self, epochs, max_steps)  # bad input, a stack that cannot work
+        checks.check_fit(self, epochs, max_steps, min_epochs, min_steps)  # before anything ran
         dispatch.bind(self, self.callbacks)
+        self.state.min_epochs, self.state.min_steps = min_epochs, min_steps
         with self._end.launch(self.train_data, self.val_data):  # Suspended once it ended
             return self._fit(epochs, max_steps)
 
@@ -282,7 +303,10 @@ class Loop(Geometry):
                 if idle is not None and distributed.is_main():
                     print(f"hookloop: {idle}", flush=True)
                 run_state.check_callback_states(self.callbacks, self.extra_state)
-                if idle is None:
+                if idle is None and self._cadence.at_start:  # before the first step
+                    self._validate_pass(self.val_data, "val")
+                    position.mark_validated()
+                elif idle is None:
                     sanity.check(self, self._phases, self._validate_pass, self._position.generators)
                 for epoch in range(position.epoch, epochs):
                     if self._end.due():
@@ -412,7 +436,8 @@ class Loop(Geometry):
                 call it). False keeps this rank's only (for the exception path).
         """
         ended = self._end.record(self.state.epochs, self.state.max_steps, self._position.epoch)
-        return run_state.capture(self, self._position, ended, gather=gather)
+        return run_state.capture(self, self._position, ended, gather=gather,
+                                 held=self._end.held)
 
     def load_state_dict(self, state: Mapping[str, Any], *, source: str | None = None) -> None:
         """Continue the run of `state_dict` at the next ``fit`` (or ``validate``).
@@ -473,7 +498,8 @@ class Loop(Geometry):
         if completed:
             self._position.record(epoch + 1, 0, state.step, None, 0)
             # The epoch's history row takes the metrics each on_epoch_end writes, at once.
-            dispatch.emit_recording(self, table.on_epoch_end, state.epoch_recorder())
+            dispatch.emit_recording(self, table.on_epoch_end,
+                                    state.epoch_recorder(self.optimizer))
         else:
             emit(self, table.on_epoch_end)
 
@@ -577,4 +603,4 @@ class Loop(Geometry):
                 emit(self, table.on_validation_end)
         if phase is Phase.VALIDATE:
             self._cadence.validated(state.step)
-            state.record_validation()
+            state.record_validation(self.optimizer)

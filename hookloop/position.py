@@ -114,6 +114,13 @@ class Position:
         self.rng = capture_rng(self.generators, full=False)  # host_rng when read (parts)
         self.host_now = True
 
+    def mark_validated(self) -> None:
+        """A validation that counts ran at the position, outside an epoch's pass (the one
+        before the first step, ``Loop(val_at_start=True)``): the generators are recorded as
+        it left them, and a later fit, or a resume from here, does not run it again."""
+        self.record(self.epoch, self.batches_done, self.step, self.loss_sum, self.samples)
+        self.validated = True
+
     def _loss_total(self) -> torch.Tensor | None:
         loss_sum = self.loss_sum
         return loss_sum.resolved() if isinstance(loss_sum, LossMark) else loss_sum

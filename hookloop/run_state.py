@@ -59,8 +59,8 @@ class RunEnd:
     records no end: the relaunch continues where it stopped.
     """
 
-    __slots__ = ("requested", "reason", "restored", "idle", "suspension", "vote", "_state",
-                 "_position")
+    __slots__ = ("requested", "reason", "restored", "idle", "suspension", "vote", "held",
+                 "_state", "_position")
 
     def __init__(self, state: LoopState, position: Position) -> None:
         self._state, self._position = state, position  # the loop's: step, epochs done...
@@ -74,23 +74,55 @@ class RunEnd:
         self.idle = False
         #: The launch end every rank agreed on in this fit (None: none).
         self.suspension: Suspension | None = None
+        #: The reason of a stop asked before ``min_epochs``/``min_steps`` were reached: it
+        #: takes effect at the first boundary where they are (None: no stop is held).
+        self.held: str | None = None
         #: The ranks' vote on ending the launch, asked by signals and resumable stops.
         self.vote = Vote()
 
     def begin(self) -> None:
-        """At every fit start: no stop requested yet."""
-        self.requested, self.reason, self.suspension = False, None, None
+        """At every fit start: no stop requested (or held) yet."""
+        self.requested, self.reason, self.suspension, self.held = False, None, None, None
 
-    def stop(self, reason: str | None, *, resumable: bool = False) -> None:
+    def stop(self, reason: str | None, *, resumable: bool = False, force: bool = False) -> None:
         if resumable:  # takes effect where every rank agrees (see `due`)
             self.vote.ask(REQUESTED, reason or "loop.stop(resumable=True) was called")
-        else:
+        elif force or self.minimum_reached():
             self.requested, self.reason = True, reason
+        elif self.held is None:  # the first reason is kept, as a stop keeps its own
+            self.held = reason or "loop.stop() was called"
+            if distributed.is_main():
+                print(f"hookloop: {self.held.rstrip('.')}; {self._minimum()} is not reached "
+                      f"({self._position.epoch} epochs done, step {self._state.step}): "
+                      "training goes on until it is, then stops.", flush=True)
+
+    def minimum_reached(self) -> bool:
+        """``fit(min_epochs=..., min_steps=...)`` are reached: epochs completed (at the
+        last boundary) and optimizer steps taken. Counted alike on every rank."""
+        state = self._state
+        return ((state.min_epochs is None or self._position.epoch >= state.min_epochs)
+                and (state.min_steps is None or state.step >= state.min_steps))
+
+    def _minimum(self) -> str:
+        state = self._state
+        parts = [f"min_epochs={state.min_epochs}" if state.min_epochs else "",
+                 f"min_steps={state.min_steps}" if state.min_steps else ""]
+        return " and ".join(part for part in parts if part)
+
+    def release(self) -> bool:
+        """`requested`, once a held stop took effect (the minimum is reached). Asked at every
+        boundary and by ``loop.stop_requested``, so the epoch end that reaches ``min_epochs``
+        already sees the stop (``Checkpoint`` saves the stopped run there)."""
+        if self.held is not None and not self.requested and self.minimum_reached():
+            reason = f"{self.held.rstrip('.')} (held until {self._minimum()} was reached)"
+            self.requested, self.reason, self.held = True, reason, None
+        return self.requested
 
     def due(self) -> bool:
-        """True when training must end: a stop, ``max_steps``, or an agreed launch end."""
+        """True when training must end: a stop (a held one once the minimum is reached),
+        ``max_steps``, or an agreed launch end."""
         state = self._state
-        return self.requested or (state.max_steps is not None and state.step >= state.max_steps)
+        return self.release() or (state.max_steps is not None and state.step >= state.max_steps)
 
     def due_at_boundary(self) -> bool:
         """`due` at a step boundary of the training pass, where the ranks also vote on
@@ -112,7 +144,7 @@ class RunEnd:
         """After a step: stop once ``max_steps`` is reached."""
         state = self._state
         if state.max_steps is not None and state.step >= state.max_steps:
-            self.stop(f"max_steps={state.max_steps} reached")
+            self.stop(f"max_steps={state.max_steps} reached", force=True)
 
     @contextmanager
     def launch(self, *loaders: Any) -> Iterator[None]:
@@ -163,7 +195,7 @@ class RunEnd:
         reason = self._idle_reason(epochs, max_steps, epochs_done, step)
         self.idle = reason is not None
         if reason is not None:
-            self.stop(reason)
+            self.stop(reason, force=True)
         return reason
 
     def announce(self) -> None:
@@ -230,7 +262,7 @@ def check_mapping(state: Any, source: str | None) -> Mapping[str, Any]:
 
 
 def capture(loop: Loop, position: Position, ended: Mapping[str, Any] | None, *,
-            gather: bool = True) -> dict[str, Any]:
+            gather: bool = True, held: str | None = None) -> dict[str, Any]:
     """`Loop.state_dict`: the whole run, as tensors and plain values.
 
     The model and the optimizer come as `hookloop.sharded` gives them: a model FSDP
@@ -275,6 +307,7 @@ def capture(loop: Loop, position: Position, ended: Mapping[str, Any] | None, *,
             "epochs": loop.state.epochs,
             "max_steps": loop.state.max_steps,
             "ended": ended,
+            "stop_held": held,  # a stop waiting for min_epochs/min_steps (`RunEnd.held`)
             "history": [dict(row) for row in loop.state.history],
         },
         "ranks": ranks,
@@ -367,8 +400,10 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
     loop.state.history = [dict(row) for row in loop_part.get("history") or []]
     if loop.state.history:  # what fit() returns when the resumed run has nothing left to do
         loop.state.metrics = {key: value for key, value in loop.state.history[-1].items()
-                              if key not in ("epoch", "step")}
+                              if key not in ("epoch", "step") and key != "lr"
+                              and not key.startswith("lr_group")}  # the row's, not metrics
     end.restored = loop_part.get("ended")
+    end.held = loop_part.get("stop_held")
     _load_extra_state(loop, payload, source)
     saved = dict(payload.get("callbacks") or {})
     for callback in loop.callbacks:
@@ -543,7 +578,8 @@ def check_run_fields(path: str, payload: Mapping[str, Any]) -> None:
     a bool ``validated``, an int ``world_size`` >= 1, a str ``optimizer_class``, a list of
     ints ``param_groups``, an int ``epochs`` >= 0, ``max_steps`` None or an int >= 1, a list
     ``history`` of rows (dicts of numbers with int ``epoch`` and ``step``) and ``ended``
-    None or a dict (str ``reason``, int ``epochs``, ``max_steps`` None or an int). Each
+    None or a dict (str ``reason``, int ``epochs``, ``max_steps`` None or an int), and
+    ``stop_held`` None or a str. Each
     rank's part in ``ranks`` is a dict whose loss sums and generator states
     (`hookloop.rng.rng_state_problem`) have their types. A value of another type (a text
     ``world_size``, a float ``step``) is refused rather than converted.
@@ -588,6 +624,9 @@ def check_run_fields(path: str, payload: Mapping[str, Any]) -> None:
         _check_history(path, loop["history"])
     if loop.get("ended") is not None:
         _check_ended(path, loop["ended"])
+    if loop.get("stop_held") is not None:
+        expect_field(path, "loop.stop_held", loop["stop_held"],
+                     isinstance(loop["stop_held"], str), "a str (a held stop's reason)")
     for index, part in enumerate(payload.get("ranks") or []):
         where = f"ranks[{index}]"
         expect_field(path, where, part, isinstance(part, Mapping), "a dict")

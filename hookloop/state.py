@@ -15,7 +15,28 @@ from hookloop.forward import batch_targets
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["LoopState"]
+__all__ = ["LoopState", "learning_rates"]
+
+
+def learning_rates(optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+    """The optimizer's learning rates now, as history keys: ``lr`` with one param group,
+    ``lr_group0``, ``lr_group1``... with several (the names `TensorBoard` logs under
+    ``step/``); none without an optimizer.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> learning_rates(torch.optim.SGD(model.parameters(), lr=0.1))
+        {'lr': 0.1}
+        >>> learning_rates(torch.optim.SGD([{"params": [model.weight]},
+        ...                                 {"params": [model.bias], "lr": 0.5}], lr=0.1))
+        {'lr_group0': 0.1, 'lr_group1': 0.5}
+    """
+    if optimizer is None:
+        return {}
+    groups = optimizer.param_groups
+    if len(groups) == 1:
+        return {"lr": float(groups[0]["lr"])}
+    return {f"lr_group{index}": float(group["lr"]) for index, group in enumerate(groups)}
 
 
 @dataclass(slots=True, repr=False)
@@ -48,9 +69,15 @@ class LoopState:
             False accumulates. See docs/concepts.md, "Who sets the step boundary".
         epochs: Total number of epochs of the current ``fit``.
         max_steps: Step budget of the current ``fit``, or None.
+        min_epochs: Epochs the current ``fit`` trains at least (``fit(min_epochs=...)``): a
+            stop asked earlier waits for them; None: no minimum.
+        min_steps: Optimizer steps the current ``fit`` takes at least (``fit(min_steps=...)``),
+            or None.
         history: The metrics of the whole run, one row per validation (and one per epoch
             that ended without one): ``{"epoch": 0-based epoch, "step": global step,
-            **metrics}``. Restored on resume, so it survives a kill and a relaunch.
+            **metrics, "lr": learning rate}`` (``lr_group0``... with several param
+            groups; `learning_rates`). Restored on resume, so it survives a kill and a
+            relaunch.
         prefix: The metric prefix of the evaluation pass running now: ``"val"`` in
             validation, the ``prefix`` of `Loop.evaluate` otherwise (``"test"``...). Metric
             callbacks write ``f"{prefix}_{name}"``.
@@ -70,6 +97,8 @@ class LoopState:
     step_boundary: bool = True
     epochs: int = 0
     max_steps: int | None = None
+    min_epochs: int | None = None
+    min_steps: int | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     prefix: str = "val"
 
@@ -90,22 +119,26 @@ class LoopState:
         self.batch_size = batch_size_of(batch, targets)
         return batch
 
-    def record_validation(self) -> None:
-        """Append the history row of a validation that counts: ``epoch``, ``step``, metrics."""
-        self.history.append({"epoch": self.epoch, "step": self.step, **self.metrics})
+    def record_validation(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Append the history row of a validation that counts: ``epoch``, ``step``, metrics,
+        and the ``optimizer``'s learning rates then (`learning_rates`)."""
+        self.history.append({"epoch": self.epoch, "step": self.step, **self.metrics,
+                             **learning_rates(optimizer)})
 
-    def record_epoch_end(self) -> None:
+    def record_epoch_end(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """The row of an epoch at its end (see `epoch_recorder`), as it is now."""
-        self.epoch_recorder()
+        self.epoch_recorder(optimizer)
 
-    def epoch_recorder(self) -> Callable[[], None]:
+    def epoch_recorder(self, optimizer: torch.optim.Optimizer | None = None
+                       ) -> Callable[[], None]:
         """At an epoch's end: record its history row now, and return ``record()``, which
         adds what was written into ``metrics`` since (the loop calls it after each
         ``on_epoch_end``, so a metric a callback writes there is in the row at once).
 
         The row is the validation's at this step when there is one; else a row of its own,
         without the ``val_*`` values that were there at the epoch's end (an earlier
-        validation's, which has its own row). A ``val_*`` value written after is kept.
+        validation's, which has its own row), with the ``optimizer``'s learning rates then
+        (`learning_rates`). A ``val_*`` value written after is kept.
         """
         last = self.history[-1] if self.history else None
         stale: dict[str, Any] = {}
@@ -113,7 +146,7 @@ class LoopState:
             row = last
         else:
             stale = {key: value for key, value in self.metrics.items() if key.startswith("val_")}
-            row = {"epoch": self.epoch, "step": self.step}
+            row = {"epoch": self.epoch, "step": self.step, **learning_rates(optimizer)}
             self.history.append(row)
 
         def record() -> None:

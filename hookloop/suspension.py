@@ -10,6 +10,14 @@ the training pass there. The checkpoint is then written (collectively when it is
 every ``on_fit_end`` runs, and ``fit`` raises `hookloop.errors.Suspended` with the exit
 status of the first agreed cause (`CAUSES` is in that order).
 
+The same flags carry one number rank 0 chooses: `Vote.save_request`, a ticket rank 0 draws
+when a save is due by its clock (``Checkpoint(every_n_seconds=...)``) and sends until it
+sees it agreed; the other ranks send 0, so the sum is rank 0's ticket, and every rank learns
+it (`Vote.agreed_save`) at the same boundary. A new ticket is a save every rank makes at that
+boundary; a ticket seen twice (a result read late, or carried again) is the same save, so
+none is made twice. Nothing is pending most of the time, and the flags are then zeros made
+on the device: no copy from the host.
+
 Which collective carries the flags: under ``DDP`` the gradient all-reduce of the step does
 (`carry_on_gradients`, a DDP communication hook appends them to the last gradient bucket),
 so the vote costs no collective of its own. Where the step has no all-reduce hookloop owns
@@ -31,7 +39,8 @@ import torch.distributed as dist
 
 from hookloop import distributed
 
-__all__ = ["Cause", "CAUSES", "SIGTERM", "SIGUSR1", "SIGINT", "REQUESTED", "Suspension",
+__all__ = ["Cause", "CAUSES", "SAVE_TICKETS", "SIGTERM", "SIGUSR1", "SIGINT", "REQUESTED",
+           "Suspension",
            "Vote", "current", "published", "carry_on_gradients"]
 
 
@@ -51,6 +60,9 @@ REQUESTED = Cause("requested", 75, "a launch end asked on another rank (TimeLimi
                                    "loop.stop(resumable=True))")
 #: Every cause, in the order that decides the exit status when several are agreed at once.
 CAUSES = (SIGTERM, SIGUSR1, SIGINT, REQUESTED)
+#: `Vote.save_request` tickets run from 1 to this - 1 and round: small integers stay exact in
+#: a bfloat16 gradient bucket.
+SAVE_TICKETS = 64
 
 
 class Suspension(NamedTuple):
@@ -77,8 +89,8 @@ class Vote:
         Suspension(status=75, reason='TimeLimit: 2 hours', causes=('requested',))
     """
 
-    __slots__ = ("asked", "last_save", "_actions", "_carried", "_host", "_event", "_late",
-                 "_alone")
+    __slots__ = ("asked", "last_save", "save_request", "agreed_save", "_save_pending",
+                 "_actions", "_carried", "_host", "_event", "_late", "_alone")
 
     def __init__(self) -> None:
         #: The causes this rank asked for, with this rank's reason for each.
@@ -86,6 +98,13 @@ class Vote:
         #: Seconds the last checkpoint save of this fit took, from its start to a complete
         #: file (`hookloop.callbacks.TimeLimit` keeps that much time for the final save).
         self.last_save: float | None = None
+        #: Rank 0's last ticket for a save due by the clock: 1 to `SAVE_TICKETS` - 1
+        #: (0: none drawn yet).
+        self.save_request = 0
+        #: The last ticket every rank agreed on (0: none yet); it changes at the boundary
+        #: where every rank learns a new one.
+        self.agreed_save = 0
+        self._save_pending = False  # rank 0 sends save_request until it sees it agreed
         self._actions: list[Callable[[Suspension], None]] = []
         self._carried: torch.Tensor | None = None
         self._host: torch.Tensor | None = None  # pinned: the late read of a CUDA result
@@ -97,6 +116,8 @@ class Vote:
         """At every fit start: nothing asked or measured, nothing in flight, no action."""
         self.asked.clear()
         self.last_save = None
+        self.save_request = self.agreed_save = 0
+        self._save_pending = False
         self._actions.clear()
         self._carried, self._late, self._alone = None, False, None
 
@@ -118,12 +139,23 @@ class Vote:
         for action in actions:
             action(suspension)
 
+    def ask_save(self) -> bool:
+        """On rank 0: ask every rank to save at the coming agreed boundary (a save due by the
+        clock). False while the previous request is not agreed yet (it is that save)."""
+        if self._save_pending:
+            return False
+        self.save_request = self.save_request % (SAVE_TICKETS - 1) + 1
+        self._save_pending = True
+        return True
+
     def flags(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """One element per cause of `CAUSES`: 1 where this rank asked, else 0."""
-        if not self.asked:
-            return torch.zeros(len(CAUSES), dtype=dtype, device=device)
-        return torch.tensor([1.0 if cause in self.asked else 0.0 for cause in CAUSES],
-                            dtype=dtype, device=device)
+        """One element per cause of `CAUSES`: 1 where this rank asked, else 0; then the
+        pending `save_request` (0 when none is)."""
+        if not self.asked and not self._save_pending:
+            return torch.zeros(len(CAUSES) + 1, dtype=dtype, device=device)
+        ticket = float(self.save_request) if self._save_pending else 0.0
+        return torch.tensor([*(1.0 if cause in self.asked else 0.0 for cause in CAUSES),
+                             ticket], dtype=dtype, device=device)
 
     def carried(self, summed: torch.Tensor) -> None:
         """The flags of every rank, summed by the step's gradient all-reduce."""
@@ -139,25 +171,38 @@ class Vote:
             alone = self._alone = not distributed.is_initialized() or distributed.world_size() == 1
         if alone:
             self._carried = None  # no group to agree over: this process decides alone
+            if self._save_pending:
+                self.agreed_save, self._save_pending = self.save_request, False
             return self._suspension(set(self.asked)) if self.asked else None
         seen: set[Cause] = set()
         if self._late:  # a CUDA result of the previous boundary: complete by now
             self._late = False
             self._event.synchronize()
-            seen |= _decode(self._host)
+            seen |= self._decode(self._host)
         summed, self._carried = self._carried, None
         if summed is None:
             summed = self._dedicated()
         if summed.device.type == "cpu":
-            seen |= _decode(summed)
+            seen |= self._decode(summed)
         else:
             if self._host is None:
-                self._host = torch.empty(len(CAUSES), dtype=torch.float32, pin_memory=True)
+                self._host = torch.empty(len(CAUSES) + 1, dtype=torch.float32,
+                                         pin_memory=True)
                 self._event = torch.cuda.Event()
             self._host.copy_(summed.float(), non_blocking=True)
             self._event.record()
             self._late = True
         return self._suspension(seen)
+
+    def _decode(self, summed: torch.Tensor) -> set[Cause]:
+        """The causes some rank asked for; rank 0's save request becomes `agreed_save`."""
+        counts = summed.tolist()
+        ticket = round(counts[len(CAUSES)])
+        if ticket:
+            self.agreed_save = ticket
+            if ticket == self.save_request:  # rank 0: seen agreed, sent no more
+                self._save_pending = False
+        return {cause for cause, count in zip(CAUSES, counts) if count > 0}
 
     def _dedicated(self) -> torch.Tensor:
         flags = self.flags(torch.float32, distributed.collective_device())
@@ -173,8 +218,6 @@ class Vote:
         return Suspension(agreed[0].status, reason, tuple(cause.name for cause in agreed))
 
 
-def _decode(summed: torch.Tensor) -> set[Cause]:
-    return {cause for cause, count in zip(CAUSES, summed.tolist()) if count > 0}
 
 
 def current() -> Vote | None:

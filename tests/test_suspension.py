@@ -169,3 +169,27 @@ def test_sigint_in_a_scheduler_s_job_ends_the_launch_and_twice_stops_at_once(
     with pytest.raises(KeyboardInterrupt):
         loop.fit(2)
     assert recorder.labels("on_exception") == ["on_exception:KeyboardInterrupt"]
+
+
+def test_a_save_ticket_rides_on_the_flags_and_a_duplicate_is_the_same_save() -> None:
+    """Issue 28, item 6: rank 0 sends its ticket until it sees it agreed, then zeros (made
+    on the device, no host copy); a ticket delivered twice (late, or carried again) leaves
+    ``agreed_save`` where it was, so a consumer saves once."""
+    from hookloop.suspension import CAUSES
+
+    zero, one = Vote(), Vote()
+    for vote in (zero, one):
+        vote._alone = False  # as under a process group: the sums come from the flags
+    assert zero.ask_save() and not zero.ask_save()  # a second ask waits for the first
+    sent = zero.flags(torch.float32, torch.device("cpu")) + one.flags(torch.float32,
+                                                                      torch.device("cpu"))
+    assert sent.tolist() == [0.0] * len(CAUSES) + [1.0]
+    seen = []
+    for summed in (sent, sent.clone(), torch.zeros_like(sent)):  # the ticket, again, none
+        for vote in (zero, one):
+            vote.carried(summed)
+            assert vote.agree() is None
+        seen.append((zero.agreed_save, one.agreed_save))
+    assert seen == [(1, 1), (1, 1), (1, 1)]
+    assert zero.flags(torch.float32, torch.device("cpu")).tolist() == [0.0] * (len(CAUSES) + 1)
+    assert zero.ask_save() and zero.save_request == 2  # the next save, a new ticket

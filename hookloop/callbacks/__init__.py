@@ -33,11 +33,12 @@ from hookloop.callbacks.tensorboard import TensorBoard
 from hookloop.callbacks.terminate_on_nan import TerminateOnNaN
 from hookloop.callbacks.throughput import ThroughputMonitor
 from hookloop.callbacks.time_limit import TimeLimit
+from hookloop.callbacks.timer import Timer
 
 __all__: list[str] = []
 __all__ += ["AMP", "EMA", "GradAccumulation", "GradClip", "LRScheduler"]
 __all__ += ["Checkpoint", "EarlyStopping", "Metrics", "TerminateOnNaN"]
-__all__ += ["DetectAnomaly", "ShortRun", "TimeLimit"]
+__all__ += ["DetectAnomaly", "ShortRun", "TimeLimit", "Timer"]
 __all__ += ["ActivationCheckpointing", "DDP", "FSDP", "TensorParallel"]
 __all__ += ["CSVLogger", "ModelSummary", "Profiler", "ProgressBar", "TensorBoard"]
 __all__ += ["Compile", "CudaSpeedups", "MemoryMonitor", "ThroughputMonitor"]

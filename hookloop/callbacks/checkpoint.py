@@ -16,6 +16,7 @@ from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.checkpoint_files import CheckpointFiles
 from hookloop.background_save import RotatingWrites
+from hookloop.cadence import TimedSaves
 from hookloop.checks import check_choice, check_name, check_number, check_optional_int, check_path
 from hookloop.deprecation import CheckpointAliases
 from hookloop.errors import ConfigurationError
@@ -36,8 +37,9 @@ class Checkpoint(Callback, CheckpointAliases):
     """Save resumable checkpoints atomically, keep the best weights, and resume exactly.
 
     A rotating file ``epoch=EEEE-step=SSSSSSSS.pt`` holds `Loop.state_dict`. It is written
-    every ``every_n_epochs`` epochs and ``every_n_steps`` optimizer steps, at the end of the
-    last epoch or of one cut short by ``loop.stop()``, and when ``fit`` raises. With
+    every ``every_n_epochs`` epochs, ``every_n_steps`` optimizer steps and
+    ``every_n_seconds``, at the end of the last epoch or of one cut short by ``loop.stop()``,
+    and when ``fit`` raises. With
     ``monitor``, ``best.pt`` holds the best validated weights (for `load_checkpoint`), and
     ``save_top_k=k`` keeps the ``k`` best as ``best-<monitor>=<value>-step=S.pt``. Writes
     are atomic; rank 0 writes, every rank loads. It comes after every stateful callback.
@@ -50,6 +52,7 @@ class Checkpoint(Callback, CheckpointAliases):
         mode: ``"auto"`` (from the metric's name), ``"min"`` or ``"max"``.
         every_n_epochs: Save every n epochs; None: not by epochs.
         every_n_steps: Save every n optimizer steps; None: not by steps.
+        every_n_seconds: Save every n seconds of ``fit`` (rank 0's clock; agreed by all ranks).
         keep_last: How many rotating files to keep; None keeps all.
         resume: False (a new run), True (the newest rotating file in ``dirpath``, if any) or
             a file path (a rollback when it is older than the newest: later files retire).
@@ -89,13 +92,15 @@ class Checkpoint(Callback, CheckpointAliases):
                  every_n_steps: int | None = None, keep_last: int | None = 1,
                  resume: bool | str | os.PathLike[str] = False, name: str | None = None,
                  save_top_k: int | None = 1, initial_value_threshold: float | None = None,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, every_n_seconds: float | None = None) -> None:
         self.dirpath = check_path("Checkpoint dirpath", dirpath)
         self.mode = check_choice("Checkpoint mode", mode, MODES)
         self._monitor = Monitor(monitor, mode, owner="Checkpoint") if monitor is not None else None
         self.monitor = monitor
         self.every_n_epochs = check_optional_int("Checkpoint every_n_epochs", every_n_epochs)
         self.every_n_steps = check_optional_int("Checkpoint every_n_steps", every_n_steps)
+        self._timed = TimedSaves(every_n_seconds, owner="Checkpoint")
+        self.every_n_seconds = self._timed.every_n_seconds
         self.keep_last = check_optional_int("Checkpoint keep_last", keep_last)
         self.save_top_k = check_optional_int("Checkpoint save_top_k", save_top_k,
                                              hint="None keeps every validation's file.")
@@ -179,6 +184,7 @@ class Checkpoint(Callback, CheckpointAliases):
 
     def on_fit_start(self, loop: Loop) -> None:
         self._saved_at = loop.position  # where the run starts is on disk already
+        self._timed.begin()
         if self._resumed_from is not None and distributed.is_main():
             print(self.files.resumed(self._resumed_from, *loop.position), flush=True)
         self._resumed_from = None
@@ -186,8 +192,9 @@ class Checkpoint(Callback, CheckpointAliases):
     def on_batch_end(self, loop: Loop) -> None:
         state = loop.state
         self._writes.poll()  # a background write that failed is raised here, naming its file
-        if (self.every_n_steps is not None and state.step_boundary and state.step
-                and state.step % self.every_n_steps == 0):
+        timed = state.step_boundary and self._timed.due()  # at every boundary: it reads the vote
+        if timed or (self.every_n_steps is not None and state.step_boundary and state.step
+                     and state.step % self.every_n_steps == 0):
             self._save(loop, collective=True)
 
     def on_validation_end(self, loop: Loop) -> None:

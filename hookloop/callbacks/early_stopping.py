@@ -248,8 +248,8 @@ class EarlyStopping(Callback):
         if self.restore_best_weights and self.best is not None and self.best != before:
             self._best_weights = {key: tensor.detach().clone() for key, tensor
                                   in loop.unwrapped_model.state_dict().items()}
-        if stop:
-            loop.stop(self.stopped_reason)
+        if stop:  # held until fit(min_epochs=, min_steps=); a NaN or inf ends it now
+            loop.stop(self.stopped_reason, force=self.check_finite and not math.isfinite(value))
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -154,7 +154,8 @@ class TerminateOnNaN(Callback):
                    f"those after step {state.step}{buffers}; training stops.")
         if self.raise_error:
             raise NonFiniteError(message)
-        loop.stop(message)  # the loop prints it at fit end, as the reason training ended
+        # Not held by fit(min_epochs=...): training on from here would train on NaN.
+        loop.stop(message, force=True)  # the loop prints it at fit end, as the reason
 
     def _gradients_not_finite(self, loop: Loop) -> torch.Tensor | None:
         gradients = [parameter.grad for group in loop.optimizer.param_groups

@@ -118,6 +118,26 @@ class TimeLimit(Callback):
         ``start="created"``, since this callback was created)."""
         return time.monotonic() - self.started
 
+    def time_elapsed(self) -> float:
+        """Seconds of the budget used so far (`elapsed`), e.g. for a log line or a decision.
+
+        Example:
+            >>> limit = TimeLimit("1:00:00")
+            >>> 0.0 <= limit.time_elapsed() < limit.duration
+            True
+        """
+        return self.elapsed
+
+    def time_remaining(self) -> float:
+        """Seconds of the budget left: ``duration - time_elapsed()``, 0 once it is spent.
+
+        Example:
+            >>> limit = TimeLimit("1:00:00")
+            >>> 0.0 < limit.time_remaining() <= 3600.0
+            True
+        """
+        return max(self.duration - self.elapsed, 0.0)
+
     def reserve(self) -> float:
         """Seconds the end of the launch needs: the longest step interval and the save."""
         vote = current()

@@ -42,6 +42,7 @@ from hookloop.callbacks import (
     TerminateOnNaN,
     ThroughputMonitor,
     TimeLimit,
+    Timer,
 )
 from hookloop.schedules import warmup_cosine
 
@@ -95,6 +96,7 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
                                                        peak_flops=1e12),
     "MemoryMonitor": lambda tmp: MemoryMonitor(),
     "TimeLimit": lambda tmp: TimeLimit("1:00:00"),
+    "Timer": lambda tmp: Timer(),
 }
 
 

@@ -122,3 +122,25 @@ def test_the_inputs_rule_of_the_loop_is_the_summary_s_too() -> None:
          device="cpu").fit(1)
     assert summary.summary.total_params == parameters()
     assert summary.summary.summary_list[0].input_size == [4, 6]
+
+
+def test_a_callable_inputs_rule_is_summarized_as_the_key_and_the_page_shows_the_rule() -> None:
+    """Issue 28, item 3: ``inputs=fn(batch)`` gives the summary the same input as the key,
+    and docs/callbacks/model_summary.md shows the ``inputs=``/``targets=`` rule in a block
+    the docs test executes (its assertions compare with the page's printed shape)."""
+    from pathlib import Path
+
+    sizes = []
+    for inputs in ("image", lambda batch: batch["image"]):
+        torch.manual_seed(0)
+        model = Classifier()
+        summary = ModelSummary(print_summary=False)
+        Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), dict_batches(),
+             loss_fn=F.cross_entropy, inputs=inputs, targets="label", callbacks=[summary],
+             device="cpu").fit(1)
+        assert summary.summary.total_params == parameters()
+        sizes.append(summary.summary.summary_list[0].input_size)
+    assert sizes == [[4, 6], [4, 6]]
+    page = (Path(__file__).resolve().parents[2] / "docs/callbacks/model_summary.md").read_text()
+    blocks = page.split("```python\n")[1:]
+    assert any('inputs="image", targets="label"' in block.split("```")[0] for block in blocks)

@@ -42,3 +42,30 @@ def test_no_page_says_accumulation_needs_data_with_a_length() -> None:
               and re.search(r"needs a length|needs? `?len\(|without one, setup raises",
                             sentence)]
     assert claims == []
+
+
+def test_the_cpu_line_gives_up_on_an_unreachable_index_and_the_readme_gives_the_fallback(
+        tmp_path) -> None:
+    """Issue 28, item 2: where PyTorch's index cannot be reached, the README's first line
+    fails (its --timeout/--retries flags are pip's own, so pip runs it and gives up instead
+    of retrying), and the README names the fallback: torch from an index that is reachable."""
+    import shlex
+    import subprocess
+    import sys
+
+    line = next(line for line in install_block() if "download.pytorch.org/whl/cpu" in line)
+    command = shlex.split(line.split("#", 1)[0])
+    assert command[:2] == ["pip", "install"] and "--timeout" in command and "--retries" in command
+    # The same command against an index nothing listens on (the discard port of this host).
+    unreachable = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-cache-dir",
+                   "--ignore-installed", *["http://127.0.0.1:9/simple" if word.startswith("https://download")
+                     else word for word in command[2:]]]
+    quiet = {"PATH": "/usr/bin:/bin", "PIP_CONFIG_FILE": "/dev/null"}  # no user's pip.conf
+    result = subprocess.run(unreachable, capture_output=True, text=True, timeout=240,
+                            cwd=tmp_path, env=quiet)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output  # 2 would be a usage error: an option pip lacks
+    assert "no such option" not in output
+    assert "No matching distribution found for torch" in output, output
+    after = README.split("download.pytorch.org/whl/cpu", 1)[1].split("## Why", 1)[0]
+    assert "cannot be reached" in after and "`pip install torch`" in after
