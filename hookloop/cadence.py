@@ -120,3 +120,9 @@ class TimedSaves:
         if distributed.is_main() and time.monotonic() - self._since >= self.every_n_seconds:
             vote.ask_save()  # agreed at a coming boundary (a second ask waits for it)
         return False
+
+    def at_boundary(self, step: int, every_n_steps: int | None) -> bool:
+        """At a step boundary: save now, because the time is up (`due`, asked at every
+        boundary since it reads the vote) or every ``every_n_steps`` optimizer steps?"""
+        timed = self.due()
+        return timed or bool(every_n_steps is not None and step and step % every_n_steps == 0)

@@ -36,13 +36,12 @@ __all__ = ["Checkpoint", "load_checkpoint"]
 class Checkpoint(Callback, CheckpointAliases):
     """Save resumable checkpoints atomically, keep the best weights, and resume exactly.
 
-    A rotating file ``epoch=EEEE-step=SSSSSSSS.pt`` holds `Loop.state_dict`. It is written
-    every ``every_n_epochs`` epochs, ``every_n_steps`` optimizer steps and
-    ``every_n_seconds``, at the end of the last epoch or of one cut short by ``loop.stop()``,
-    and when ``fit`` raises. With
+    A rotating file ``epoch=EEEE-step=SSSSSSSS.pt`` holds `Loop.state_dict`. It is written every
+    ``every_n_epochs`` epochs, ``every_n_steps`` optimizer steps and ``every_n_seconds``, at the
+    end of the last epoch or of one cut short by ``loop.stop()``, and when ``fit`` raises. With
     ``monitor``, ``best.pt`` holds the best validated weights (for `load_checkpoint`), and
-    ``save_top_k=k`` keeps the ``k`` best as ``best-<monitor>=<value>-step=S.pt``. Writes
-    are atomic; rank 0 writes, every rank loads. It comes after every stateful callback.
+    ``save_top_k=k`` keeps the ``k`` best as ``best-<monitor>=<value>-step=S.pt``. Writes are
+    atomic; rank 0 writes, every rank loads. It comes after every stateful callback.
     ``async_save=True`` writes rotating files in a thread from a host copy (docs/callbacks/
     checkpoint.md: the step waits for the copy; a failure is raised at the next step).
 
@@ -72,10 +71,9 @@ class Checkpoint(Callback, CheckpointAliases):
         >>> from hookloop.callbacks import Checkpoint
         >>> model = torch.nn.Linear(3, 1)
         >>> data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(3)]
-        >>> directory = tempfile.mkdtemp()
         >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
         ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
-        ...             callbacks=[Checkpoint(directory, keep_last=2)])
+        ...             callbacks=[Checkpoint(directory := tempfile.mkdtemp(), keep_last=2)])
         >>> _ = loop.fit(3)
         hookloop: training ended at epoch 3/3, step 9: all 3 epochs are done.
         >>> sorted(os.listdir(directory))
@@ -83,7 +81,6 @@ class Checkpoint(Callback, CheckpointAliases):
     """
 
     state_at_boundaries = True  # its bookkeeping changes at saves, which are at boundaries
-
     runs_after = {"stateful": "Checkpoint saves the state of every stateful callback, so they "
                               "must have updated it before Checkpoint writes"}
 
@@ -160,16 +157,14 @@ class Checkpoint(Callback, CheckpointAliases):
         if self._monitor is not None:
             self._monitor.resolve()
         # Every rank learns whether rank 0 may use the directory: none waits for it in vain.
-        refused = distributed.broadcast_object(self.files.prepare() if distributed.is_main()
-                                               else None)
-        if refused:
+        if refused := distributed.broadcast_object(
+                self.files.prepare() if distributed.is_main() else None):
             raise ConfigurationError(refused)
         if self._started:
             return  # a later fit of the same loop continues in this directory
         if self.resume is False:  # a new run must not overwrite or mix with an earlier one
-            found = distributed.broadcast_object(
-                self.files.run_files() if distributed.is_main() else None)
-            if found:
+            if found := distributed.broadcast_object(
+                    self.files.run_files() if distributed.is_main() else None):
                 raise self.files.earlier_run_error(found)
         elif self.resume is True:
             files = self.files.rotating() if distributed.is_main() else []
@@ -190,11 +185,9 @@ class Checkpoint(Callback, CheckpointAliases):
         self._resumed_from = None
 
     def on_batch_end(self, loop: Loop) -> None:
-        state = loop.state
         self._writes.poll()  # a background write that failed is raised here, naming its file
-        timed = state.step_boundary and self._timed.due()  # at every boundary: it reads the vote
-        if timed or (self.every_n_steps is not None and state.step_boundary and state.step
-                     and state.step % self.every_n_steps == 0):
+        state = loop.state
+        if state.step_boundary and self._timed.at_boundary(state.step, self.every_n_steps):
             self._save(loop, collective=True)
 
     def on_validation_end(self, loop: Loop) -> None:
@@ -212,6 +205,7 @@ class Checkpoint(Callback, CheckpointAliases):
             self._writes.wait()  # the training's end: before DDP/FSDP tear their group down
             if wrote and distributed.is_main():
                 self.files.after_epoch_end_save(state.step)
+
     def on_fit_end(self, loop: Loop) -> None:  # also a launch's: its last file is complete
         if distributed.is_main() and (kept := self.files.explain_set_aside()):
             print(kept, flush=True)  # what the run leaves beside its checkpoints, and why

@@ -104,7 +104,7 @@ def test_the_learning_rate_of_every_validation_is_in_the_history() -> None:
 def test_time_limit_tells_the_time_elapsed_and_remaining(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
     monkeypatch.setattr("hookloop.callbacks.time_limit.time.monotonic", lambda: now[0])
-    limit = TimeLimit(60)
+    limit = TimeLimit(60, start="created")  # counted from here, on the fake clock
     first = limit.time_elapsed()
     assert first == limit.elapsed and limit.time_remaining() == 60 - first
     now[0] += 25.0
