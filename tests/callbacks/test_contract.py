@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from hookloop.callbacks import (
     LRScheduler,
     MemoryMonitor,
     Metrics,
+    MLflowLogger,
     ModelSummary,
     Profiler,
     ProgressBar,
@@ -39,6 +41,7 @@ from hookloop.callbacks import (
     TerminateOnNaN,
     ThroughputMonitor,
     TimeLimit,
+    WandbLogger,
 )
 from hookloop.schedules import warmup_cosine
 
@@ -87,7 +90,15 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
                                                        peak_flops=1e12),
     "MemoryMonitor": lambda tmp: MemoryMonitor(),
     "TimeLimit": lambda tmp: TimeLimit("1:00:00"),
+    "MLflowLogger": lambda tmp: _mlflow(tmp),
+    "WandbLogger": lambda tmp: WandbLogger("contract", dir=tmp / "wandb", mode="disabled",
+                                           every_n_steps=2),
 }
+
+
+def _mlflow(tmp: Path) -> MLflowLogger:
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # a local store, read by the tests alone
+    return MLflowLogger("contract", tracking_uri=f"file://{tmp / 'mlruns'}", every_n_steps=2)
 
 
 def _build(callback: Callback, seed: int = 0) -> Loop:
