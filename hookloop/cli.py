@@ -55,8 +55,8 @@ def _print_presets() -> int:
     from hookloop.registry import entries
 
     usable, problems = entries()
-    rows = [(entry.name, entry.package, entry.description) for entry in usable.values()]
-    rows += [(entry.name, entry.package, entry.description) for entry in problems]
+    rows = [(entry.name, entry.package, entry.description + _range(entry))
+            for entry in [*usable.values(), *problems]]
     rows.sort(key=lambda row: (row[1] != "hookloop", row[0]))
     name_width = max(len("preset"), *(len(row[0]) for row in rows))
     package_width = max(len("package"), *(len(row[1]) for row in rows))
@@ -65,6 +65,13 @@ def _print_presets() -> int:
         print(f"{name:<{name_width}}  {package:<{package_width}}  {description}")
     print("\nUse one: presets.get(NAME, **arguments); see its stack: hookloop describe NAME")
     return 0
+
+
+def _range(entry: Any) -> str:
+    """The hookloop versions a published preset supports, after its description."""
+    if entry.package == "hookloop":
+        return ""
+    return f"  [hookloop {entry.requires or 'any version'}]"
 
 
 def _describe(name: str, assignments: list[tuple[str, Any]]) -> int:

@@ -34,7 +34,7 @@ from hookloop.callbacks.short_run import ShortRun
 from hookloop.checks import check_int, check_number
 from hookloop.errors import ConfigurationError
 from hookloop.monitor import Monitor
-from hookloop.registry import ENTRY_POINT_GROUP, available, get
+from hookloop.registry import ENTRY_POINT_GROUP, available, get, requires
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -45,6 +45,7 @@ __all__ = [
     "finetune",
     "get",
     "replace",
+    "requires",
     "standard",
 ]
 
