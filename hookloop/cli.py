@@ -3,6 +3,7 @@
 Examples::
 
     hookloop presets                                  # what is installed, from which package
+    hookloop presets check quick_cpu                  # run hookloop.testing on a preset
     hookloop describe standard                        # who runs at which event
     hookloop describe standard ema=None accumulate=4  # with arguments (Python literals)
     hookloop events                                   # the events in firing order
@@ -67,6 +68,22 @@ def _print_presets() -> int:
     return 0
 
 
+def _check_preset(parser: argparse.ArgumentParser, name: str | None,
+                  assignments: list[tuple[str, Any]]) -> int:
+    from hookloop.testing import KitFailure, check_preset
+
+    if not name:
+        parser.error("hookloop presets check needs a preset name: hookloop presets check NAME")
+    try:
+        check_preset(name, **dict(assignments))
+    except KitFailure as failure:
+        print(f"hookloop presets check {name}: FAILED: {failure}", file=sys.stderr)
+        return 1
+    print(f"hookloop presets check {name}: every check of hookloop.testing passed (dispatch, "
+          "declarations, state, resume).")
+    return 0
+
+
 def _range(entry: Any) -> str:
     """The hookloop versions a published preset supports, after its description."""
     if entry.package == "hookloop":
@@ -105,11 +122,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="hookloop", description=_help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser(
+    presets_parser = commands.add_parser(
         "presets", help="list the presets: built-in and installed by other packages",
         description="List every preset presets.get() can build: its name, the package it "
-                    "comes from and a one-line description. Installed presets that cannot be "
-                    "used are listed with the reason.")
+                    "comes from, a one-line description and the hookloop versions it "
+                    "supports. Installed presets that cannot be used are listed with the "
+                    "reason. `hookloop presets check NAME` runs hookloop.testing's checks "
+                    "on the preset's stack.",
+        epilog="example: hookloop presets check quick_cpu clip=0.5")
+    presets_parser.add_argument("action", nargs="?", choices=["check"],
+                                help="check: run the test kit on the preset NAME")
+    presets_parser.add_argument("name", nargs="?", help="the preset to check")
+    presets_parser.add_argument("arguments", nargs="*", type=parse_assignment,
+                                metavar="key=value", help="arguments of the preset")
     describe_parser = commands.add_parser(
         "describe", help="print the event table of a preset's stack",
         description="Build a preset and print which callback runs at which event, in "
@@ -125,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         description="Print the versions of hookloop and torch.")
     args = parser.parse_args(argv)
     try:
+        if args.command == "presets" and args.action == "check":
+            return _check_preset(parser, args.name, args.arguments)
         if args.command == "presets":
             return _print_presets()
         if args.command == "describe":

@@ -187,3 +187,28 @@ def test_standard_stack_trains_and_describes(tmp_path: Path) -> None:
     text = describe(stack, print_table=False)
     for callback in stack:
         assert type(callback).__name__ in text
+
+
+#: What may differ between an uninterrupted run and a resumed one: measurements, and the id of
+#: the tracker run each uninterrupted run creates.
+KIT_IGNORES = {"MemoryMonitor": ("peak_memory_mib",),
+               "ThroughputMonitor": ("samples_per_s", "batches_per_s", "tokens_per_s", "mfu"),
+               "MLflowLogger": ("run_id",), "WandbLogger": ("run_id",)}
+
+
+@pytest.mark.parametrize("kind", [
+    pytest.param(kind, marks=pytest.mark.xfail(
+        reason="found by the kit, not fixed yet: a compiled optimizer step resumed in the "
+               "kit's stack (a warmup-cosine schedule) is not bitwise equal to the "
+               "uninterrupted run", strict=False)) if kind == "Compile-optimizer" else kind
+    for kind in sorted(FACTORIES)])
+def test_the_authors_kit_passes_on_every_built_in_callback(kind: str, tmp_path: Path) -> None:
+    """hookloop.testing.check_callback, as a callback author runs it: dispatch,
+    declarations, state through a checkpoint file, exact resume at two drawn step boundaries."""
+    from hookloop.testing import check_callback
+
+    factory = FACTORIES[kind]
+    if kind == "Checkpoint":  # the resumed run reuses its directory: it must resume too
+        def factory(tmp: Path) -> Callback:
+            return Checkpoint(tmp / "checkpoints", monitor="val_loss", keep_last=2, resume=True)
+    check_callback(factory, tmp_path, ignore=KIT_IGNORES.get(kind.split("-")[0], ()))
