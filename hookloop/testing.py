@@ -302,7 +302,8 @@ def check_resume(factory: Factory, directory: str | os.PathLike[str] | None = No
         factory: Builds the callback (or, for a preset, the list).
         directory: Where the runs write; None: a temporary folder.
         seed: Seeds the run and the choice of the step.
-        step: The step after which the run is interrupted; None: two neighbouring steps
+        step: The step after which the run is interrupted (kept before the run's last
+            step); None: two neighbouring steps
             drawn at random from ``seed`` among the run's steps (the last one aside), each
             checked.
         relaunch: Interrupt it in a child process (killed with SIGKILL right after the
@@ -321,8 +322,8 @@ def check_resume(factory: Factory, directory: str | os.PathLike[str] | None = No
         if reference.state.step < 2:
             raise KitFailure(f"the uninterrupted run made {reference.state.step} step(s): "
                              "nothing to interrupt")
-        if step is not None:
-            boundaries = [step]
+        if step is not None:  # kept inside the run (a run that stops early has fewer steps)
+            boundaries = [max(1, min(step, reference.state.step - 1))]
         else:  # two neighbours: a bug that depends on where the run stops shows at one
             first_step = random.Random(seed).randrange(1, max(2, reference.state.step - 1))
             boundaries = [first_step, first_step + 1]
@@ -579,11 +580,12 @@ torch.save({{"weights": testing._weights(loop), "step": loop.state.step, "stoppe
 
 
 def check_callback(factory: Factory, directory: str | os.PathLike[str] | None = None, *,
-                   seed: int = 0, relaunch: bool = False, ranks: bool = False,
-                   ignore: Sequence[str] = ()) -> None:
+                   seed: int = 0, step: int | None = None, relaunch: bool = False,
+                   ranks: bool = False, ignore: Sequence[str] = ()) -> None:
     """Every check of the kit on one callback: `check_dispatch`, `check_declarations`,
     `check_state`, `check_resume` (in process, and across a relaunch with
-    ``relaunch=True``; ``ignore`` as there) and, with ``ranks=True``, `check_ranks`.
+    ``relaunch=True``; ``step`` and ``ignore`` as there) and, with ``ranks=True``,
+    `check_ranks`.
 
     Raises:
         KitFailure: the first check that fails.
@@ -592,10 +594,10 @@ def check_callback(factory: Factory, directory: str | os.PathLike[str] | None = 
         check_dispatch(factory, os.path.join(root, "dispatch"))
         check_declarations(factory, os.path.join(root, "declarations"))
         check_state(factory, os.path.join(root, "state"))
-        check_resume(factory, os.path.join(root, "resume"), seed=seed, ignore=ignore)
+        check_resume(factory, os.path.join(root, "resume"), seed=seed, step=step, ignore=ignore)
         if relaunch:
-            check_resume(factory, os.path.join(root, "relaunch"), seed=seed, relaunch=True,
-                         ignore=ignore)
+            check_resume(factory, os.path.join(root, "relaunch"), seed=seed, step=step,
+                         relaunch=True, ignore=ignore)
         if ranks:
             check_ranks(factory, os.path.join(root, "ranks"))
 

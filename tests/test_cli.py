@@ -89,3 +89,11 @@ def test_values_are_python_literals_or_text() -> None:
     assert parse_assignment("amp='fp16'") == ("amp", "fp16")
     assert parse_assignment("amp=fp16") == ("amp", "fp16")
     assert parse_assignment("checkpoint_dir=runs/a b") == ("checkpoint_dir", "runs/a b")
+
+
+def test_presets_check_runs_the_kit_on_a_preset() -> None:
+    result = _run("presets", "check", "debug", "summary=False", "profile=False", "steps=None")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hookloop presets check debug: every check of hookloop.testing passed" in result.stdout
+    missing = _run("presets", "check", "no_such_preset")
+    assert missing.returncode == 1 and "No preset named 'no_such_preset'" in missing.stderr

@@ -143,14 +143,21 @@ def only(records: list[dict], kind: str) -> list[dict]:
 
 
 # ------------------------------------------------------------------ MLflow
-@pytest.mark.parametrize("kill_at", [10, 13])
-def test_mlflow_run_continues_after_a_kill_with_every_step_once(tmp_path: Path, kill_at: int) -> None:
-    assert launch(tmp_path, "mlflow", kill_at=kill_at) == -signal.SIGKILL
+def test_mlflow_run_continues_after_a_kill_and_a_suspension_with_every_step_once(
+        tmp_path: Path) -> None:
+    """One MLflow run across three launches: killed after step 10 (its checkpoint is of
+    step 8, and step 10 was sent after it: the relaunch, which trains 9 and 10 again, must
+    not send it twice), a launch ended at step 16 (``stop(resumable=True)``), then the last."""
+    assert launch(tmp_path, "mlflow", kill_at=10) == -signal.SIGKILL
     (killed,) = mlflow_runs(tmp_path)
     assert killed["status"] == "RUNNING"
-    assert max(step for step, _ in killed["series"]["step/loss"]) == kill_at - kill_at % 2
+    assert max(step for step, _ in killed["series"]["step/loss"]) == 10
+    assert launch(tmp_path, "mlflow", suspend_at=16) == 75
+    (suspended,) = mlflow_runs(tmp_path)
+    assert suspended["id"] == killed["id"] and suspended["status"] == "RUNNING"
+    assert "launch ended at step 16" in suspended["tags"]["hookloop.end_reason"]
     assert launch(tmp_path, "mlflow") == 0
-    (run,) = mlflow_runs(tmp_path)  # one run: the relaunch continued it
+    (run,) = mlflow_runs(tmp_path)  # one run: each relaunch continued it
     assert run["id"] == killed["id"] and run["status"] == "FINISHED"
     assert float32(run["series"]) == tensorboard(tmp_path)  # every step once, TensorBoard's values
     assert [step for step, _ in run["series"]["step/loss"]] == list(range(2, 19, 2))
@@ -158,17 +165,6 @@ def test_mlflow_run_continues_after_a_kill_with_every_step_once(tmp_path: Path, 
     assert run["tags"]["hookloop.model"] == "Sequential"
     assert run["tags"]["hookloop.parameters"] == str(5 * 8 + 8 + 8 * 3 + 3)
     assert run["tags"]["hookloop.end_reason"] == "all 3 epochs are done (step 18)"
-
-
-def test_mlflow_suspended_launch_leaves_the_run_resumable(tmp_path: Path) -> None:
-    assert launch(tmp_path, "mlflow", suspend_at=8) == 75
-    (suspended,) = mlflow_runs(tmp_path)
-    assert suspended["status"] == "RUNNING"
-    assert "launch ended at step 8" in suspended["tags"]["hookloop.end_reason"]
-    assert launch(tmp_path, "mlflow") == 0
-    (run,) = mlflow_runs(tmp_path)
-    assert run["id"] == suspended["id"] and run["status"] == "FINISHED"
-    assert float32(run["series"]) == tensorboard(tmp_path)
 
 
 # ------------------------------------------------------------------ W&B
