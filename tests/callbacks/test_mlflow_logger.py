@@ -104,3 +104,18 @@ def test_the_standard_preset_takes_a_tracker_and_has_none_by_default() -> None:
     assert sum(isinstance(callback, MLflowLogger) for callback in stack) == 1
     with pytest.raises(ConfigurationError, match="tracker"):
         presets.standard(tracker="neptune", **quiet)
+
+
+def test_no_host_read_on_the_steps_it_does_not_log(tmp_path: Path, count_reads) -> None:
+    """Like TensorBoard: reads grow by at most one per logging interval (one stacked read of
+    the step's values), never per batch."""
+    def reads(batches: int) -> int:
+        tracker = MLflowLogger("test", tracking_uri=f"file://{tmp_path / str(batches)}",
+                               every_n_steps=10)
+        loop = dropout_loop([tracker], batches=batches)
+        before = count_reads["n"]
+        loop.fit(2)
+        return count_reads["n"] - before
+
+    small, large = reads(10), reads(60)
+    assert large - small <= 2 * 50 // 10, (small, large)
