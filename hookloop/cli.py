@@ -5,6 +5,7 @@ Examples::
 
     hookloop run --nproc 2 train.py --lr 0.1           # 2 processes, torchrun's standalone mode
     hookloop presets                                  # what is installed, from which package
+    hookloop presets check quick_cpu                  # run hookloop.testing on a preset
     hookloop describe standard                        # who runs at which event
     hookloop describe standard ema=None accumulate=4  # with arguments (Python literals)
     hookloop events                                   # the events in firing order
@@ -61,8 +62,8 @@ def _print_presets() -> int:
     from hookloop.registry import entries
 
     usable, problems = entries()
-    rows = [(entry.name, entry.package, entry.description) for entry in usable.values()]
-    rows += [(entry.name, entry.package, entry.description) for entry in problems]
+    rows = [(entry.name, entry.package, entry.description + _range(entry))
+            for entry in [*usable.values(), *problems]]
     rows.sort(key=lambda row: (row[1] != "hookloop", row[0]))
     name_width = max(len("preset"), *(len(row[0]) for row in rows))
     package_width = max(len("package"), *(len(row[1]) for row in rows))
@@ -71,6 +72,29 @@ def _print_presets() -> int:
         print(f"{name:<{name_width}}  {package:<{package_width}}  {description}")
     print("\nUse one: presets.get(NAME, **arguments); see its stack: hookloop describe NAME")
     return 0
+
+
+def _check_preset(parser: argparse.ArgumentParser, name: str | None,
+                  assignments: list[tuple[str, Any]]) -> int:
+    from hookloop.testing import KitFailure, check_preset
+
+    if not name:
+        parser.error("hookloop presets check needs a preset name: hookloop presets check NAME")
+    try:
+        check_preset(name, **dict(assignments))
+    except KitFailure as failure:
+        print(f"hookloop presets check {name}: FAILED: {failure}", file=sys.stderr)
+        return 1
+    print(f"hookloop presets check {name}: every check of hookloop.testing passed (dispatch, "
+          "declarations, state, resume).")
+    return 0
+
+
+def _range(entry: Any) -> str:
+    """The hookloop versions a published preset supports, after its description."""
+    if entry.package == "hookloop":
+        return ""
+    return f"  [hookloop {entry.requires or 'any version'}]"
 
 
 def _describe(name: str, assignments: list[tuple[str, Any]]) -> int:
@@ -169,11 +193,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_parser.add_argument("script", help="the training script")
     run_parser.add_argument("arguments", nargs=argparse.REMAINDER,
                             help="the script's own arguments")
-    commands.add_parser(
+    presets_parser = commands.add_parser(
         "presets", help="list the presets: built-in and installed by other packages",
         description="List every preset presets.get() can build: its name, the package it "
-                    "comes from and a one-line description. Installed presets that cannot be "
-                    "used are listed with the reason.")
+                    "comes from, a one-line description and the hookloop versions it "
+                    "supports. Installed presets that cannot be used are listed with the "
+                    "reason. `hookloop presets check NAME` runs hookloop.testing's checks "
+                    "on the preset's stack.",
+        epilog="example: hookloop presets check quick_cpu clip=0.5")
+    presets_parser.add_argument("action", nargs="?", choices=["check"],
+                                help="check: run the test kit on the preset NAME")
+    presets_parser.add_argument("name", nargs="?", help="the preset to check")
+    presets_parser.add_argument("arguments", nargs="*", type=parse_assignment,
+                                metavar="key=value", help="arguments of the preset")
     describe_parser = commands.add_parser(
         "describe", help="print the event table of a preset's stack",
         description="Build a preset and print which callback runs at which event, in "
@@ -196,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             nproc = max(1, torch.cuda.device_count())
         return run_script(nproc, args.script, args.arguments)
     try:
+        if args.command == "presets" and args.action == "check":
+            return _check_preset(parser, args.name, args.arguments)
         if args.command == "presets":
             return _print_presets()
         if args.command == "describe":

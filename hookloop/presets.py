@@ -34,7 +34,7 @@ from hookloop.callbacks.short_run import ShortRun
 from hookloop.checks import check_int, check_number
 from hookloop.errors import ConfigurationError
 from hookloop.monitor import Monitor
-from hookloop.registry import ENTRY_POINT_GROUP, available, get
+from hookloop.registry import ENTRY_POINT_GROUP, available, get, requires
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -45,6 +45,7 @@ __all__ = [
     "finetune",
     "get",
     "replace",
+    "requires",
     "standard",
 ]
 
@@ -70,6 +71,7 @@ def standard(
     mode: str = "auto",
     resume: bool | str | os.PathLike[str] = False,
     progress: bool = True,
+    tracker: str | Callback | None = None,
 ) -> list[Callback]:
     """Mixed precision, clipping, EMA, warmup-cosine, metrics, early stopping, checkpoints, logs.
 
@@ -77,7 +79,7 @@ def standard(
     0; ``accumulate=1`` means no accumulation)::
 
         AMP -> GradAccumulation -> GradClip -> EMA -> LRScheduler -> Metrics
-            -> EarlyStopping -> TensorBoard -> ProgressBar -> Checkpoint
+            -> EarlyStopping -> TensorBoard -> tracker -> ProgressBar -> Checkpoint
 
     AMP comes before GradClip (gradients are unscaled before clipping), Metrics before the
     callbacks that monitor its values, and Checkpoint after every stateful callback.
@@ -108,6 +110,9 @@ def standard(
         resume: ``Checkpoint(resume=...)``: True continues from the newest checkpoint in
             ``checkpoint_dir`` (a fresh start when there is none), a path from that file.
         progress: Show the progress display (``ProgressBar``).
+        tracker: An experiment tracker: ``"wandb"`` (``WandbLogger()``), ``"mlflow"``
+            (``MLflowLogger()``), a ready tracker callback, or None (default: none; an
+            installed tracker is never switched on by itself).
 
     Returns:
         A new list of callbacks, to pass to ``Loop(..., callbacks=...)`` or to edit.
@@ -167,6 +172,8 @@ def standard(
         from hookloop.callbacks import TensorBoard
 
         callbacks.append(TensorBoard(os.fspath(tensorboard)))
+    if tracker is not None:
+        callbacks.append(_tracker(tracker))
     if progress:
         from hookloop.callbacks import ProgressBar
 
@@ -329,6 +336,24 @@ def replace(callbacks: list[Callback], kind: type[Callback] | str,
 
 
 # ------------------------------------------------------------------ helpers
+def _tracker(tracker: str | Callback) -> Callback:
+    """The tracker callback ``standard(tracker=...)`` names."""
+    if isinstance(tracker, Callback):
+        return tracker
+    if tracker == "wandb":
+        from hookloop.callbacks import WandbLogger
+
+        return WandbLogger()
+    if tracker == "mlflow":
+        from hookloop.callbacks import MLflowLogger
+
+        return MLflowLogger()
+    raise ConfigurationError(
+        f"standard(tracker={tracker!r}): use 'wandb' or 'mlflow' (pip install "
+        "'hookloop[wandb]' or 'hookloop[mlflow]'), a tracker callback such as "
+        "MLflowLogger('my-experiment'), or None for no tracker.")
+
+
 def _schedule_factory(schedule: Any, warmup: int | float) -> Callable[..., Any]:
     """A factory ``fn(optimizer, total_steps)`` for ``LRScheduler`` from a name or a factory."""
     from hookloop import schedules

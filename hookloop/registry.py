@@ -27,7 +27,7 @@ from typing import Any
 from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError, with_article
 
-__all__ = ["ENTRY_POINT_GROUP", "Entry", "available", "entries", "get"]
+__all__ = ["ENTRY_POINT_GROUP", "Entry", "available", "entries", "get", "requires"]
 
 #: The entry-point group other packages publish their presets in.
 ENTRY_POINT_GROUP = "hookloop.presets"
@@ -49,6 +49,8 @@ class Entry:
             comma-separated, when packages clash over the name).
         function: The preset function; None when the preset cannot be used.
         problem: Why it cannot be used; None when it can.
+        requires: The hookloop versions the preset declares it supports (its function's
+            ``requires`` attribute, e.g. ``">=0.1,<0.3"``; see `requires`), or None.
 
     Example:
         >>> from hookloop.registry import entries
@@ -61,6 +63,7 @@ class Entry:
     package: str
     function: PresetFunction | None = None
     problem: str | None = None
+    requires: str | None = None
 
     @property
     def description(self) -> str:
@@ -126,7 +129,57 @@ def _load(name: str, entry_point: importlib.metadata.EntryPoint
         return Entry(name, package, problem=(
             f"{entry_point.value} is {with_article(type(function).__name__)}, not a function "
             "returning a list of callbacks")), None
-    return Entry(name, package, function), None
+    spec = getattr(function, "requires", None)
+    if spec is None:
+        return Entry(name, package, function), None
+    return Entry(name, package, function if _supported(spec) is None else None,
+                 _supported(spec), str(spec)), None
+
+
+def _supported(spec: Any) -> str | None:
+    """Why this hookloop is outside the range ``spec``, or None when it is inside."""
+    from hookloop import __version__
+    from hookloop.versions import satisfies
+
+    try:
+        if satisfies(__version__, spec):
+            return None
+    except ConfigurationError as error:
+        return f"its hookloop version range cannot be read ({error})"
+    return (f"it supports hookloop {spec} and this is hookloop {__version__}; install a "
+            f"release of the package made for hookloop {__version__}, or a hookloop in {spec}")
+
+
+def requires(spec: str) -> Callable[[PresetFunction], PresetFunction]:
+    """Declare the hookloop versions a preset supports: ``@requires(">=0.1,<0.3")``.
+
+    It sets the function's ``requires`` attribute (which may also be set by hand). A preset
+    whose range does not hold this hookloop is refused when used (`get` raises a
+    `ConfigurationError` naming both versions) and left out of `available` with a warning;
+    ``hookloop presets`` shows every preset's range. The range is a comma-separated list
+    of clauses, read by `hookloop.versions` (no dependency on ``packaging``).
+
+    Raises:
+        ConfigurationError: a range that cannot be read (said when the preset is defined).
+
+    Example:
+        >>> from hookloop.callbacks import GradClip
+        >>> @requires(">=0.1,<1")
+        ... def tight(max_norm=0.1):
+        ...     "Clip hard."
+        ...     return [GradClip(max_norm)]
+        >>> tight.requires
+        '>=0.1,<1'
+    """
+    from hookloop.versions import check_range
+
+    check_range(spec, owner="requires")
+
+    def mark(function: PresetFunction) -> PresetFunction:
+        function.requires = spec  # type: ignore[attr-defined]
+        return function
+
+    return mark
 
 
 def _resolve(name: str, entry_points: list[importlib.metadata.EntryPoint]

@@ -105,3 +105,11 @@ def test_python_dash_m_hookloop_is_the_same_command() -> None:
                             text=True, timeout=120, env=subprocess_env())
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"hookloop {hookloop.__version__} (torch {torch.__version__})"
+
+
+def test_presets_check_runs_the_kit_on_a_preset() -> None:
+    result = _run("presets", "check", "debug", "summary=False", "profile=False", "steps=None")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hookloop presets check debug: every check of hookloop.testing passed" in result.stdout
+    missing = _run("presets", "check", "no_such_preset")
+    assert missing.returncode == 1 and "No preset named 'no_such_preset'" in missing.stderr

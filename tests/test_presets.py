@@ -342,3 +342,10 @@ def test_the_community_example_package_installs_and_is_listed(
     callbacks = presets.get("quick_cpu", clip=0.5)
     assert kinds(callbacks) == [TerminateOnNaN, GradClip, LRScheduler]
     assert classification_loop(callbacks).fit(1).step == 6
+
+    # The template's own tests (hookloop.testing on the installed preset) pass.
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            str(source / "tests")], cwd=source, env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
+    assert "4 passed" in tests.stdout, tests.stdout[-2000:]

@@ -62,7 +62,7 @@ SIGNATURE = (
     "tensorboard: 'str | os.PathLike[str] | None' = 'runs', early_stopping: 'int | None' = "
     "None, metrics: 'Mapping[str, Any] | Callback | None' = None, monitor: 'str | None' = "
     "'val_loss', mode: 'str' = 'auto', resume: 'bool | str | os.PathLike[str]' = False, "
-    "progress: 'bool' = True) -> 'list[Callback]'")
+    "progress: 'bool' = True, tracker: 'str | Callback | None' = None) -> 'list[Callback]'")
 
 
 def _plain(value: Any) -> Any:

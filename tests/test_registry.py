@@ -210,3 +210,68 @@ def test_the_presets_tests_pass_with_a_third_party_preset_installed(tmp_path: Pa
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     passed = int(result.stdout.rsplit(" passed", 1)[0].split()[-1])
     assert passed >= 5, result.stdout[-2000:]
+
+
+# ------------------------------------------------------------------ version ranges
+RANGED = '''
+from hookloop.callbacks import GradClip
+from hookloop.presets import requires
+
+@requires(">=0.1,<99")
+def fits(max_norm=0.3):
+    """Clip at 0.3, for any hookloop 0.x."""
+    return [GradClip(max_norm)]
+
+def future(max_norm=0.3):
+    """Clip, for hookloop 99."""
+    return [GradClip(max_norm)]
+future.requires = ">=99.0"
+'''
+
+
+def test_a_preset_outside_its_hookloop_range_is_refused_naming_both_versions(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forget_modules) -> None:
+    import hookloop
+
+    install(tmp_path, "ranged-presets", {"ranged_fits": "hl_test_ranged:fits",
+                                         "ranged_future": "hl_test_ranged:future"},
+            {"hl_test_ranged": RANGED})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    forget_modules.append("hl_test_ranged")
+    assert [type(callback) for callback in presets.get("ranged_fits")] == [GradClip]
+    with pytest.raises(ConfigurationError) as refused:
+        presets.get("ranged_future")
+    message = str(refused.value)
+    assert "'ranged_future' from ranged-presets 1.0" in message
+    assert ">=99.0" in message and f"hookloop {hookloop.__version__}" in message
+    with pytest.warns(RuntimeWarning, match="ranged_future.*>=99.0"):
+        listed = presets.available()
+    assert "ranged_fits" in listed and "ranged_future" not in listed
+
+    env = subprocess_env()
+    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    table = subprocess.run([console_script(), "presets"], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert table.returncode == 0, table.stderr
+    lines = {line.split()[0]: line for line in table.stdout.splitlines() if line.strip()}
+    assert "Clip at 0.3" in lines["ranged_fits"] and "[hookloop >=0.1,<99]" in lines["ranged_fits"]
+    assert "not usable" in lines["ranged_future"] and "[hookloop >=99.0]" in lines["ranged_future"]
+    assert "[hookloop" not in lines["standard"]
+
+
+@pytest.mark.parametrize(("version", "spec", "inside"), [
+    ("0.1.0", ">=0.1", True), ("0.1.0", ">0.1", False), ("0.1.0", "<0.1.1", True),
+    ("0.1.0", "==0.1", True), ("0.1.0", "==0.1.*", True), ("0.2.0", "==0.1.*", False),
+    ("0.1.5", "~=0.1.2", True), ("0.2.0", "~=0.1.2", False), ("1.4", "~=1.2", True),
+    ("0.1.0", "!=0.1.0", False), ("0.1.0", ">=0.1, <0.3, !=0.2.*", True),
+    ("0.10.0", "<0.9", False), ("1.0rc1", ">=1.0", True)])
+def test_version_ranges_read_as_pep_440_says(version: str, spec: str, inside: bool) -> None:
+    from hookloop.versions import satisfies
+
+    assert satisfies(version, spec) is inside
+
+
+@pytest.mark.parametrize("spec", ["0.1", ">=", ">=0.1;<2", ">=0.*", "", "latest"])
+def test_a_range_that_cannot_be_read_is_an_error_when_declared(spec: str) -> None:
+    with pytest.raises(ConfigurationError, match="version range|clause|take"):
+        presets.requires(spec)

@@ -1,7 +1,8 @@
 """The built-in callbacks. Stack them in a list, in the order they should run.
 
 The display callbacks (`TensorBoard`, `ProgressBar`, `ModelSummary`, `Profiler`) import
-tensorboard, rich and torchinfo only when a fit uses them. The speed callbacks
+tensorboard, rich and torchinfo only when a fit uses them; the experiment trackers
+(`WandbLogger`, `MLflowLogger`, optional extras) import wandb and mlflow the same way. The speed callbacks
 (`Compile`, `CudaSpeedups`, `ThroughputMonitor`, `MemoryMonitor`) are in
 docs/performance.md.
 """
@@ -24,6 +25,7 @@ from hookloop.callbacks.grad_clip import GradClip
 from hookloop.callbacks.lr_scheduler import LRScheduler
 from hookloop.callbacks.memory import MemoryMonitor
 from hookloop.callbacks.metrics import Metrics
+from hookloop.callbacks.mlflow_logger import MLflowLogger
 from hookloop.callbacks.model_summary import ModelSummary
 from hookloop.callbacks.profiler import Profiler
 from hookloop.callbacks.progress import ProgressBar
@@ -34,6 +36,7 @@ from hookloop.callbacks.terminate_on_nan import TerminateOnNaN
 from hookloop.callbacks.throughput import ThroughputMonitor
 from hookloop.callbacks.time_limit import TimeLimit
 from hookloop.callbacks.timer import Timer
+from hookloop.callbacks.wandb_logger import WandbLogger
 
 __all__: list[str] = []
 __all__ += ["AMP", "EMA", "GradAccumulation", "GradClip", "LRScheduler"]
@@ -42,3 +45,4 @@ __all__ += ["DetectAnomaly", "ShortRun", "TimeLimit", "Timer"]
 __all__ += ["ActivationCheckpointing", "DDP", "FSDP", "TensorParallel"]
 __all__ += ["CSVLogger", "ModelSummary", "Profiler", "ProgressBar", "TensorBoard"]
 __all__ += ["Compile", "CudaSpeedups", "MemoryMonitor", "ThroughputMonitor"]
+__all__ += ["MLflowLogger", "WandbLogger"]

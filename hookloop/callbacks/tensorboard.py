@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import enum
-import functools
-import inspect
 import os
-import re
 import threading
-import types
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -20,10 +15,10 @@ import torch
 
 from hookloop.callback import Callback
 from hookloop.checks import check_flag, check_int, check_optional_int, check_path
-from hookloop.compat import loss_scale, summary_file_writer, summary_writer_thread
+from hookloop.compat import summary_file_writer, summary_writer_thread
 from hookloop.errors import ConfigurationError, LogWriteError
 from hookloop.forward import model_inputs
-from hookloop.phase import Phase
+from hookloop.scalars import MetricSteps, gather_hparams, read_values, step_due, step_values
 from hookloop.sharded import is_sharded_tensor
 from hookloop.untouched import untouched
 
@@ -35,140 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["TensorBoard", "gather_hparams"]
 
 _Scalar = (int, float, str, bool)
-_Hparam = int | float | str | bool
-#: Argument names that say the value is a file (where the run writes), not a setting.
-_FILE_ARGUMENT = re.compile(r"(^|_)(path|file|filename)$")
-
-
-def _hparam(value: Any) -> _Hparam | None:
-    """A setting as the HPARAMS tab shows it (a number, a string, a boolean), or None to
-    leave it out (None itself, and values without a short meaningful form)."""
-    if value is None:
-        return None
-    if isinstance(value, enum.Enum):
-        value = value.value
-    if isinstance(value, _Scalar):
-        return value
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else None
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    if isinstance(value, (tuple, list, torch.Size)):
-        items = [_hparam(item) for item in value]
-        return repr(tuple(items)) if all(item is not None for item in items) else None
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType,
-                          types.MethodType, functools.partial)):
-        function = value.func if isinstance(value, functools.partial) else value
-        return getattr(function, "__qualname__", None) or getattr(function, "__name__", None)
-    if isinstance(value, Mapping):
-        return None  # flattened by the caller
-    return type(value).__name__  # an object (a built scheduler, a metric): its class
-
-
-def _names_a_file(argument: str, value: Any) -> bool:
-    """A path the run writes or reads as a file (``CSVLogger(path)``, ``resume="x.pt"``),
-    which is not a setting; a directory given to a constructor is kept."""
-    if not isinstance(value, (str, os.PathLike)) or isinstance(value, bool):
-        return False
-    path = os.fspath(value)
-    if os.path.isdir(path):
-        return False
-    return os.path.isfile(path) or bool(_FILE_ARGUMENT.search(argument))
-
-
-def _constructor_arguments(callback: Callback) -> dict[str, Any]:
-    """The arguments of ``type(callback).__init__``, read back from the same-named
-    attributes (how every built-in keeps them); ``name`` (the key) and ``*args`` and
-    ``**kwargs`` are left out."""
-    try:
-        parameters = inspect.signature(type(callback).__init__).parameters
-    except (TypeError, ValueError):
-        return {}
-    found: dict[str, Any] = {}
-    for argument, parameter in list(parameters.items())[1:]:
-        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) \
-                or argument == "name" or not hasattr(callback, argument):
-            continue
-        found[argument] = getattr(callback, argument)
-    return found
-
-
-def gather_hparams(loop: Loop) -> dict[str, _Hparam]:
-    """The run's hyper-parameters, for TensorBoard's HPARAMS tab: settings only, no run state.
-
-    * ``optimizer`` (its class) and each param group's settings: ``optimizer/lr``,
-      ``optimizer/momentum``..., or ``optimizer/group1/lr`` with several groups; ``lr`` is
-      the configured rate (``initial_lr`` once a scheduler has moved it), a tuple setting
-      gives one entry per item (``optimizer/betas_0``, ``optimizer/betas_1``).
-    * ``batch_size`` (when ``train_data`` has one), ``epochs``, ``max_steps`` (when
-      set) and ``accumulation_steps``.
-    * each callback's constructor arguments under its name (``state_key``):
-      ``GradClip/max_norm``, ``EarlyStopping/patience``, ``Checkpoint/dirpath``; a second
-      callback of the same name gets ``#2``. Arguments left at None are left out, a mapping
-      gives one entry per key (``AMP/scaler/init_scale``), a dtype, function or class its
-      name, another object its class name. File paths are left out (``CSVLogger/path``, a
-      ``resume`` file): they say where the run writes, not how it trains; a directory is
-      kept.
-
-    Example:
-        >>> import torch
-        >>> from hookloop import Loop
-        >>> from hookloop.callbacks import GradClip
-        >>> model = torch.nn.Linear(2, 1)
-        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [],
-        ...             callbacks=[GradClip(1.0)])
-        >>> params = gather_hparams(loop)
-        >>> params["optimizer"], params["optimizer/lr"], params["GradClip/max_norm"]
-        ('SGD', 0.1, 1.0)
-    """
-    params: dict[str, _Hparam] = {}
-
-    def put(key: str, value: Any) -> None:
-        if isinstance(value, Mapping):
-            for inner, item in value.items():
-                put(f"{key}/{inner}", item)
-            return
-        converted = _hparam(value)
-        if converted is not None:
-            params[key] = converted
-
-    optimizer = loop.optimizer
-    params["optimizer"] = type(optimizer).__name__
-    groups = optimizer.param_groups
-    for index, group in enumerate(groups):
-        prefix = "optimizer" if len(groups) == 1 else f"optimizer/group{index}"
-        for key, value in group.items():
-            if key in ("params", "initial_lr", "name"):
-                continue
-            if key == "lr":  # the configured rate, not where a scheduler has moved it
-                value = group.get("initial_lr", value)
-            if isinstance(value, (tuple, list)) and all(
-                    isinstance(item, (int, float)) for item in value):
-                for position, item in enumerate(value):
-                    params[f"{prefix}/{key}_{position}"] = item
-            elif isinstance(value, (*_Scalar, torch.Tensor)):
-                put(f"{prefix}/{key}", value)
-    batch_size = getattr(loop.train_data, "batch_size", None)
-    if isinstance(batch_size, int):
-        params["batch_size"] = batch_size
-    if loop.state.epochs:
-        params["epochs"] = loop.state.epochs
-    if loop.state.max_steps is not None:
-        params["max_steps"] = loop.state.max_steps
-    params["accumulation_steps"] = loop.accumulation_steps
-    seen: dict[str, int] = {}
-    for callback in loop.callbacks:
-        key = callback.state_key
-        seen[key] = seen.get(key, 0) + 1
-        if seen[key] > 1:
-            key = f"{key}#{seen[key]}"
-        for argument, value in _constructor_arguments(callback).items():
-            if not _names_a_file(argument, value):
-                put(f"{key}/{argument}", value)
-    return params
-
 
 class TensorBoard(Callback):
     """Write TensorBoard event files under ``log_dir`` (rank 0 only).
@@ -285,8 +146,7 @@ class TensorBoard(Callback):
         # What was logged at the latest step: written again after a resume purges that step.
         self._latest_step = -1
         self._latest: dict[str, float] = {}
-        self._metrics_step: dict[str, int] = {}
-        self._validated_step = -1  # the step of this fit's latest validation
+        self._metric_steps = MetricSteps()
         self._graph_done = False
         self._histogram_epoch = -1
         # The gradient histograms (serialized summaries) of the latest histogram step: the
@@ -426,8 +286,7 @@ class TensorBoard(Callback):
         """Reset the per-fit bookkeeping; the writer opens at the first epoch."""
         self._epoch_ran = self._failed = self._graph_done = False
         self._failure, self._failure_raised = None, False  # a new writer is tried
-        self._metrics_step = {}
-        self._validated_step = -1
+        self._metric_steps.reset()
         self._histogram_epoch = -1
 
     def on_epoch_start(self, loop: Loop) -> None:
@@ -449,23 +308,9 @@ class TensorBoard(Callback):
         """Every ``every_n_steps``: loss, learning rates, grad norm, loss scale (one read)."""
         state = loop.state
         step = state.step
-        if step % self.every_n_steps == 0 and state.loss is not None:
-            tags, values = ["step/loss"], [state.loss.detach()]
-            if state.grad_norm is not None:
-                tags.append("step/grad_norm")
-                values.append(state.grad_norm.detach())
-            scale = None if loop.scaler is None else loss_scale(loop.scaler)
-            if scale is not None:
-                tags.append("step/loss_scale")
-                values.append(scale)
-            device = values[0].device
-            numbers = torch.stack([v.float().reshape(()).to(device) for v in values]).tolist()
-            for tag, number in zip(tags, numbers):
+        if step_due(loop, self.every_n_steps):
+            for tag, number in read_values(step_values(loop)).items():
                 self._scalar(tag, number, step)
-            groups = loop.optimizer.param_groups
-            for index, group in enumerate(groups):
-                self._scalar("step/lr" if len(groups) == 1 else f"step/lr_group{index}",
-                             float(group["lr"]), step)
         every = self.histograms_every_n_epochs
         if every is not None and (state.epoch + 1) % every == 0 and self._histogram_epoch != state.epoch:
             total = loop.batches_per_epoch
@@ -476,9 +321,7 @@ class TensorBoard(Callback):
 
     def on_validation_end(self, loop: Loop) -> None:
         """Every metric of this validation, once, at the current step."""
-        if loop.phase is Phase.VALIDATE:
-            self._validated_step = loop.state.step
-            self._metrics(loop, only_new=False)
+        self._metrics(loop, self._metric_steps.at_validation_end(loop))
 
     def on_epoch_end(self, loop: Loop) -> None:
         """Metrics not logged at this step yet (train_loss without validation), then flush.
@@ -488,9 +331,7 @@ class TensorBoard(Callback):
         that the end of a launch cut short logs nothing: the relaunch finishes the epoch and
         logs its metrics at its end, as the uninterrupted run does.
         """
-        if not (loop.stop_resumable and not loop.epoch_completed):
-            self._metrics(loop, only_new=True,
-                          stale_val=self._validated_step != loop.state.step)
+        self._metrics(loop, self._metric_steps.at_epoch_end(loop))
         self._flush()
 
     def on_exception(self, loop: Loop, exc: BaseException) -> None:
@@ -543,19 +384,9 @@ class TensorBoard(Callback):
         self._continued = True
 
     # ------------------------------------------------------------------ inside
-    def _metrics(self, loop: Loop, *, only_new: bool, stale_val: bool = False) -> None:
-        step = loop.state.step
-        for name, value in loop.state.metrics.items():
-            if only_new and self._metrics_step.get(name) == step:
-                continue
-            if stale_val and name.startswith("val_"):
-                continue
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            self._metrics_step[name] = step
-            self._scalar(f"metrics/{name}", float(value), step)
+    def _metrics(self, loop: Loop, due: dict[str, float]) -> None:
+        for tag, value in due.items():
+            self._scalar(tag, value, loop.state.step)
 
     def _add_histograms(self, loop: Loop, gradients: Mapping[str, bytes] | None = None) -> None:
         """Weight and gradient histograms at the current step; with ``gradients`` (a resume

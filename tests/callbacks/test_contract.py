@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from hookloop.callbacks import (
     LRScheduler,
     MemoryMonitor,
     Metrics,
+    MLflowLogger,
     ModelSummary,
     Profiler,
     ProgressBar,
@@ -43,6 +45,7 @@ from hookloop.callbacks import (
     ThroughputMonitor,
     TimeLimit,
     Timer,
+    WandbLogger,
 )
 from hookloop.schedules import warmup_cosine
 
@@ -97,7 +100,15 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
     "MemoryMonitor": lambda tmp: MemoryMonitor(),
     "TimeLimit": lambda tmp: TimeLimit("1:00:00"),
     "Timer": lambda tmp: Timer(),
+    "MLflowLogger": lambda tmp: _mlflow(tmp),
+    "WandbLogger": lambda tmp: WandbLogger("contract", dir=tmp / "wandb", mode="disabled",
+                                           every_n_steps=2),
 }
+
+
+def _mlflow(tmp: Path) -> MLflowLogger:
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # a local store, read by the tests alone
+    return MLflowLogger("contract", tracking_uri=f"file://{tmp / 'mlruns'}", every_n_steps=2)
 
 
 def _build(callback: Callback, seed: int = 0) -> Loop:
@@ -186,3 +197,29 @@ def test_standard_stack_trains_and_describes(tmp_path: Path) -> None:
     text = describe(stack, print_table=False)
     for callback in stack:
         assert type(callback).__name__ in text
+
+
+#: What may differ between an uninterrupted run and a resumed one: measurements, and the id of
+#: the tracker run each uninterrupted run creates.
+KIT_IGNORES = {"MemoryMonitor": ("peak_memory_mib",),
+               "ThroughputMonitor": ("samples_per_s", "batches_per_s", "tokens_per_s", "mfu"),
+               "MLflowLogger": ("run_id",), "WandbLogger": ("run_id",)}
+
+
+@pytest.mark.parametrize("kind", [
+    pytest.param(kind, marks=pytest.mark.xfail(
+        reason="found by the kit, not fixed yet: a compiled optimizer step resumed in the "
+               "kit's stack (a warmup-cosine schedule) is not bitwise equal to the "
+               "uninterrupted run", strict=False)) if kind == "Compile-optimizer" else kind
+    for kind in sorted(FACTORIES)])
+def test_the_authors_kit_passes_on_every_built_in_callback(kind: str, tmp_path: Path) -> None:
+    """hookloop.testing.check_callback, as a callback author runs it: dispatch,
+    declarations, state through a checkpoint file, exact resume at one step boundary."""
+    from hookloop.testing import check_callback
+
+    factory = FACTORIES[kind]
+    if kind == "Checkpoint":  # the resumed run reuses its directory: it must resume too
+        def factory(tmp: Path) -> Callback:
+            return Checkpoint(tmp / "checkpoints", monitor="val_loss", keep_last=2, resume=True)
+    step = 3 + sum(map(ord, kind)) % 11  # one boundary per callback (the kit draws two), spread
+    check_callback(factory, tmp_path, step=step, ignore=KIT_IGNORES.get(kind.split("-")[0], ()))

@@ -11,6 +11,8 @@ from hookloop.callbacks import TerminateOnNaN
 __all__ = ["quick_cpu"]
 
 
+# The hookloop versions this preset is made for: outside them, hookloop refuses it by name.
+@presets.requires(">=0.1,<1")
 def quick_cpu(*, clip: float | None = 1.0, warmup: int | float = 0.05,
               metrics: Mapping[str, Callable[..., Any]] | None = None) -> list[Callback]:
     """Full precision, clipping, warmup-cosine and a NaN check; no files: CPU experiments.

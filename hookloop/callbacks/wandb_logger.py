@@ -1,0 +1,174 @@
+"""Weights & Biases tracking: the run's scalars, settings and metadata in a W&B run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hookloop.errors import ConfigurationError
+from hookloop.tracking import Row, Tracker
+
+if TYPE_CHECKING:
+    from hookloop.loop import Loop
+
+__all__ = ["WandbLogger"]
+
+#: The run's x axis: every value is logged with the loop's step under this key.
+STEP_METRIC = "global_step"
+#: W&B exit codes at fit end, by outcome (a suspended launch is marked preempting first).
+_EXIT_CODE = {"finished": 0, "failed": 1, "killed": 130, "suspended": 75}
+
+
+class WandbLogger(Tracker):
+    """Log to a Weights & Biases run (rank 0 only): ``pip install 'hookloop[wandb]'``.
+
+    What is sent (the same tags, cadence and steps as `TensorBoard`): the ``step/*``
+    values every ``every_n_steps`` optimizer steps and every metric as
+    ``metrics/<name>`` at each validation and epoch end, each send one row with
+    ``global_step`` (``loop.state.step``), the x axis of every chart
+    (``run.define_metric("*", step_metric="global_step")``); the run's settings as the run's config
+    (once, when the run is created); the model summary and the end reason in the run's
+    summary (``model``, ``parameters``, ``trainable_parameters``, ``end_reason``).
+
+    The run: started at the first epoch (``wandb.init``), or continued
+    (``wandb.init(id=..., resume="allow")``) when ``run_id`` is given or a checkpoint
+    restored this callback's state. At fit end it is finished with exit code 0 when the
+    run ended, 1 after an exception, 130 after Ctrl-C; a launch that ended while the run
+    goes on (a signal, `TimeLimit`, ``loop.stop(resumable=True)``) marks the run
+    preempting (``run.mark_preempting()``) and exits with 75, and the relaunch continues
+    the same run. W&B keeps what it is given in memory until the run finishes (offline
+    it writes its file in 32 KiB blocks), so what a launch sent stays in this callback's
+    state until the run is closed (the closing launch then notes in W&B's folder,
+    ``hookloop-closed-<run id>.json``, what the run holds): a relaunch after a kill sends
+    it again, once. Online,
+    the resumed run's summary says up to which ``global_step`` W&B has the values, and
+    those are not sent again; offline, a killed launch's file keeps only its complete
+    blocks, so in a long launch the rows of those blocks can appear twice after
+    ``wandb sync``.
+
+    Offline (``mode="offline"`` or ``WANDB_MODE=offline``) the runs are files under
+    ``dir``/wandb, which ``wandb sync`` uploads later and ``wandb leet inspect`` reads.
+    W&B's failures never stop training: see `hookloop.tracking.Tracker`.
+
+    Args:
+        project: The W&B project; None: W&B's default (``WANDB_PROJECT``...).
+        entity: The W&B entity (user or team); None: the default.
+        name: The display name of a new run.
+        dir: The directory W&B writes under (its ``wandb`` folder); None: the current one.
+        mode: ``"online"``, ``"offline"`` or ``"disabled"``; None: W&B's default
+            (``WANDB_MODE``).
+        tags: Tags of a new run.
+        run_id: Continue this W&B run.
+        every_n_steps: Step interval of the ``step/*`` values.
+        hparams: Settings to send; None gathers them (`hookloop.scalars.gather_hparams`).
+
+    Example:
+        >>> WandbLogger("my-project", mode="offline")
+        WandbLogger('my-project', every_n_steps=50)
+    """
+
+    library, extra = "wandb", "wandb"
+    durable_sends = False
+
+    def __init__(self, project: str | None = None, *, entity: str | None = None,
+                 name: str | None = None, dir: str | os.PathLike[str] | None = None,
+                 mode: str | None = None, tags: Sequence[str] | None = None,
+                 run_id: str | None = None, every_n_steps: int = 50,
+                 hparams: Mapping[str, Any] | None = None) -> None:
+        super().__init__(every_n_steps=every_n_steps, hparams=hparams, run_id=run_id)
+        for label, value in (("project", project), ("entity", entity), ("name", name)):
+            if value is not None and not isinstance(value, str):
+                raise ConfigurationError(f"WandbLogger {label} must be a string or None, "
+                                         f"got {value!r}.")
+        if mode not in (None, "online", "offline", "disabled"):
+            raise ConfigurationError(f"WandbLogger mode must be 'online', 'offline', "
+                                     f"'disabled' or None, got {mode!r}.")
+        self.project, self.entity, self.name = project, entity, name
+        self.dir = None if dir is None else os.fspath(dir)
+        self.mode = mode
+        self.tags = None if tags is None else [str(tag) for tag in tags]
+        self._wandb: Any = None
+        self._run: Any = None
+
+    def __repr__(self) -> str:
+        project = "" if self.project is None else f"{self.project!r}, "
+        return f"WandbLogger({project}every_n_steps={self.every_n_steps})"
+
+    @property
+    def run(self) -> Any:
+        """The open ``wandb`` run, for other callbacks to log through (None outside fit)."""
+        return self._run
+
+    # ------------------------------------------------------------------ Tracker
+    def _import(self) -> None:
+        if self._wandb is None:
+            import wandb
+
+            self._wandb = wandb
+
+    def _where(self) -> str:
+        return f"W&B project {self.project!r}" if self.project else "W&B"
+
+    def _start(self, loop: Loop, run_id: str | None) -> str:
+        if self.dir is not None:
+            os.makedirs(self.dir, exist_ok=True)
+        arguments: dict[str, Any] = {"project": self.project, "entity": self.entity,
+                                     "dir": self.dir, "mode": self.mode,
+                                     "reinit": "create_new"}
+        if run_id is None:
+            arguments.update(name=self.name, tags=self.tags)
+        else:
+            arguments.update(id=run_id, resume="allow")
+        self._run = run = self._wandb.init(**{key: value for key, value in arguments.items()
+                                              if value is not None})
+        # The x axis is the loop's step: every send is its own committed row (a row W&B holds
+        # open until a later step would be lost with a killed process).
+        run.define_metric(STEP_METRIC)
+        run.define_metric("*", step_metric=STEP_METRIC)
+        return str(run.id)
+
+    def _already_sent(self) -> dict[str, int]:
+        # What a closed launch sent is on disk (or the server): the closing launch wrote it
+        # down in W&B's folder. Online, the resumed run's summary holds the latest
+        # global_step W&B has, too. What a killed launch sent is in neither: sent again.
+        sent: dict[str, int] = {}
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            with open(self._closed_file(), encoding="utf-8") as handle:
+                sent = {str(tag): int(step) for tag, step in json.load(handle).items()}
+        step = self._run.summary.get(STEP_METRIC)
+        if isinstance(step, (int, float)) and not isinstance(step, bool):
+            sent["*"] = max(sent.get("*", -1), int(step) - 1)
+        return sent
+
+    def _closed_file(self) -> str:
+        return os.path.join(self._run.settings.wandb_dir, f"hookloop-closed-{self.run_id}.json")
+
+    def _send(self, rows: list[Row]) -> None:
+        for step, values, _ in rows:
+            self._run.log({**values, STEP_METRIC: step})
+
+    def _send_settings(self, settings: dict[str, Any]) -> None:
+        self._run.config.update(settings, allow_val_change=True)
+
+    def _send_metadata(self, metadata: dict[str, Any]) -> None:
+        self._run.summary.update(metadata)
+
+    def _close(self, outcome: str, reason: str) -> None:
+        run, self._run = self._run, None
+        if run is None:
+            return
+        if outcome == "suspended":
+            with contextlib.suppress(Exception):  # the exit code says it too
+                run.mark_preempting()
+        path = os.path.join(run.settings.wandb_dir, f"hookloop-closed-{self.run_id}.json")
+        disabled = bool(getattr(run, "disabled", False))
+        run.finish(exit_code=_EXIT_CODE[outcome])
+        if disabled:  # mode="disabled": nothing was kept anywhere
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w", encoding="utf-8") as handle:  # finished: on disk now
+            json.dump(self._sent, handle)
+        os.replace(path + ".tmp", path)
