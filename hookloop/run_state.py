@@ -587,8 +587,14 @@ def check_run_fields(path: str, payload: Mapping[str, Any]) -> None:
                          isinstance(value, torch.Tensor), "a tensor or None")
         if "mark_batches" in part:
             _expect_int(path, f"{where}.mark_batches", part["mark_batches"])
-        for field in ("rng", "epoch_rng", "prefetch_rng", "mark_rng"):
-            problem = rng_state_problem(part[field]) if part.get(field) is not None else None
+        workers = part.get("workers_rng")
+        if workers is not None:
+            expect_field(path, f"{where}.workers_rng", workers, isinstance(workers, list),
+                         "a list (a generator state or None for each DataLoader worker)")
+        for field, state in [(name, part.get(name)) for name in
+                             ("rng", "epoch_rng", "prefetch_rng", "mark_rng")] + \
+                [(f"workers_rng[{i}]", item) for i, item in enumerate(workers or ())]:
+            problem = rng_state_problem(state) if state is not None else None
             if problem is not None:
                 inner, value, expected = problem
                 expect_field(path, f"{where}.{field}" + (f".{inner}" if inner else ""), value,

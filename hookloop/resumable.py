@@ -1,0 +1,243 @@
+"""How the training data continues from a position inside an epoch, without reading again
+what was trained on.
+
+`data_source` sorts the training data into three kinds:
+
+- ``"sampler"``: a torch ``DataLoader`` over a map-style dataset (any sampler or batch
+  sampler: ``SequentialSampler``, ``RandomSampler``, ``DistributedSampler``, ``BatchSampler``,
+  hookloop's own). A resume draws the sampler's index stream up to the position and drops
+  those indices: no sample is loaded, transformed or collated. With ``num_workers > 0``
+  each batch carries its worker's generator states (`WorkerStamp`), so that the workers of
+  the resumed epoch start from the states the interrupted run's workers had at the step
+  boundary.
+- ``"stateful"``: data with ``state_dict()`` and ``load_state_dict()`` (torchdata's
+  ``StatefulDataLoader``, an ``IterableDataset`` with that protocol, or a ``DataLoader``
+  over one with ``num_workers=0``): its state at the step boundary is saved and loaded.
+- ``"replay"``: anything else (a generator, a list, an iterable without state): the
+  batches already trained on are fetched again and dropped.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from hookloop.compat import loader_view, seed_worker_as
+from hookloop.rng import capture_rng, restore_rng
+
+__all__ = ["data_source", "stateful_part", "SkipBatches", "WorkerStamp", "ResumedWorkers",
+           "StampedBatches", "sampler_batches"]
+
+
+def stateful_part(data: Any) -> Any:
+    """The object whose ``state_dict()``/``load_state_dict()`` say where ``data`` is, or None.
+
+    ``data`` itself when it has both; else the dataset of a ``DataLoader`` with
+    ``num_workers=0`` (its workers, with more, hold copies the main process cannot read).
+    """
+    if _has_state(data):
+        return data
+    if isinstance(data, DataLoader) and data.num_workers == 0 and _has_state(data.dataset):
+        return data.dataset
+    return None
+
+
+def _has_state(item: Any) -> bool:
+    return callable(getattr(item, "state_dict", None)) and \
+        callable(getattr(item, "load_state_dict", None))
+
+
+def data_source(data: Any) -> str:
+    """``"stateful"``, ``"sampler"`` or ``"replay"``: how ``data`` resumes inside an epoch."""
+    if stateful_part(data) is not None:
+        return "stateful"
+    if type(data).__iter__ is DataLoader.__iter__ and isinstance(data, DataLoader) and \
+            not isinstance(data.dataset, IterableDataset):
+        return "sampler"
+    return "replay"
+
+
+class SkipBatches:
+    """An index sampler whose first iteration leaves out its first ``skip`` items (the
+    batches of indices already trained on); later iterations are the sampler's own.
+
+    The items are drawn when the iterator is first advanced, as the sampler's own would
+    draw them (after the DataLoader drew its workers' base seed), or when `advance` is
+    called; the samples behind them are never read.
+    """
+
+    def __init__(self, sampler: Any, skip: int) -> None:
+        self.sampler, self.skip = sampler, skip
+        self._pending: _Skipping | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        # Every iterator until one has skipped (torch's multi-worker iterator asks twice).
+        if not self.skip:
+            return iter(self.sampler)
+        self._pending = _Skipping(self)
+        return self._pending
+
+    def advance(self) -> None:
+        """Draw the skipped items now (before the position's generators are put back)."""
+        pending = self._pending
+        if pending is not None:
+            pending.advance()
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class _Skipping:
+    __slots__ = ("_owner", "_iterator")
+
+    def __init__(self, owner: SkipBatches) -> None:
+        self._owner = owner
+        self._iterator: Iterator[Any] | None = None
+
+    def advance(self) -> Iterator[Any]:
+        iterator = self._iterator
+        if iterator is None:
+            owner = self._owner
+            skip, owner.skip, owner._pending = owner.skip, 0, None
+            iterator = self._iterator = iter(owner.sampler)
+            for _ in range(skip):
+                if next(iterator, _END) is _END:
+                    break
+        return iterator
+
+    def __iter__(self) -> _Skipping:
+        return self
+
+    def __next__(self) -> Any:
+        iterator = self._iterator
+        return next(iterator if iterator is not None else self.advance())
+
+
+_END = object()
+
+
+class WorkerStamp:
+    """A worker-side ``collate_fn``: the batch, and the worker's generator states right after
+    it was made (torch's, Python's and NumPy's, as `hookloop.rng.capture_rng` gives them).
+
+    The main process strips the states off (`StampedBatches`) and keeps, for each worker,
+    the states after its latest batch: what a resume hands to the worker that makes the
+    next batch. Picklable, so it works with every start method.
+    """
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: Any) -> tuple[Any, dict[str, Any]]:
+        return self.collate(samples), capture_rng()
+
+
+class ResumedWorkers:
+    """A worker-side ``worker_init_fn`` for an epoch resumed after ``skip`` batches: worker
+    ``w`` makes the batches the interrupted run's worker ``(skip + w) % workers`` would have
+    made next, so it starts from that worker's states (``states``), or, where that worker had
+    made no batch yet, from the seeds torch gives that worker."""
+
+    def __init__(self, init: Any, skip: int, states: list[dict[str, Any] | None]) -> None:
+        self.init, self.skip, self.states = init, skip, states
+
+    def __call__(self, worker_id: int) -> None:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        workers = len(self.states)
+        role = (self.skip + worker_id) % workers
+        state = self.states[role]
+        if state is None:  # that worker had made no batch: torch's seeds for it
+            seed_worker_as(role, info.seed - worker_id)
+        if self.init is not None:
+            self.init(worker_id)
+        if state is not None:
+            restore_rng(state)
+
+
+class StampedBatches:
+    """The batches of a loader whose ``collate_fn`` is a `WorkerStamp`, stamps stripped.
+
+    ``states[w]`` holds the states after the latest batch made by worker ``w`` of the
+    epoch (batches go to the workers in turn: batch ``b`` to worker ``b % workers``), so
+    at a step boundary it is what each worker's next batch starts from.
+    """
+
+    __slots__ = ("_iterator", "_index", "states")
+
+    def __init__(self, iterator: Iterator[Any], start: int,
+                 states: list[dict[str, Any] | None]) -> None:
+        self._iterator, self._index, self.states = iterator, start, states
+
+    def __iter__(self) -> StampedBatches:
+        return self
+
+    def __next__(self) -> Any:
+        batch, stamp = next(self._iterator)
+        states = self.states
+        states[self._index % len(states)] = stamp
+        self._index += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._iterator)  # type: ignore[arg-type]
+
+
+def _warn_workers(why: str) -> None:
+    warnings.warn(
+        f"resuming inside the epoch: {why}, so the workers start from fresh seeds and their "
+        "random draws (augmentations in the dataset) differ from the uninterrupted run's; "
+        "the data order and the samples are exact. Resume with the same num_workers, "
+        "persistent_workers=False and in_order=True for exact draws.", RuntimeWarning,
+        stacklevel=5)
+
+
+def stamps_workers(loader: DataLoader) -> bool:
+    """Whether the workers' generator states travel with the batches: workers that start
+    afresh every epoch and deliver the batches in order."""
+    return loader.num_workers > 0 and not loader.persistent_workers and \
+        getattr(loader, "in_order", True)
+
+
+def sampler_batches(loader: DataLoader, skip: int,
+                    states: list[dict[str, Any] | None] | None) -> Iterator[Any]:
+    """The batches of ``loader`` after its first ``skip``, none of them read; with stamped
+    workers (`stamps_workers`), a `StampedBatches` whose workers resume from ``states``.
+
+    The loader itself is left as it is: a shallow copy of it gets the skipping sampler and
+    the worker-side functions (torch reads them when the iterator is created).
+    """
+    stamped = stamps_workers(loader)
+    if skip and loader.num_workers > 0 and not stamped:
+        _warn_workers("the loader's workers are persistent_workers=True or in_order=False, "
+                      "whose generator states hookloop does not carry")
+    if not skip and not stamped:
+        return iter(loader)
+    skipping = SkipBatches(loader.batch_sampler if loader.batch_sampler is not None
+                           else loader.sampler, skip) if skip else None
+    view = loader_view(loader, skipping) if skipping is not None else copy.copy(loader)
+    if not stamped:
+        iterator = iter(view)
+        if skipping is not None:
+            skipping.advance()
+        return iterator
+    workers = loader.num_workers
+    if skip and (states is None or len(states) != workers):
+        _warn_workers(f"the checkpoint holds the generator states of "
+                      f"{'no' if states is None else len(states)} DataLoader workers, this "
+                      f"loader has {workers}")
+    if states is None or len(states) != workers:
+        states = [None] * workers
+    view.collate_fn = WorkerStamp(loader.collate_fn)
+    if skip:
+        view.worker_init_fn = ResumedWorkers(loader.worker_init_fn, skip, list(states))
+    iterator = iter(view)  # the workers' first indices are drawn now (prefetch)
+    if skipping is not None:
+        skipping.advance()
+    return StampedBatches(iterator, skip, list(states) if skip else [None] * workers)
