@@ -12,7 +12,14 @@ import torch
 from hookloop import distributed
 from hookloop.data import Lookahead, LossMark, LossSum, length_of
 from hookloop.errors import ConfigurationError
-from hookloop.resumable import StampedBatches, data_source, sampler_batches, stateful_part
+from hookloop.resumable import (
+    StampedBatches,
+    data_source,
+    sampler_batches,
+    stateful_batches,
+    stateful_part,
+    stateful_view,
+)
 from hookloop.rng import capture_rng, host_rng, loader_generators, restore_host_rng, restore_rng
 
 if TYPE_CHECKING:
@@ -100,7 +107,7 @@ class Position:
         """At every setup: the training data (DDP may have rebuilt it) and its generators."""
         self.generators = loader_generators(data)
         self.source = data_source(data)
-        self._stateful = stateful_part(data)
+        self._stateful = stateful_view(data) if self.source == "stateful" else None
 
     def record(self, epoch: int, batches_done: int, step: int,
                loss_sum: LossMark | torch.Tensor | None,
@@ -109,7 +116,8 @@ class Position:
         """The weights now are those after ``batches_done`` batches of ``epoch``."""
         self.prefetch_rng, self.workers_rng = prefetch_rng, workers_rng
         stateful = self._stateful
-        self.data_state = stateful.state_dict() if stateful is not None and batches_done else None
+        self.data_state = stateful_part(stateful).state_dict() \
+            if stateful is not None and batches_done else None
         self.validated = self.validated and step == self.step  # still that step's
         self.epoch, self.batches_done, self.step = epoch, batches_done, step
         self.loss_sum, self.samples = loss_sum, samples
@@ -229,9 +237,9 @@ class Position:
             if skip and exact_host:
                 return sampler_batches(data, skip, self.workers_rng)
             iterator = sampler_batches(data, 0, None)
-        elif source == "stateful" and skip and self.data_state is not None:
-            self._stateful.load_state_dict(self.data_state)
-            return iter(data)
+        elif source == "stateful" and (self.data_state is not None or not skip):
+            return stateful_batches(data, self._stateful, skip, self.data_state,
+                                    self.workers_rng)
         else:
             iterator = iter(data)
         if skip:

@@ -241,3 +241,38 @@ def sampler_batches(loader: DataLoader, skip: int,
     if skipping is not None:
         skipping.advance()
     return StampedBatches(iterator, skip, list(states) if skip else [None] * workers)
+
+
+def stateful_view(data: Any) -> Any:
+    """What a stateful training data is iterated through: a ``DataLoader`` subclass with a
+    state (``StatefulDataLoader``) whose workers `stamps_workers` gets a copy whose batches
+    carry the workers' generator states; other data is itself."""
+    if not (isinstance(data, DataLoader) and _has_state(data) and stamps_workers(data)):
+        return data
+    view = copy.copy(data)
+    view.__dict__["_iterator"] = None
+    view.collate_fn = WorkerStamp(data.collate_fn)
+    return view
+
+
+def stateful_batches(data: Any, view: Any, skip: int, state: Any,
+                     states: list[dict[str, Any] | None] | None) -> Iterator[Any]:
+    """The batches of stateful data, its state at the position loaded where ``skip``.
+
+    A loader that keeps its place in the workers' turn (``StatefulDataLoader`` does) gives
+    the next batch to the worker that would have made it: each worker resumes from its
+    own states."""
+    if skip and state is not None:
+        stateful_part(view).load_state_dict(state)
+    if view is data:
+        return iter(data)
+    workers = data.num_workers
+    if skip and (states is None or len(states) != workers):
+        _warn_workers(f"the checkpoint holds the generator states of "
+                      f"{'no' if states is None else len(states)} DataLoader workers, this "
+                      f"loader has {workers}")
+    if not skip or states is None or len(states) != workers:
+        states = [None] * workers
+    view.worker_init_fn = ResumedWorkers(data.worker_init_fn, 0, list(states)) if skip \
+        else data.worker_init_fn
+    return StampedBatches(iter(view), skip, list(states))

@@ -74,6 +74,16 @@ LOADERS: dict[str, Callable[[Dataset, int], DataLoader]] = {
         d, BATCH, sampler=UnpaddedDistributedSampler(d, 1, 0, shuffle=True, seed=4),
         num_workers=w),
 }
+STATEFUL: dict[str, Callable[[Dataset, int], DataLoader]] = {
+    "stateful_loader": lambda d, w: _stateful_loader()(d, BATCH, shuffle=True, generator=_g(),
+                                                       num_workers=w),
+}
+
+
+def _stateful_loader() -> type:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader
 
 
 class ExitAt(Callback):
@@ -108,7 +118,8 @@ def _run(name: str, workers: int, callbacks: list[Callback], window: int, val: b
     extra = [GradAccumulation(window)] if window > 1 else []
     val_reads = multiprocessing.get_context("fork").Value("l", 0)  # not counted
     options = dict(val=DataLoader(Augmented(val_reads), 8), val_every_n_steps=3) if val else {}
-    loop = net_loop([*extra, *callbacks], train=LOADERS[name](Augmented(reads), workers),
+    build = LOADERS[name] if name in LOADERS else STATEFUL[name]
+    loop = net_loop([*extra, *callbacks], train=build(Augmented(reads), workers),
                     sanity_val_batches=0, **options)
     loop.fit(EPOCHS)
     return loop
@@ -130,10 +141,11 @@ def _killed_at(directory: str, point: tuple[int, int, str], *run: object) -> Non
     assert child.exitcode == 9  # killed at the point, not ended or failed before it
 
 
-def _kill_points(seed: int) -> list[tuple[int, int, str]]:
-    """Two moments, the second later: a batch's start or end, anywhere in the run."""
+def _kill_points(seed: int, window: int) -> list[tuple[int, int, str]]:
+    """Two moments, the second later: a batch's start or end, anywhere in the run after
+    its first checkpoint (at the end of the first window)."""
     rng = random.Random(seed)
-    first, second = sorted(rng.sample(range(1, EPOCHS * SAMPLES // BATCH - 1), 2))
+    first, second = sorted(rng.sample(range(window, EPOCHS * SAMPLES // BATCH - 1), 2))
     return [(at // 10, at % 10, rng.choice(["on_batch_start", "on_batch_end"]))
             for at in (first, second)]
 
@@ -143,15 +155,19 @@ CASES = [(name, 0, 1, False) for name in LOADERS] + [
     ("distributed_sampler", 2, 1, False),
     ("shuffle_generator", 0, 3, False), ("shuffle_generator", 2, 3, False),
     ("shuffle_default_generator", 0, 1, True), ("shuffle_generator", 2, 2, True),
+    ("stateful_loader", 0, 1, False), ("stateful_loader", 2, 1, False),
+    ("stateful_loader", 0, 3, True),
 ]
 
 
 @pytest.mark.parametrize("name,workers,window,val", CASES)
 def test_killed_twice_and_relaunched_ends_on_the_uninterrupted_weights(
         tmp_path, name, workers, window, val) -> None:
+    if name in STATEFUL:
+        pytest.importorskip("torchdata.stateful_dataloader")
     reads = CONTEXT.Value("l", 0)
     expected = _run(name, workers, [], window, val, 0, reads)
-    points = _kill_points(zlib.crc32(repr((name, workers, window, val)).encode()))
+    points = _kill_points(zlib.crc32(repr((name, workers, window, val)).encode()), window)
     for index, point in enumerate(points):
         _killed_at(str(tmp_path), point, name, workers, window, val, 100 * index, reads)
     seen: list[int] = []
