@@ -15,6 +15,7 @@ from hookloop.errors import ConfigurationError
 from hookloop.resumable import (
     StampedBatches,
     data_source,
+    global_batch,
     sampler_batches,
     stateful_batches,
     stateful_part,
@@ -67,7 +68,7 @@ class Position:
     __slots__ = ("epoch", "batches_done", "step", "loss_sum", "samples",
                  "rng", "epoch_rng", "prefetch_rng", "validated", "generators", "host_now",
                  "host_mark", "_replay", "_live", "source", "workers_rng", "data_state",
-                 "_stateful")
+                 "_stateful", "_batch_samples")
 
     def __init__(self) -> None:
         self.epoch = self.batches_done = self.step = self.samples = 0
@@ -98,6 +99,9 @@ class Position:
         #: Data with ``state_dict()``: its state at the position.
         self.data_state: Any = None
         self._stateful: Any = None  # the object that has that state
+        #: Samples of the epoch's global order one batch of every rank takes (None: the
+        #: data has no fixed batch size, or no order to count in).
+        self._batch_samples: int | None = None
 
     @property
     def public(self) -> RunPosition:
@@ -108,6 +112,7 @@ class Position:
         self.generators = loader_generators(data)
         self.source = data_source(data)
         self._stateful = stateful_view(data) if self.source == "stateful" else None
+        self._batch_samples = global_batch(data)
 
     def record(self, epoch: int, batches_done: int, step: int,
                loss_sum: LossMark | torch.Tensor | None,
@@ -138,6 +143,8 @@ class Position:
         (its generators and the loss sums of its shard). Tensors and plain values only."""
         shared = {"epoch": self.epoch, "batch_idx": self.batches_done, "step": self.step,
                   "validated": self.validated}
+        if self._batch_samples is not None:  # the same on any number of ranks
+            shared["epoch_samples"] = self.batches_done * self._batch_samples
         own: dict[str, Any] = {
             "train_loss_sum": None if self.loss_sum is None else self._loss_total().detach().cpu(),
             "train_samples": self.samples,

@@ -276,3 +276,20 @@ def stateful_batches(data: Any, view: Any, skip: int, state: Any,
     view.worker_init_fn = ResumedWorkers(data.worker_init_fn, 0, list(states)) if skip \
         else data.worker_init_fn
     return StampedBatches(iter(view), skip, list(states))
+
+
+def global_batch(data: Any) -> int | None:
+    """Samples of the epoch's global order that one batch on every rank takes: the batch
+    size, times the number of ranks where the sampler shards (``DistributedSampler``,
+    `hookloop.samplers.UnpaddedDistributedSampler`); None for data without a sampler and a
+    fixed batch size."""
+    if data_source(data) != "sampler" and not isinstance(data, DataLoader):
+        return None
+    batch_sampler = getattr(data, "batch_sampler", None)
+    size = getattr(batch_sampler, "batch_size", None) if batch_sampler is not None else 1
+    sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else \
+        getattr(data, "sampler", None)
+    if not isinstance(size, int) or sampler is None:
+        return None
+    replicas = getattr(sampler, "num_replicas", 1)
+    return size * replicas if isinstance(replicas, int) else None

@@ -556,6 +556,8 @@ def check_run_fields(path: str, payload: Mapping[str, Any]) -> None:
             raise CheckpointError(f"{path}: the checkpoint's field 'loop.{field}' is missing; "
                                   "it cannot be resumed.")
         _expect_int(path, f"loop.{field}", loop[field])
+    if "epoch_samples" in loop:
+        _expect_int(path, "loop.epoch_samples", loop["epoch_samples"])
     if "validated" in loop:
         expect_field(path, "loop.validated", loop["validated"],
                      isinstance(loop["validated"], bool), "a bool")

@@ -1,0 +1,82 @@
+"""hookloop.resumable: which data resumes how, the skipping index sampler, and the
+position in samples of the epoch's global order."""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from hookloop.resumable import SkipBatches, data_source, global_batch, sampler_batches
+
+from builders import make_loop
+
+
+class Stateful(IterableDataset):
+    def __init__(self) -> None:
+        self.done = 0
+
+    def __iter__(self):
+        for index in range(self.done, 8):
+            self.done = index + 1
+            yield torch.tensor([float(index)]), torch.tensor([1.0])
+
+    def state_dict(self):
+        return {"done": self.done}
+
+    def load_state_dict(self, state):
+        self.done = state["done"]
+
+
+def _dataset(samples: int = 24) -> TensorDataset:
+    return TensorDataset(torch.arange(samples, dtype=torch.float32).reshape(-1, 1),
+                         torch.zeros(samples, 1))
+
+
+def test_each_kind_of_data_is_sorted() -> None:
+    assert data_source(DataLoader(_dataset(), 4, shuffle=True)) == "sampler"
+    assert data_source(DataLoader(Stateful(), 2)) == "stateful"  # num_workers=0: its dataset
+    assert data_source(DataLoader(Stateful(), 2, num_workers=2)) == "replay"
+    assert data_source(Stateful()) == "stateful"
+    assert data_source([(torch.ones(1), torch.ones(1))]) == "replay"
+
+
+def test_skipping_draws_the_same_stream_past_its_first_items() -> None:
+    def sampler():
+        return BatchSampler(RandomSampler(range(20), generator=torch.Generator().manual_seed(3)),
+                            4, False)
+    skipping = SkipBatches(sampler(), 2)
+    assert list(skipping) == list(sampler())[2:]
+    assert len(list(skipping)) == 5  # later passes are the sampler's own, whole
+
+
+def test_the_resumed_loader_reads_only_the_batches_after_the_position() -> None:
+    reads = []
+
+    class Counted(TensorDataset):
+        def __getitem__(self, index):
+            reads.append(index)
+            return super().__getitem__(index)
+
+    data = Counted(*_dataset().tensors)
+    loader = DataLoader(data, 4, shuffle=True, generator=torch.Generator().manual_seed(1))
+    expected = [batch for batch in DataLoader(_dataset(), 4, shuffle=True,
+                                              generator=torch.Generator().manual_seed(1))]
+    reads.clear()
+    resumed = list(sampler_batches(loader, 4, None))
+    assert len(reads) == 8 and len(resumed) == 2
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(resumed, expected[4:]))
+    assert len(list(loader)) == 6  # the loader itself is left as it was
+
+
+def test_the_position_is_saved_in_samples_of_the_global_order() -> None:
+    dataset = _dataset()
+    assert global_batch(DataLoader(dataset, 4)) == 4
+    sharded = DataLoader(dataset, 3, sampler=DistributedSampler(dataset, num_replicas=2, rank=0))
+    assert global_batch(sharded) == 6  # a batch on each of 2 ranks
+    assert global_batch([(torch.ones(1), torch.ones(1))]) is None
+
+    loop = make_loop(model=lambda: torch.nn.Linear(1, 1), train=sharded,
+                     sanity_val_batches=0)
+    loop.fit(1, max_steps=3)
+    state = loop.state_dict()["loop"]
+    assert state["batch_idx"] == 3 and state["epoch_samples"] == 3 * 6
