@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
-    parser.add_argument("--kinds", nargs="+", default=["sampler", "stateful", "replay"])
+    parser.add_argument("--kinds", nargs="*", default=["sampler", "stateful", "replay"])
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -17,6 +17,7 @@ from hookloop.resumable import (
     data_source,
     global_batch,
     sampler_batches,
+    saved_rng,
     stateful_batches,
     stateful_part,
     stateful_view,
@@ -160,7 +161,7 @@ class Position:
             if self.batches_done and self.host_mark is not None and "python" not in self.rng:
                 own["mark_batches"], own["mark_rng"] = self.host_mark
             if self.batches_done and self.workers_rng is not None:
-                own["workers_rng"] = self.workers_rng
+                own["workers_rng"] = [saved_rng(state) for state in self.workers_rng]
         if self.batches_done and self.data_state is not None:
             own["data_state"] = self.data_state
         return shared, own

@@ -20,6 +20,7 @@ what was trained on.
 from __future__ import annotations
 
 import copy
+import random
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -28,7 +29,12 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from hookloop.compat import loader_view, seed_worker_as
-from hookloop.rng import capture_rng, restore_rng
+from hookloop.rng import restore_rng
+
+try:  # numpy is optional
+    import numpy as _numpy
+except ImportError:  # pragma: no cover - numpy ships with most torch installs
+    _numpy = None
 
 __all__ = ["data_source", "stateful_part", "SkipBatches", "WorkerStamp", "ResumedWorkers",
            "StampedBatches", "sampler_batches"]
@@ -123,7 +129,7 @@ _END = object()
 
 class WorkerStamp:
     """A worker-side ``collate_fn``: the batch, and the worker's generator states right after
-    it was made (torch's, Python's and NumPy's, as `hookloop.rng.capture_rng` gives them).
+    it was made (torch's, Python's and NumPy's, `raw_rng`).
 
     The main process strips the states off (`StampedBatches`) and keeps, for each worker,
     the states after its latest batch: what a resume hands to the worker that makes the
@@ -133,8 +139,30 @@ class WorkerStamp:
     def __init__(self, collate: Any) -> None:
         self.collate = collate
 
-    def __call__(self, samples: Any) -> tuple[Any, dict[str, Any]]:
-        return self.collate(samples), capture_rng()
+    def __call__(self, samples: Any) -> tuple[Any, tuple[Any, ...]]:
+        return self.collate(samples), raw_rng()
+
+
+def raw_rng() -> tuple[Any, ...]:
+    """This process's generator states as plain bytes and tuples: cheap to send through a
+    worker's queue (a tensor would go through shared memory); `saved_rng` makes them what a
+    checkpoint holds, when one is written."""
+    numpy_state = _numpy.random.get_state() if _numpy is not None else None
+    return torch.default_generator.get_state().numpy().tobytes(), random.getstate(), numpy_state
+
+
+def saved_rng(state: Any) -> dict[str, Any] | None:
+    """A `raw_rng` state as `hookloop.rng.capture_rng` gives it (a saved one as it is)."""
+    if state is None or isinstance(state, dict):
+        return state
+    torch_bytes, (version, words, gauss), numpy_state = state
+    saved: dict[str, Any] = {"torch": torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8),
+                             "generators": [], "python": [version, list(words), gauss]}
+    if numpy_state is not None:
+        kind, keys, position, has_gauss, cached = numpy_state
+        saved["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(position),
+                          int(has_gauss), float(cached)]
+    return saved
 
 
 class ResumedWorkers:
@@ -158,7 +186,7 @@ class ResumedWorkers:
         if self.init is not None:
             self.init(worker_id)
         if state is not None:
-            restore_rng(state)
+            restore_rng(saved_rng(state))
 
 
 class StampedBatches:
