@@ -12,13 +12,17 @@ from builders import make_loop
 
 
 class Stateful(IterableDataset):
+    """8 batches of one sample; ``done`` says how many of this pass were yielded (a pass
+    that had ended starts a new one); every read is counted in ``reads``."""
+
     def __init__(self) -> None:
-        self.done = 0
+        self.done, self.reads = 0, 0
 
     def __iter__(self):
-        for index in range(self.done, 8):
-            self.done = index + 1
-            yield torch.tensor([float(index)]), torch.tensor([1.0])
+        for index in range(self.done if self.done < 8 else 0, 8):
+            self.done, self.reads = index + 1, self.reads + 1
+            noise = torch.randn(1)  # the data draws too
+            yield torch.tensor([[float(index)]]) + noise, torch.tensor([[1.0]])
 
     def state_dict(self):
         return {"done": self.done}
@@ -80,3 +84,27 @@ def test_the_position_is_saved_in_samples_of_the_global_order() -> None:
     loop.fit(1, max_steps=3)
     state = loop.state_dict()["loop"]
     assert state["batch_idx"] == 3 and state["epoch_samples"] == 3 * 6
+
+
+def test_a_stateful_iterable_resumes_from_its_state_without_replay(tmp_path) -> None:
+    from hookloop.callbacks import Checkpoint
+
+    from builders import StopAt, same_weights
+
+    def run(callbacks, data):
+        return make_loop(callbacks, model=lambda: torch.nn.Linear(1, 1), train=data,
+                         sanity_val_batches=0)
+
+    expected = run([], Stateful())
+    expected.fit(2)
+    first = run([Checkpoint(tmp_path, every_n_steps=1), StopAt(11, resumable=True)], Stateful())
+    try:
+        first.fit(2)
+    except SystemExit:  # the launch ended at step 11: 3 of the second epoch's 8 batches
+        pass
+    data = Stateful()
+    resumed = run([Checkpoint(tmp_path, resume=True)], data)
+    resumed.fit(2)
+    assert resumed.state.step == 16
+    assert same_weights(resumed, expected)
+    assert data.reads == 5  # the second epoch's last 5: none of the 3 trained on again
