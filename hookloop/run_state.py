@@ -339,6 +339,16 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
             f"{saved_world} process(es), or after an exception); rank {rank} uses rank 0's, "
             "so its random draws differ from an uninterrupted run.", RuntimeWarning,
             stacklevel=4)
+    if saved_world != world and int(loop_part.get("batch_idx", 0)) and \
+            own.get("data_state") is not None:
+        raise CheckpointError(
+            f"{source}: the run was saved inside epoch {int(loop_part.get('epoch', 0)) + 1} by "
+            f"{saved_world} process(es), each with its own state of the training data "
+            f"({type(loop.train_data).__name__}.state_dict()), and this run has {world}: a "
+            "per-rank data state cannot be split or merged over another number of ranks. "
+            f"Relaunch on {saved_world} process(es), or resume from a checkpoint written at an "
+            "epoch end, or use a DataLoader over a map-style dataset (its position is kept in "
+            "samples).")
     if saved_world != world or (world > 1 and len(ranks) < world):
         own.update(train_loss_sum=None, train_samples=0)  # not this rank's own sums
     if saved_world != world and distributed.is_main():

@@ -108,3 +108,27 @@ def test_a_stateful_iterable_resumes_from_its_state_without_replay(tmp_path) -> 
     assert resumed.state.step == 16
     assert same_weights(resumed, expected)
     assert data.reads == 5  # the second epoch's last 5: none of the 3 trained on again
+
+
+def test_a_per_rank_data_state_on_another_number_of_ranks_is_refused(tmp_path) -> None:
+    import pytest
+
+    from hookloop import CheckpointError
+    from hookloop.callbacks import Checkpoint
+
+    from builders import StopAt
+
+    def run(callbacks):
+        return make_loop(callbacks, model=lambda: torch.nn.Linear(1, 1), train=Stateful(),
+                         sanity_val_batches=0)
+
+    first = run([Checkpoint(tmp_path, every_n_steps=1), StopAt(3, resumable=True)])
+    with pytest.raises(SystemExit):
+        first.fit(1)
+    (path,) = [p for p in tmp_path.glob("*.pt") if "step=00000003" in p.name]
+    state = torch.load(path, weights_only=True)
+    state["loop"]["world_size"] = 2  # as if two ranks had written it
+    resumed = run([])
+    resumed.load_state_dict(state)
+    with pytest.raises(CheckpointError, match=r"2 process\(es\).*this run has 1.*Relaunch on 2"):
+        resumed.fit(1)
