@@ -132,3 +132,26 @@ def test_a_per_rank_data_state_on_another_number_of_ranks_is_refused(tmp_path) -
     resumed.load_state_dict(state)
     with pytest.raises(CheckpointError, match=r"2 process\(es\).*this run has 1.*Relaunch on 2"):
         resumed.fit(1)
+
+
+def test_workers_whose_draws_cannot_resume_are_named_at_the_resume(tmp_path) -> None:
+    """persistent_workers=True: the order and the samples resume exactly, the workers'
+    random draws start from fresh seeds, and a warning says so (never silent)."""
+    import pytest
+
+    from hookloop.callbacks import Checkpoint
+
+    from builders import StopAt
+
+    def run(callbacks):
+        loader = DataLoader(_dataset(), 4, shuffle=True, num_workers=2, persistent_workers=True,
+                            generator=torch.Generator().manual_seed(1))
+        return make_loop(callbacks, model=lambda: torch.nn.Linear(1, 1), train=loader,
+                         sanity_val_batches=0)
+
+    with pytest.raises(SystemExit):
+        run([Checkpoint(tmp_path, every_n_steps=1), StopAt(2, resumable=True)]).fit(1)
+    resumed = run([Checkpoint(tmp_path, resume=True)])
+    with pytest.warns(RuntimeWarning, match="persistent_workers=True.*fresh seeds"):
+        resumed.fit(1)
+    assert resumed.state.step == 6
