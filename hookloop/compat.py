@@ -10,6 +10,8 @@ module of hookloop touches a private torch attribute.
 
 from __future__ import annotations
 
+import copy
+import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -19,7 +21,7 @@ from torch import nn
 
 __all__ = ["foreach_copy_", "foreach_lerp_", "foreach_mul_", "generic_grad_scaler_step",
            "loss_scale", "summary_file_writer", "summary_writer_thread", "compiled_original",
-           "no_new_persistent_iterator"]
+           "no_new_persistent_iterator", "loader_view", "seed_worker_as"]
 
 _AMP_SCALING = "_step_supports_amp_scaling"
 
@@ -212,3 +214,37 @@ def no_new_persistent_iterator(loader: Any) -> Iterator[None]:
             shutdown = getattr(iterator, "_shutdown_workers", None)
             if callable(shutdown):
                 shutdown()
+
+
+def loader_view(loader: Any, index_sampler: Any) -> Any:
+    """A shallow copy of a ``DataLoader`` that draws its indices from ``index_sampler``
+    (its batch sampler where it batches, else its sampler), with no iterator of its own;
+    the loader itself is left as it is.
+
+    DataLoader refuses to set its sampler once built, so the copy's fields are set
+    directly. Fallback: none needed; these are the fields ``DataLoader.__init__`` sets.
+    """
+    view = copy.copy(loader)
+    name = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+    view.__dict__[name] = index_sampler
+    view.__dict__["_iterator"] = None
+    return view
+
+
+def seed_worker_as(worker: int, base_seed: int) -> None:
+    """Seed Python's, torch's and NumPy's generators as a DataLoader seeds worker
+    ``worker`` of an iterator whose base seed is ``base_seed``
+    (``torch.utils.data._utils.worker._worker_loop``). Fallback: NumPy seeded from the
+    same 32-bit words through its public SeedSequence when the private helper is gone."""
+    random.seed(base_seed + worker)
+    torch.manual_seed(base_seed + worker)
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy ships with most torch installs
+        return
+    try:
+        from torch.utils.data._utils.worker import _generate_state
+
+        numpy.random.seed(_generate_state(base_seed, worker))
+    except ImportError:  # pragma: no cover - a torch that moved it
+        numpy.random.seed([worker, base_seed & 0xFFFFFFFF, base_seed >> 32, 0])

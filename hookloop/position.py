@@ -9,9 +9,20 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from hookloop import distributed
 from hookloop.data import Lookahead, LossMark, LossSum, length_of
 from hookloop.deprecation import deprecated_alias
 from hookloop.errors import ConfigurationError
+from hookloop.resumable import (
+    StampedBatches,
+    data_source,
+    global_batch,
+    sampler_batches,
+    saved_rng,
+    stateful_batches,
+    stateful_part,
+    stateful_view,
+)
 from hookloop.rng import capture_rng, host_rng, loader_generators, restore_host_rng, restore_rng
 
 if TYPE_CHECKING:
@@ -70,7 +81,8 @@ class Position:
 
     __slots__ = ("epoch", "batches_done", "step", "loss_sum", "samples",
                  "rng", "epoch_rng", "prefetch_rng", "validated", "generators", "host_now",
-                 "host_mark", "_replay", "_live")
+                 "host_mark", "_replay", "_live", "source", "workers_rng", "data_state",
+                 "_stateful", "_batch_samples")
 
     def __init__(self) -> None:
         self.epoch = self.batches_done = self.step = self.samples = 0
@@ -94,6 +106,16 @@ class Position:
         self.host_mark: tuple[int, dict[str, Any]] | None = None
         self._replay = False  # the next epoch start replays from the recorded generators
         self._live: tuple[int, Iterator[Any]] | None = None  # an epoch stop() cut short
+        #: How the training data resumes inside an epoch (`hookloop.resumable.data_source`).
+        self.source = "replay"
+        #: With stamped DataLoader workers: each worker's generator states at the position.
+        self.workers_rng: list[dict[str, Any] | None] | None = None
+        #: Data with ``state_dict()``: its state at the position.
+        self.data_state: Any = None
+        self._stateful: Any = None  # the object that has that state
+        #: Samples of the epoch's global order one batch of every rank takes (None: the
+        #: data has no fixed batch size, or no order to count in).
+        self._batch_samples: int | None = None
 
     @property
     def public(self) -> RunPosition:
@@ -102,12 +124,19 @@ class Position:
     def attach(self, data: Any) -> None:
         """At every setup: the training data (DDP may have rebuilt it) and its generators."""
         self.generators = loader_generators(data)
+        self.source = data_source(data)
+        self._stateful = stateful_view(data) if self.source == "stateful" else None
+        self._batch_samples = global_batch(data)
 
     def record(self, epoch: int, batches_done: int, step: int,
                loss_sum: LossMark | torch.Tensor | None,
-               samples: int, prefetch_rng: dict[str, Any] | None = None) -> None:
+               samples: int, prefetch_rng: dict[str, Any] | None = None,
+               workers_rng: list[dict[str, Any] | None] | None = None) -> None:
         """The weights now are those after ``batches_done`` batches of ``epoch``."""
-        self.prefetch_rng = prefetch_rng
+        self.prefetch_rng, self.workers_rng = prefetch_rng, workers_rng
+        stateful = self._stateful
+        self.data_state = stateful_part(stateful).state_dict() \
+            if stateful is not None and batches_done else None
         self.validated = self.validated and step == self.step  # still that step's
         self.epoch, self.batches_done, self.step = epoch, batches_done, step
         self.loss_sum, self.samples = loss_sum, samples
@@ -135,6 +164,8 @@ class Position:
         (its generators and the loss sums of its shard). Tensors and plain values only."""
         shared = {"epoch": self.epoch, "batch_idx": self.batches_done, "step": self.step,
                   "validated": self.validated}
+        if self._batch_samples is not None:  # the same on any number of ranks
+            shared["epoch_samples"] = self.batches_done * self._batch_samples
         own: dict[str, Any] = {
             "train_loss_sum": None if self.loss_sum is None else self._loss_total().detach().cpu(),
             "train_samples": self.samples,
@@ -149,6 +180,10 @@ class Position:
                 own["prefetch_rng"] = self.prefetch_rng
             if self.batches_done and self.host_mark is not None and "python" not in self.rng:
                 own["mark_batches"], own["mark_rng"] = self.host_mark
+            if self.batches_done and self.workers_rng is not None:
+                own["workers_rng"] = [saved_rng(state) for state in self.workers_rng]
+        if self.batches_done and self.data_state is not None:
+            own["data_state"] = self.data_state
         return shared, own
 
     def _add_host_rng(self) -> None:
@@ -171,6 +206,7 @@ class Position:
         self.loss_sum = None if loss_sum is None else loss_sum.to(device)
         self.rng, self.epoch_rng = own.get("rng"), own.get("epoch_rng")
         self.prefetch_rng = own.get("prefetch_rng")
+        self.workers_rng, self.data_state = own.get("workers_rng"), own.get("data_state")
         mark = own.get("mark_rng")
         self.host_mark = None if mark is None else (int(own["mark_batches"]), mark)
         self._replay = True
@@ -210,12 +246,7 @@ class Position:
         if total is not None and skip > total:
             iterator: Iterator[Any] = iter(())
         else:
-            iterator = iter(data)
-            mark = self.host_mark if replay and "python" not in (self.rng or {}) else None
-            for index in range(skip):  # a mark is always before the position's batch
-                if mark is not None and index == mark[0]:  # a validation drew up to here
-                    restore_host_rng(mark[1])
-                next(iterator)
+            iterator = self._batches(data, skip, replay)
         if total is None and window > 1:
             if replay and skip and self.prefetch_rng is not None:
                 restore_rng(self.prefetch_rng, generators)
@@ -223,6 +254,48 @@ class Position:
         if replay and skip and self.rng is not None:
             restore_rng(self.rng, generators)
         return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses)
+
+    def _batches(self, data: Any, skip: int, replay: bool) -> Iterator[Any]:
+        """An iterator over ``data`` past its first ``skip`` batches: a DataLoader's sampler
+        advanced without reading a sample, data with a state loaded at it, else the batches
+        fetched again. Python's and NumPy's generators unknown at the position (a save after
+        something drew) make a DataLoader replay too: the data's draws then repeat."""
+        source, exact_host = self.source, "python" in (self.rng or {})
+        if source == "sampler":
+            if skip and exact_host:
+                return sampler_batches(data, skip, self.workers_rng)
+            iterator = sampler_batches(data, 0, None)
+        elif source == "stateful" and (self.data_state is not None or not skip):
+            return stateful_batches(data, self._stateful, skip, self.data_state,
+                                    self.workers_rng)
+        else:
+            iterator = iter(data)
+        if skip:
+            _say_replay(data, skip, source)
+        mark = self.host_mark if replay and not exact_host else None
+        for index in range(skip):  # a mark is always before the position's batch
+            if mark is not None and index == mark[0]:  # a validation drew up to here
+                restore_host_rng(mark[1])
+            next(iterator)
+        return iterator
+
+
+def _say_replay(data: Any, skip: int, source: str) -> None:
+    """One line at a resume that fetches the trained batches again (rank 0)."""
+    if not distributed.is_main():
+        return
+    batches = f"{skip} batch{'es' if skip != 1 else ''}"
+    if source == "sampler":
+        print(f"hookloop: resuming inside the epoch fetches the {batches} already trained on "
+              "again: the position was saved after Python's and NumPy's generators drew past "
+              "its step boundary (an exception's checkpoint, or fit() again after one), and "
+              "the replay draws them again; a checkpoint written at a step boundary "
+              "(every_n_steps, a stop, a signal) resumes without reading them.", flush=True)
+        return
+    print(f"hookloop: resuming inside the epoch fetches the {batches} already trained on "
+          f"again, since the training data ({type(data).__name__}) cannot be advanced "
+          "without reading it; a DataLoader over a map-style dataset, or data with "
+          "state_dict() and load_state_dict(), resumes without reading them.", flush=True)
 
 
 class EpochPass:
@@ -290,10 +363,12 @@ class EpochPass:
     def record(self, step: int, *, validated: bool = False) -> None:
         """At a step boundary: the weights are those after `batches_done` batches."""
         iterator = self._iterator
-        prefetch = iterator.pending_snapshot if type(iterator) is Lookahead else None
+        kind = type(iterator)
+        prefetch = iterator.pending_snapshot if kind is Lookahead else None
+        workers = list(iterator.states) if kind is StampedBatches else None
         losses = self.losses
         self._position.record(self.epoch, self.batches_done, step, losses.mark(),
-                              losses.samples, prefetch)
+                              losses.samples, prefetch, workers)
         self._at_boundary = True
         if validated:  # once a validation: Python's and NumPy's as it left them, for replays
             position = self._position

@@ -384,6 +384,16 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
             f"{saved_world} process(es), or after an exception); rank {rank} uses rank 0's, "
             "so its random draws differ from an uninterrupted run.", RuntimeWarning,
             stacklevel=4)
+    if saved_world != world and int(loop_part.get("batch_idx", 0)) and \
+            own.get("data_state") is not None:
+        raise CheckpointError(
+            f"{source}: the run was saved inside epoch {int(loop_part.get('epoch', 0)) + 1} by "
+            f"{saved_world} process(es), each with its own state of the training data "
+            f"({type(loop.train_data).__name__}.state_dict()), and this run has {world}: a "
+            "per-rank data state cannot be split or merged over another number of ranks. "
+            f"Relaunch on {saved_world} process(es), or resume from a checkpoint written at an "
+            "epoch end, or use a DataLoader over a map-style dataset (its position is kept in "
+            "samples).")
     if saved_world != world or (world > 1 and len(ranks) < world):
         own.update(train_loss_sum=None, train_samples=0)  # not this rank's own sums
     if saved_world != world and distributed.is_main():
@@ -604,6 +614,8 @@ def check_run_fields(path: str, payload: Mapping[str, Any]) -> None:
             raise CheckpointError(f"{path}: the checkpoint's field 'loop.{field}' is missing; "
                                   "it cannot be resumed.")
         _expect_int(path, f"loop.{field}", loop[field])
+    if "epoch_samples" in loop:
+        _expect_int(path, "loop.epoch_samples", loop["epoch_samples"])
     if "validated" in loop:
         expect_field(path, "loop.validated", loop["validated"],
                      isinstance(loop["validated"], bool), "a bool")
@@ -638,8 +650,14 @@ def check_run_fields(path: str, payload: Mapping[str, Any]) -> None:
                          isinstance(value, torch.Tensor), "a tensor or None")
         if "mark_batches" in part:
             _expect_int(path, f"{where}.mark_batches", part["mark_batches"])
-        for field in ("rng", "epoch_rng", "prefetch_rng", "mark_rng"):
-            problem = rng_state_problem(part[field]) if part.get(field) is not None else None
+        workers = part.get("workers_rng")
+        if workers is not None:
+            expect_field(path, f"{where}.workers_rng", workers, isinstance(workers, list),
+                         "a list (a generator state or None for each DataLoader worker)")
+        for field, state in [(name, part.get(name)) for name in
+                             ("rng", "epoch_rng", "prefetch_rng", "mark_rng")] + \
+                [(f"workers_rng[{i}]", item) for i, item in enumerate(workers or ())]:
+            problem = rng_state_problem(state) if state is not None else None
             if problem is not None:
                 inner, value, expected = problem
                 expect_field(path, f"{where}.{field}" + (f".{inner}" if inner else ""), value,

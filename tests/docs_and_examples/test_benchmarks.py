@@ -75,3 +75,16 @@ def test_checkpoint_digest_benchmark_runs_and_reports_the_cost_per_gb() -> None:
     assert re.search(r"^digest cost per GB: save [-+]\d+\.\d+ s, load [-+]\d+\.\d+ s",
                      result.stdout, re.MULTILINE), result.stdout
     assert re.search(r"^hashlib sha256\s+\d+\.\d+ GB/s", result.stdout, re.MULTILINE)
+
+
+def test_resume_benchmark_prints_a_row_for_every_kind_and_the_snapshot_cost() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "resume.py"), "--samples", "320",
+         "--cost-ms", "0.1", "--batch", "16", "--workers", "0", "2", "--kinds", "sampler",
+         "replay", "--rounds", "1"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = re.findall(r"^\| (sampler|replay) \| (\d) \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$",
+                      result.stdout, re.MULTILINE)
+    assert rows == [("sampler", "0"), ("sampler", "2"), ("replay", "0"), ("replay", "2")]
+    assert re.search(r"^\| 2 \| [\d.]+ \| [\d.]+ \| [+-][\d.]+ \|$", result.stdout, re.MULTILINE)

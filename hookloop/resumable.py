@@ -1,0 +1,323 @@
+"""How the training data continues from a position inside an epoch, without reading again
+what was trained on.
+
+`data_source` sorts the training data into three kinds:
+
+- ``"sampler"``: a torch ``DataLoader`` over a map-style dataset (any sampler or batch
+  sampler: ``SequentialSampler``, ``RandomSampler``, ``DistributedSampler``, ``BatchSampler``,
+  hookloop's own). A resume draws the sampler's index stream up to the position and drops
+  those indices: no sample is loaded, transformed or collated. With ``num_workers > 0``
+  each batch carries its worker's generator states (`WorkerStamp`), so that the workers of
+  the resumed epoch start from the states the interrupted run's workers had at the step
+  boundary.
+- ``"stateful"``: data with ``state_dict()`` and ``load_state_dict()`` (torchdata's
+  ``StatefulDataLoader``, an ``IterableDataset`` with that protocol, or a ``DataLoader``
+  over one with ``num_workers=0``): its state at the step boundary is saved and loaded.
+- ``"replay"``: anything else (a generator, a list, an iterable without state): the
+  batches already trained on are fetched again and dropped.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from hookloop.compat import loader_view, seed_worker_as
+from hookloop.rng import restore_rng
+
+try:  # numpy is optional
+    import numpy as _numpy
+except ImportError:  # pragma: no cover - numpy ships with most torch installs
+    _numpy = None
+
+__all__ = ["data_source", "stateful_part", "SkipBatches", "WorkerStamp", "ResumedWorkers",
+           "StampedBatches", "sampler_batches"]
+
+
+def stateful_part(data: Any) -> Any:
+    """The object whose ``state_dict()``/``load_state_dict()`` say where ``data`` is, or None.
+
+    ``data`` itself when it has both; else the dataset of a ``DataLoader`` with
+    ``num_workers=0`` (its workers, with more, hold copies the main process cannot read).
+    """
+    if _has_state(data):
+        return data
+    if isinstance(data, DataLoader) and data.num_workers == 0 and _has_state(data.dataset):
+        return data.dataset
+    return None
+
+
+def _has_state(item: Any) -> bool:
+    return callable(getattr(item, "state_dict", None)) and \
+        callable(getattr(item, "load_state_dict", None))
+
+
+def data_source(data: Any) -> str:
+    """``"stateful"``, ``"sampler"`` or ``"replay"``: how ``data`` resumes inside an epoch."""
+    if stateful_part(data) is not None:
+        return "stateful"
+    if type(data).__iter__ is DataLoader.__iter__ and isinstance(data, DataLoader) and \
+            not isinstance(data.dataset, IterableDataset):
+        return "sampler"
+    return "replay"
+
+
+class SkipBatches:
+    """An index sampler whose first iteration leaves out its first ``skip`` items (the
+    batches of indices already trained on); later iterations are the sampler's own.
+
+    The items are drawn when the iterator is first advanced, as the sampler's own would
+    draw them (after the DataLoader drew its workers' base seed), or when `advance` is
+    called; the samples behind them are never read.
+    """
+
+    def __init__(self, sampler: Any, skip: int) -> None:
+        self.sampler, self.skip = sampler, skip
+        self._pending: _Skipping | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        # Every iterator until one has skipped (torch's multi-worker iterator asks twice).
+        if not self.skip:
+            return iter(self.sampler)
+        self._pending = _Skipping(self)
+        return self._pending
+
+    def advance(self) -> None:
+        """Draw the skipped items now (before the position's generators are put back)."""
+        pending = self._pending
+        if pending is not None:
+            pending.advance()
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class _Skipping:
+    __slots__ = ("_owner", "_iterator")
+
+    def __init__(self, owner: SkipBatches) -> None:
+        self._owner = owner
+        self._iterator: Iterator[Any] | None = None
+
+    def advance(self) -> Iterator[Any]:
+        iterator = self._iterator
+        if iterator is None:
+            owner = self._owner
+            skip, owner.skip, owner._pending = owner.skip, 0, None
+            iterator = self._iterator = iter(owner.sampler)
+            for _ in range(skip):
+                if next(iterator, _END) is _END:
+                    break
+        return iterator
+
+    def __iter__(self) -> _Skipping:
+        return self
+
+    def __next__(self) -> Any:
+        iterator = self._iterator
+        return next(iterator if iterator is not None else self.advance())
+
+
+_END = object()
+
+
+class WorkerStamp:
+    """A worker-side ``collate_fn``: the batch, and the worker's generator states right after
+    it was made (torch's, Python's and NumPy's, `raw_rng`).
+
+    The main process strips the states off (`StampedBatches`) and keeps, for each worker,
+    the states after its latest batch: what a resume hands to the worker that makes the
+    next batch. Picklable, so it works with every start method.
+    """
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: Any) -> tuple[Any, tuple[Any, ...]]:
+        return self.collate(samples), raw_rng()
+
+
+def raw_rng() -> tuple[Any, ...]:
+    """This process's generator states as plain bytes and tuples: cheap to send through a
+    worker's queue (a tensor would go through shared memory); `saved_rng` makes them what a
+    checkpoint holds, when one is written."""
+    numpy_state = _numpy.random.get_state() if _numpy is not None else None
+    return torch.default_generator.get_state().numpy().tobytes(), random.getstate(), numpy_state
+
+
+def saved_rng(state: Any) -> dict[str, Any] | None:
+    """A `raw_rng` state as `hookloop.rng.capture_rng` gives it (a saved one as it is)."""
+    if state is None or isinstance(state, dict):
+        return state
+    torch_bytes, (version, words, gauss), numpy_state = state
+    saved: dict[str, Any] = {"torch": torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8),
+                             "generators": [], "python": [version, list(words), gauss]}
+    if numpy_state is not None:
+        kind, keys, position, has_gauss, cached = numpy_state
+        saved["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(position),
+                          int(has_gauss), float(cached)]
+    return saved
+
+
+class ResumedWorkers:
+    """A worker-side ``worker_init_fn`` for an epoch resumed after ``skip`` batches: worker
+    ``w`` makes the batches the interrupted run's worker ``(skip + w) % workers`` would have
+    made next, so it starts from that worker's states (``states``), or, where that worker had
+    made no batch yet, from the seeds torch gives that worker."""
+
+    def __init__(self, init: Any, skip: int, states: list[dict[str, Any] | None]) -> None:
+        self.init, self.skip, self.states = init, skip, states
+
+    def __call__(self, worker_id: int) -> None:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        workers = len(self.states)
+        role = (self.skip + worker_id) % workers
+        state = self.states[role]
+        if state is None:  # that worker had made no batch: torch's seeds for it
+            seed_worker_as(role, info.seed - worker_id)
+        if self.init is not None:
+            self.init(worker_id)
+        if state is not None:
+            restore_rng(saved_rng(state))
+
+
+class StampedBatches:
+    """The batches of a loader whose ``collate_fn`` is a `WorkerStamp`, stamps stripped.
+
+    ``states[w]`` holds the states after the latest batch made by worker ``w`` of the
+    epoch (batches go to the workers in turn: batch ``b`` to worker ``b % workers``), so
+    at a step boundary it is what each worker's next batch starts from.
+    """
+
+    __slots__ = ("_iterator", "_index", "states")
+
+    def __init__(self, iterator: Iterator[Any], start: int,
+                 states: list[dict[str, Any] | None]) -> None:
+        self._iterator, self._index, self.states = iterator, start, states
+
+    def __iter__(self) -> StampedBatches:
+        return self
+
+    def __next__(self) -> Any:
+        batch, stamp = next(self._iterator)
+        states = self.states
+        states[self._index % len(states)] = stamp
+        self._index += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._iterator)  # type: ignore[arg-type]
+
+
+def _warn_workers(why: str) -> None:
+    warnings.warn(
+        f"resuming inside the epoch: {why}, so the workers start from fresh seeds and their "
+        "random draws (augmentations in the dataset) differ from the uninterrupted run's; "
+        "the data order and the samples are exact. Resume with the same num_workers, "
+        "persistent_workers=False and in_order=True for exact draws.", RuntimeWarning,
+        stacklevel=5)
+
+
+def stamps_workers(loader: DataLoader) -> bool:
+    """Whether the workers' generator states travel with the batches: workers that start
+    afresh every epoch and deliver the batches in order."""
+    return loader.num_workers > 0 and not loader.persistent_workers and \
+        getattr(loader, "in_order", True)
+
+
+def sampler_batches(loader: DataLoader, skip: int,
+                    states: list[dict[str, Any] | None] | None) -> Iterator[Any]:
+    """The batches of ``loader`` after its first ``skip``, none of them read; with stamped
+    workers (`stamps_workers`), a `StampedBatches` whose workers resume from ``states``.
+
+    The loader itself is left as it is: a shallow copy of it gets the skipping sampler and
+    the worker-side functions (torch reads them when the iterator is created).
+    """
+    stamped = stamps_workers(loader)
+    if skip and loader.num_workers > 0 and not stamped:
+        _warn_workers("the loader's workers are persistent_workers=True or in_order=False, "
+                      "whose generator states hookloop does not carry")
+    if not skip and not stamped:
+        return iter(loader)
+    skipping = SkipBatches(loader.batch_sampler if loader.batch_sampler is not None
+                           else loader.sampler, skip) if skip else None
+    view = loader_view(loader, skipping) if skipping is not None else copy.copy(loader)
+    if not stamped:
+        iterator = iter(view)
+        if skipping is not None:
+            skipping.advance()
+        return iterator
+    workers = loader.num_workers
+    if skip and (states is None or len(states) != workers):
+        _warn_workers(f"the checkpoint holds the generator states of "
+                      f"{'no' if states is None else len(states)} DataLoader workers, this "
+                      f"loader has {workers}")
+    if states is None or len(states) != workers:
+        states = [None] * workers
+    view.collate_fn = WorkerStamp(loader.collate_fn)
+    if skip:
+        view.worker_init_fn = ResumedWorkers(loader.worker_init_fn, skip, list(states))
+    iterator = iter(view)  # the workers' first indices are drawn now (prefetch)
+    if skipping is not None:
+        skipping.advance()
+    return StampedBatches(iterator, skip, list(states) if skip else [None] * workers)
+
+
+def stateful_view(data: Any) -> Any:
+    """What a stateful training data is iterated through: a ``DataLoader`` subclass with a
+    state (``StatefulDataLoader``) whose workers `stamps_workers` gets a copy whose batches
+    carry the workers' generator states; other data is itself."""
+    if not (isinstance(data, DataLoader) and _has_state(data) and stamps_workers(data)):
+        return data
+    view = copy.copy(data)
+    view.__dict__["_iterator"] = None
+    view.collate_fn = WorkerStamp(data.collate_fn)
+    return view
+
+
+def stateful_batches(data: Any, view: Any, skip: int, state: Any,
+                     states: list[dict[str, Any] | None] | None) -> Iterator[Any]:
+    """The batches of stateful data, its state at the position loaded where ``skip``.
+
+    A loader that keeps its place in the workers' turn (``StatefulDataLoader`` does) gives
+    the next batch to the worker that would have made it: each worker resumes from its
+    own states."""
+    if skip and state is not None:
+        stateful_part(view).load_state_dict(state)
+    if view is data:
+        return iter(data)
+    workers = data.num_workers
+    if skip and (states is None or len(states) != workers):
+        _warn_workers(f"the checkpoint holds the generator states of "
+                      f"{'no' if states is None else len(states)} DataLoader workers, this "
+                      f"loader has {workers}")
+    if not skip or states is None or len(states) != workers:
+        states = [None] * workers
+    view.worker_init_fn = ResumedWorkers(data.worker_init_fn, 0, list(states)) if skip \
+        else data.worker_init_fn
+    return StampedBatches(iter(view), skip, list(states))
+
+
+def global_batch(data: Any) -> int | None:
+    """Samples of the epoch's global order that one batch on every rank takes: the batch
+    size, times the number of ranks where the sampler shards (``DistributedSampler``,
+    `hookloop.samplers.UnpaddedDistributedSampler`); None for data without a sampler and a
+    fixed batch size."""
+    if data_source(data) != "sampler" and not isinstance(data, DataLoader):
+        return None
+    batch_sampler = getattr(data, "batch_sampler", None)
+    size = getattr(batch_sampler, "batch_size", None) if batch_sampler is not None else 1
+    sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else \
+        getattr(data, "sampler", None)
+    if not isinstance(size, int) or sampler is None:
+        return None
+    replicas = getattr(sampler, "num_replicas", 1)
+    return size * replicas if isinstance(replicas, int) else None

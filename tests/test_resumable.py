@@ -1,0 +1,157 @@
+"""hookloop.resumable: which data resumes how, the skipping index sampler, and the
+position in samples of the epoch's global order."""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from hookloop.resumable import SkipBatches, data_source, global_batch, sampler_batches
+
+from builders import make_loop
+
+
+class Stateful(IterableDataset):
+    """8 batches of one sample; ``done`` says how many of this pass were yielded (a pass
+    that had ended starts a new one); every read is counted in ``reads``."""
+
+    def __init__(self) -> None:
+        self.done, self.reads = 0, 0
+
+    def __iter__(self):
+        for index in range(self.done if self.done < 8 else 0, 8):
+            self.done, self.reads = index + 1, self.reads + 1
+            noise = torch.randn(1)  # the data draws too
+            yield torch.tensor([[float(index)]]) + noise, torch.tensor([[1.0]])
+
+    def state_dict(self):
+        return {"done": self.done}
+
+    def load_state_dict(self, state):
+        self.done = state["done"]
+
+
+def _dataset(samples: int = 24) -> TensorDataset:
+    return TensorDataset(torch.arange(samples, dtype=torch.float32).reshape(-1, 1),
+                         torch.zeros(samples, 1))
+
+
+def test_each_kind_of_data_is_sorted() -> None:
+    assert data_source(DataLoader(_dataset(), 4, shuffle=True)) == "sampler"
+    assert data_source(DataLoader(Stateful(), 2)) == "stateful"  # num_workers=0: its dataset
+    assert data_source(DataLoader(Stateful(), 2, num_workers=2)) == "replay"
+    assert data_source(Stateful()) == "stateful"
+    assert data_source([(torch.ones(1), torch.ones(1))]) == "replay"
+
+
+def test_skipping_draws_the_same_stream_past_its_first_items() -> None:
+    def sampler():
+        return BatchSampler(RandomSampler(range(20), generator=torch.Generator().manual_seed(3)),
+                            4, False)
+    skipping = SkipBatches(sampler(), 2)
+    assert list(skipping) == list(sampler())[2:]
+    assert len(list(skipping)) == 5  # later passes are the sampler's own, whole
+
+
+def test_the_resumed_loader_reads_only_the_batches_after_the_position() -> None:
+    reads = []
+
+    class Counted(TensorDataset):
+        def __getitem__(self, index):
+            reads.append(index)
+            return super().__getitem__(index)
+
+    data = Counted(*_dataset().tensors)
+    loader = DataLoader(data, 4, shuffle=True, generator=torch.Generator().manual_seed(1))
+    expected = [batch for batch in DataLoader(_dataset(), 4, shuffle=True,
+                                              generator=torch.Generator().manual_seed(1))]
+    reads.clear()
+    resumed = list(sampler_batches(loader, 4, None))
+    assert len(reads) == 8 and len(resumed) == 2
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(resumed, expected[4:]))
+    assert len(list(loader)) == 6  # the loader itself is left as it was
+
+
+def test_the_position_is_saved_in_samples_of_the_global_order() -> None:
+    dataset = _dataset()
+    assert global_batch(DataLoader(dataset, 4)) == 4
+    sharded = DataLoader(dataset, 3, sampler=DistributedSampler(dataset, num_replicas=2, rank=0))
+    assert global_batch(sharded) == 6  # a batch on each of 2 ranks
+    assert global_batch([(torch.ones(1), torch.ones(1))]) is None
+
+    loop = make_loop(model=lambda: torch.nn.Linear(1, 1), train=sharded,
+                     sanity_val_batches=0)
+    loop.fit(1, max_steps=3)
+    state = loop.state_dict()["loop"]
+    assert state["batch_idx"] == 3 and state["epoch_samples"] == 3 * 6
+
+
+def test_a_stateful_iterable_resumes_from_its_state_without_replay(tmp_path) -> None:
+    from hookloop.callbacks import Checkpoint
+
+    from builders import StopAt, same_weights
+
+    def run(callbacks, data):
+        return make_loop(callbacks, model=lambda: torch.nn.Linear(1, 1), train=data,
+                         sanity_val_batches=0)
+
+    expected = run([], Stateful())
+    expected.fit(2)
+    first = run([Checkpoint(tmp_path, every_n_steps=1), StopAt(11, resumable=True)], Stateful())
+    try:
+        first.fit(2)
+    except SystemExit:  # the launch ended at step 11: 3 of the second epoch's 8 batches
+        pass
+    data = Stateful()
+    resumed = run([Checkpoint(tmp_path, resume=True)], data)
+    resumed.fit(2)
+    assert resumed.state.step == 16
+    assert same_weights(resumed, expected)
+    assert data.reads == 5  # the second epoch's last 5: none of the 3 trained on again
+
+
+def test_a_per_rank_data_state_on_another_number_of_ranks_is_refused(tmp_path) -> None:
+    import pytest
+
+    from hookloop import CheckpointError
+    from hookloop.callbacks import Checkpoint
+
+    from builders import StopAt
+
+    def run(callbacks):
+        return make_loop(callbacks, model=lambda: torch.nn.Linear(1, 1), train=Stateful(),
+                         sanity_val_batches=0)
+
+    first = run([Checkpoint(tmp_path, every_n_steps=1), StopAt(3, resumable=True)])
+    with pytest.raises(SystemExit):
+        first.fit(1)
+    (path,) = [p for p in tmp_path.glob("*.pt") if "step=00000003" in p.name]
+    state = torch.load(path, weights_only=True)
+    state["loop"]["world_size"] = 2  # as if two ranks had written it
+    resumed = run([])
+    resumed.load_state_dict(state)
+    with pytest.raises(CheckpointError, match=r"2 process\(es\).*this run has 1.*Relaunch on 2"):
+        resumed.fit(1)
+
+
+def test_workers_whose_draws_cannot_resume_are_named_at_the_resume(tmp_path) -> None:
+    """persistent_workers=True: the order and the samples resume exactly, the workers'
+    random draws start from fresh seeds, and a warning says so (never silent)."""
+    import pytest
+
+    from hookloop.callbacks import Checkpoint
+
+    from builders import StopAt
+
+    def run(callbacks):
+        loader = DataLoader(_dataset(), 4, shuffle=True, num_workers=2, persistent_workers=True,
+                            generator=torch.Generator().manual_seed(1))
+        return make_loop(callbacks, model=lambda: torch.nn.Linear(1, 1), train=loader,
+                         sanity_val_batches=0)
+
+    with pytest.raises(SystemExit):
+        run([Checkpoint(tmp_path, every_n_steps=1), StopAt(2, resumable=True)]).fit(1)
+    resumed = run([Checkpoint(tmp_path, resume=True)])
+    with pytest.warns(RuntimeWarning, match="persistent_workers=True.*fresh seeds"):
+        resumed.fit(1)
+    assert resumed.state.step == 6
