@@ -21,7 +21,7 @@ from torch import nn
 
 __all__ = ["foreach_copy_", "foreach_lerp_", "foreach_mul_", "generic_grad_scaler_step",
            "loss_scale", "summary_file_writer", "summary_writer_thread", "compiled_original",
-           "no_new_persistent_iterator", "loader_view", "seed_worker_as"]
+           "forget_compiled", "no_new_persistent_iterator", "loader_view", "seed_worker_as"]
 
 _AMP_SCALING = "_step_supports_amp_scaling"
 
@@ -187,6 +187,32 @@ def compiled_original(model: nn.Module) -> nn.Module | None:
     """
     original = getattr(model, "_orig_mod", None)
     return original if isinstance(original, nn.Module) else None
+
+
+def forget_compiled(function: Any) -> None:
+    """Drop what ``torch.compile`` cached for ``function`` and the functions it wraps.
+
+    torch keeps compiled code per code object, not per compiled callable, and caps the
+    entries of one code object (``torch._dynamo.config.recompile_limit``, 8). An
+    optimizer's step is compiled with guards on that optimizer, so each fit with a new
+    optimizer of the same class adds entries to the same ``step``: past the cap torch
+    silently runs the step uncompiled, which rounds differently (an ``add_`` with
+    ``alpha=-lr`` instead of a product then a sum). ``function`` is a callable (a bound
+    method, a ``functools.wraps`` chain); each code object along ``__wrapped__`` is reset,
+    so the next call compiles again. Fallback: nothing is dropped (the cap then applies).
+
+    Example:
+        >>> def step(): return 1
+        >>> forget_compiled(step)
+    """
+    reset = getattr(getattr(torch, "_dynamo", None), "reset_code", None)
+    seen: set[int] = set()
+    while function is not None and id(function) not in seen and callable(reset):
+        seen.add(id(function))
+        code = getattr(getattr(function, "__func__", function), "__code__", None)
+        if code is not None:
+            reset(code)
+        function = getattr(getattr(function, "__func__", function), "__wrapped__", None)
 
 
 @contextmanager

@@ -256,3 +256,22 @@ def test_a_fused_optimizer_under_amp_float16_does_not_count_a_skipped_step() -> 
     assert amp.skipped_steps == 1 and loop.state.step == 3
     assert torch.equal(before[1], before[2])  # the skipped step left the weights alone
     assert optimizer._step_supports_amp_scaling is True
+
+
+def test_forget_compiled_drops_the_cache_of_each_wrapped_code_object() -> None:
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1))
+    model(torch.ones(1, 2)).sum().backward()
+    torch.compile(optimizer.step, backend="eager")()
+    codes = []
+    function = type(optimizer).step
+    while function is not None:
+        codes.append(function.__code__)
+        function = getattr(function, "__wrapped__", None)
+    assert sum(len(_debug_get_cache_entry_list(code)) for code in codes) > 0
+    compat.forget_compiled(optimizer.step)  # a bound method: through __func__
+    assert all(not _debug_get_cache_entry_list(code) for code in codes)
+    torch._dynamo.reset()

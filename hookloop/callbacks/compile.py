@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -13,7 +14,7 @@ from torch import nn
 
 from hookloop.callback import Callback
 from hookloop.checks import check_flag
-from hookloop.compat import compiled_original
+from hookloop.compat import compiled_original, forget_compiled
 from hookloop.errors import ConfigurationError
 from hookloop.modules import unwrap
 
@@ -64,7 +65,12 @@ class Compile(Callback):
     schedulers then fill them in place; one set as a float since, as `LRScheduler` does
     when it rewinds a schedule, is turned again before the next step) and back into
     floats at fit end, and checkpoints hold them as floats. ``fullgraph`` is not applied
-    to the optimizer step.
+    to the optimizer step. torch caches the compiled step per code object (one
+    ``SGD.step`` for all SGD optimizers), a few entries per optimizer, and past its cap
+    (``recompile_limit``) runs the step uncompiled, which rounds differently: the cache of
+    the step's code objects is dropped when the step of another optimizer than the last
+    one is compiled, so every fit in a process runs the same compiled step and resumes
+    bitwise (a second fit of the same loop keeps its compiled step).
 
     Args:
         optimizer: Also compile the optimizer step.
@@ -92,6 +98,8 @@ class Compile(Callback):
     """
 
     unique = True
+    #: The optimizer whose step was compiled last (by any Compile): its cached code is kept.
+    _last_step_of: ClassVar[Callable[[], Any]] = staticmethod(lambda: None)
     #: The display (`ProgressBar`) says "compiling" during the first batches.
     roles: ClassVar[tuple[str, ...]] = ("compiles",)
     runs_after = {
@@ -194,6 +202,12 @@ class Compile(Callback):
         def optimizer_step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             return step(*args, **kwargs)
 
+        # What earlier fits compiled for other optimizers (of this class) is dropped: each
+        # new optimizer adds guarded entries to the same code objects, and past torch's cap
+        # the step would run uncompiled, silently, rounding unlike the compiled one.
+        if Compile._last_step_of() is not optimizer:  # a second fit of one loop keeps it
+            self._forget_step(optimizer, step, optimizer_step)
+        Compile._last_step_of = weakref.ref(optimizer)
         function = torch.compile(optimizer_step, **arguments)
         if getattr(step, _SCHEDULER_MARK, False):  # it calls the scheduler's wrapper still
             setattr(function, _SCHEDULER_MARK, True)
@@ -201,6 +215,11 @@ class Compile(Callback):
         compiled = types.MethodType(function, optimizer)
         optimizer.step = compiled
         self._step = (optimizer, own, compiled)
+
+    @staticmethod
+    def _forget_step(optimizer: Any, *functions: Callable[..., Any]) -> None:
+        for function in (*functions, type(optimizer).step):
+            forget_compiled(function)
 
     def _float_lrs(self, optimizer: Any, state: dict[str, Any]) -> None:
         """A checkpoint holds float learning rates, as an uncompiled run expects."""

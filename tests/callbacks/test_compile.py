@@ -240,3 +240,43 @@ def test_compile_comes_after_ddp() -> None:
     loop = make_loop([Compile(backend="eager"), DDP()])
     with pytest.raises(CallbackOrderError, match="DDP"):
         loop.fit(1)
+
+
+class _Crash(Exception):
+    pass
+
+
+class _CrashAfter(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_batch_end(self, loop) -> None:
+        if loop.state.step == self.step and loop.optimizer_stepped:
+            raise _Crash
+
+
+@torch._dynamo.config.patch(recompile_limit=4)
+def test_a_compiled_step_resumes_bitwise_after_other_fits_in_the_process(tmp_path: Path) -> None:
+    """torch caches compiled code per code object (``SGD.step``), guarded on the optimizer,
+    and caps the entries (lowered here to 4, as if more fits had run in this process: a
+    fit adds 2). Without Compile dropping the earlier fits' entries, the third fit's step
+    ran uncompiled (eager ``add_(alpha=-lr)`` rounds unlike the compiled product then
+    sum) and the resumed run left the uninterrupted one at the resume."""
+    def run(directory: Path, *extra: Callback) -> Loop:
+        loop = make_loop([GradClip(1.0), LRScheduler(functools.partial(warmup_cosine,
+                                                                       warmup_steps=0.2)),
+                          Compile(backend="eager", optimizer=True), *extra,
+                          Checkpoint(directory, every_n_steps=1, resume=True)],
+                         optimizer="sgd")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loop.fit(2)
+        return loop
+
+    reference = run(tmp_path / "reference")
+    with pytest.raises(_Crash):
+        run(tmp_path / "resumed", _CrashAfter(5))
+    resumed = run(tmp_path / "resumed")
+    assert resumed.state.step == reference.state.step == 14
+    for a, b in zip(_weights(reference), _weights(resumed), strict=True):
+        assert torch.equal(a, b)

@@ -206,12 +206,7 @@ KIT_IGNORES = {"MemoryMonitor": ("peak_memory_mib",),
                "MLflowLogger": ("run_id",), "WandbLogger": ("run_id",)}
 
 
-@pytest.mark.parametrize("kind", [
-    pytest.param(kind, marks=pytest.mark.xfail(
-        reason="found by the kit, not fixed yet: a compiled optimizer step resumed in the "
-               "kit's stack (a warmup-cosine schedule) is not bitwise equal to the "
-               "uninterrupted run", strict=False)) if kind == "Compile-optimizer" else kind
-    for kind in sorted(FACTORIES)])
+@pytest.mark.parametrize("kind", sorted(FACTORIES))
 def test_the_authors_kit_passes_on_every_built_in_callback(kind: str, tmp_path: Path) -> None:
     """hookloop.testing.check_callback, as a callback author runs it: dispatch,
     declarations, state through a checkpoint file, exact resume at one step boundary."""
