@@ -209,6 +209,14 @@ def read_metadata(path: str) -> Any:
             "never unpickles it with plain pickle; resume from another checkpoint.") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{where}: holds {type(metadata).__name__}, not DCP's Metadata.")
+    storage = metadata.storage_data if isinstance(metadata.storage_data, Mapping) else {}
+    for item in storage.values():  # DCP opens each shard as the directory / relative_path
+        name = getattr(item, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name:
+            raise CheckpointError(
+                f"{where}: names the shard file {name!r}, which is not a file of its own "
+                "directory (the digests cover only those): a crafted or damaged file, "
+                "refused; resume from another checkpoint.")
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata

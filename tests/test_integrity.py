@@ -300,6 +300,26 @@ def test_a_hostile_metadata_changes_no_admitted_class_or_function(
             delattr(item, attribute)
 
 
+@pytest.mark.parametrize("name", ["../other.dcp/__0_0.distcp", "/tmp/__0_0.distcp", ".."])
+def test_a_metadata_naming_a_shard_outside_its_directory_is_refused(
+        tmp_path: Path, name: str) -> None:
+    """DCP opens each shard as directory / relative_path: a .metadata naming a file
+    elsewhere would have it read past the digests, which cover the directory's files."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = tmp_path / "one.dcp"
+    with pytest.warns(UserWarning):  # DCP: no process group, one process
+        dcp.save({"weight": torch.arange(4.0)}, checkpoint_id=str(directory))
+    metadata = read_metadata(str(directory))  # as written: admitted
+    assert {info.relative_path for info in metadata.storage_data.values()} == {"__0_0.distcp"}
+    for info in metadata.storage_data.values():
+        info.relative_path = name
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match="is not a file of its own directory") as read:
+        read_metadata(str(directory))
+    assert str(directory / ".metadata") in str(read.value) and repr(name) in str(read.value)
+
+
 @pytest.mark.parametrize("kind", ["files", "shards"])
 @pytest.mark.parametrize("path", ["best", "top-k", "async", "rollback", "intact"])
 def test_every_storage_path_refuses_a_flipped_bit_by_name(
