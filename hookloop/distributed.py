@@ -26,6 +26,7 @@ __all__ = [
     "broadcast_object",
     "all_gather_object",
     "all_reduce_sums",
+    "data_parallel_size",
     "data_parallel_sum",
     "set_data_parallel_group",
 ]
@@ -123,6 +124,23 @@ def data_parallel_sum(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.clone()
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=_data_parallel)
     return tensor
+
+
+def data_parallel_size() -> int:
+    """How many ranks read different data (the ranks `data_parallel_sum` counts): all of
+    them under DDP and FSDP; under tensor parallelism one per tensor-parallel group, whose
+    ranks read the same samples (a rate of samples times this counts each sample once).
+
+    Example:
+        >>> data_parallel_size()
+        1
+    """
+    world = world_size()
+    if world == 1 or _data_parallel is None:
+        return world
+    if _data_parallel == "alone":
+        return 1
+    return dist.get_world_size(_data_parallel)
 
 
 def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:

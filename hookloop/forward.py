@@ -92,10 +92,19 @@ def _loss_of(outputs: Any, called: str) -> torch.Tensor:
         "(outputs, loss) to the Loop.")
 
 
+#: Failures that say nothing about the batch (a full device, a broken process group): raised
+#: as they are, whatever the inputs look like (code that catches them must still see them).
+_NOT_THE_BATCH = tuple(kind for kind in (torch.cuda.OutOfMemoryError,
+                                         getattr(torch.distributed, "DistError", None))
+                       if isinstance(kind, type))
+
+
 def _call(model: Any, call: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
     args, kwargs = call
     try:
         return model(*args, **kwargs)
+    except _NOT_THE_BATCH:
+        raise
     except (RuntimeError, TypeError) as error:  # torch's "mat1 and mat2", "must be Tensor"
         problem = input_problem(model, args, kwargs)
         if problem is None:
@@ -108,6 +117,8 @@ def _loss(loss_fn: Any, outputs: Any, targets: Any) -> Any:
     says which kind it wants (torch's "expected target dtype to be Long" does not)."""
     try:
         return loss_fn(outputs, targets)
+    except _NOT_THE_BATCH:
+        raise
     except (RuntimeError, TypeError, ValueError) as error:
         problem = target_problem(outputs, targets)
         if problem is None:

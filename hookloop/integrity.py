@@ -146,7 +146,21 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
         "is read. Resume from another checkpoint, or copy this one again from its source.")
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+# The classes whose fresh instances DCP's .metadata fills in (pickle's BUILD opcode).
+_FILLED = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
+    "ChunkStorageMetadata", "MetadataIndex", "StorageMeta")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # the Python one: its BUILD can be checked
+    """Admits only `_METADATA_CLASSES` (and torch's dtypes), and fills in (BUILD) only
+    instances of DCP's dataclasses: a BUILD on a class, a function or a shared enum member
+    would set attributes on it for the whole process (``Metadata.__eq__ = ...``), a file
+    refused or not; C's ``pickle.Unpickler`` offers no hook to stop it."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
     def find_class(self, module: str, name: str) -> Any:
         if name in _METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
@@ -154,6 +168,18 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP's metadata never "
                                      "holds")
+
+    def load_build(self) -> None:
+        target = self.stack[-2] if len(self.stack) > 1 else None  # type: ignore[attr-defined]
+        kind = type(target)
+        if isinstance(target, type) or (kind.__module__, kind.__qualname__) not in _FILLED:
+            raise pickle.UnpicklingError(
+                f"it sets the attributes of {kind.__module__}.{kind.__qualname__} "
+                f"{getattr(target, '__qualname__', '')}".rstrip() + ", which DCP's metadata "
+                "never does")
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def _is_dtype(name: str) -> bool:
@@ -175,15 +201,22 @@ def read_metadata(path: str) -> Any:
     try:
         with open(where, "rb") as handle:
             metadata = _MetadataUnpickler(io.BytesIO(handle.read())).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-            IndexError, KeyError, ImportError) as error:
+    except OSError as error:
+        raise CheckpointError(f"{where}: cannot be read ({cause_of(error)}).") from None
+    except Exception as error:  # the Python unpickler's: struct.error on a truncated file...
         raise CheckpointError(
             f"{where}: refused: {error} (a truncated, damaged or crafted file). hookloop "
             "never unpickles it with plain pickle; resume from another checkpoint.") from None
-    except OSError as error:
-        raise CheckpointError(f"{where}: cannot be read ({cause_of(error)}).") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{where}: holds {type(metadata).__name__}, not DCP's Metadata.")
+    storage = metadata.storage_data if isinstance(metadata.storage_data, Mapping) else {}
+    for item in storage.values():  # DCP opens each shard as the directory / relative_path
+        name = getattr(item, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name:
+            raise CheckpointError(
+                f"{where}: names the shard file {name!r}, which is not a file of its own "
+                "directory (the digests cover only those): a crafted or damaged file, "
+                "refused; resume from another checkpoint.")
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata

@@ -212,6 +212,36 @@ def test_a_model_that_converts_its_inputs_itself_is_not_refused() -> None:
     assert torch.equal(loop.predict(data), inner(data[0][0].float()).detach())
 
 
+@pytest.mark.parametrize("where", ["model", "loss"])
+def test_out_of_memory_stays_what_it_is_whatever_the_batch_looks_like(where: str) -> None:
+    """The inputs' and targets' advice is for errors the batch caused: a device out of memory
+    in a model that casts its float64 inputs itself, or in a loss given float targets, stays
+    torch's OutOfMemoryError (a script that catches it to retry smaller must see it)."""
+    torch.manual_seed(0)
+    inner = nn.Linear(5, 3)
+
+    class Casting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            if where == "model":
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+            return self.inner(inputs.float())
+
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+
+    model = Casting()
+    data = [(torch.randn(4, 5, dtype=torch.float64), torch.zeros(4))]
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                loss_fn=loss_fn, device="cpu")
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="Tried to allocate") as caught:
+        loop.fit(1)
+    assert not isinstance(caught.value, ConfigurationError)
+
+
 @pytest.mark.parametrize(("loss_fn", "soft"), [
     (F.cross_entropy, True), (nn.CrossEntropyLoss(), True),
     (lambda outputs, targets: F.nll_loss(outputs.log_softmax(1), targets), False)])

@@ -263,6 +263,63 @@ def test_a_hostile_metadata_runs_no_code_and_is_refused_by_name(
     assert marker.exists()
 
 
+def _setting(target: bytes, attribute: str) -> bytes:
+    """A pickle that fills in ``target`` (pickle opcodes pushing one object) with
+    ``{attribute: "poisoned"}`` as slot state (pickle's BUILD then calls ``setattr``)."""
+    name = attribute.encode()
+    return (b"\x80\x02" + target + b"N}X" + struct.pack("<I", len(name)) + name
+            + b"X\x08\x00\x00\x00poisoneds\x86b.")
+
+
+@pytest.mark.parametrize("target", [
+    b"ctorch.distributed.checkpoint.metadata\nMetadata\n",  # an admitted class
+    b"ctorch.serialization\n_get_layout\n",  # an admitted function (its layout cache)
+    b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R",  # a member
+], ids=["class", "function", "enum-member"])
+def test_a_hostile_metadata_changes_no_admitted_class_or_function(
+        tmp_path: Path, target: bytes) -> None:
+    """The admitted names are safe to call, but pickle's BUILD would also set attributes on
+    them (or on the shared enum member a call returns) for the whole process, refused file
+    or not: it is refused by name before anything is set."""
+    from torch.distributed.checkpoint import metadata
+    from torch.serialization import _get_layout
+
+    attribute = "_hookloop_poisoned"
+    (tmp_path / ".metadata").write_bytes(_setting(target, attribute))
+    with pytest.raises(CheckpointError) as read:
+        read_metadata(str(tmp_path))
+    assert str(tmp_path / ".metadata") in str(read.value), str(read.value)
+    assert "sets the attributes" in str(read.value), str(read.value)
+    touched = [metadata.Metadata, _get_layout, metadata._MEM_FORMAT_ENCODING(0)]
+    assert not [item for item in touched if hasattr(item, attribute)]
+    # The oracle: plain pickle sets it.
+    pickle.loads((tmp_path / ".metadata").read_bytes())
+    assert [item for item in touched if hasattr(item, attribute)]
+    for item in touched:
+        if attribute in vars(item):
+            delattr(item, attribute)
+
+
+@pytest.mark.parametrize("name", ["../other.dcp/__0_0.distcp", "/tmp/__0_0.distcp", ".."])
+def test_a_metadata_naming_a_shard_outside_its_directory_is_refused(
+        tmp_path: Path, name: str) -> None:
+    """DCP opens each shard as directory / relative_path: a .metadata naming a file
+    elsewhere would have it read past the digests, which cover the directory's files."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = tmp_path / "one.dcp"
+    with pytest.warns(UserWarning):  # DCP: no process group, one process
+        dcp.save({"weight": torch.arange(4.0)}, checkpoint_id=str(directory))
+    metadata = read_metadata(str(directory))  # as written: admitted
+    assert {info.relative_path for info in metadata.storage_data.values()} == {"__0_0.distcp"}
+    for info in metadata.storage_data.values():
+        info.relative_path = name
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match="is not a file of its own directory") as read:
+        read_metadata(str(directory))
+    assert str(directory / ".metadata") in str(read.value) and repr(name) in str(read.value)
+
+
 @pytest.mark.parametrize("kind", ["files", "shards"])
 @pytest.mark.parametrize("path", ["best", "top-k", "async", "rollback", "intact"])
 def test_every_storage_path_refuses_a_flipped_bit_by_name(

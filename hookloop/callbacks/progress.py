@@ -388,10 +388,12 @@ class ProgressBar(Callback):
         return True
 
     def _speed(self, seconds: float) -> str:
-        """The bar's own samples per second, of all ranks (DDP: every rank has as many)."""
+        """The bar's own samples per second, of all ranks (DDP: every rank has as many; the
+        ranks of a tensor-parallel group read the same ones)."""
         if not self._samples:
             return ""
-        return format_number(self._samples * distributed.world_size() / max(seconds, 1e-9))
+        return format_number(self._samples * distributed.data_parallel_size()
+                             / max(seconds, 1e-9))
 
     def _batch_info(self, loop: Loop, now: float) -> dict[str, str]:
         """The batch bar's fields: ``loss``, ``lr`` and ``speed`` (each may be empty).

@@ -155,11 +155,14 @@ class ThroughputMonitor(Callback):
     for data with a length) it writes, for the interval since the previous report:
 
     * ``samples_per_s``: samples trained per second, over all ranks (this rank's count
-      times the world size: DDP gives every rank as many batches);
+      times the world size: DDP gives every rank as many batches; under `TensorParallel`
+      times the data-parallel ranks only, as the ranks of a group read the same samples);
     * ``batches_per_s``: this rank's batches (micro-batches) per second;
-    * ``tokens_per_s``: with ``tokens``, tokens per second over all ranks;
+    * ``tokens_per_s``: with ``tokens``, tokens per second over all ranks (counted as
+      ``samples_per_s``);
     * ``mfu``: with FLOPs per sample and ``peak_flops``, the model FLOPs utilization of
-      this rank's device: ``flops_per_sample * samples/s per rank / peak_flops``.
+      this rank's device: ``flops_per_sample * samples/s per rank / peak_flops`` (under
+      `TensorParallel`, each rank of a group of ``tp`` does ``1/tp`` of its samples' FLOPs).
 
     ``loop.validate()``, ``loop.evaluate(data, prefix=...)`` and ``loop.predict(data)`` are
     measured too, each pass as a whole (its first batch to its end, synchronized on CUDA):
@@ -382,16 +385,18 @@ class ThroughputMonitor(Callback):
             torch.cuda.synchronize(loop.device)  # the interval's one sync: real time
         now = time.perf_counter()
         seconds = max(now - count.start - count.paused, 1e-9)  # type: ignore[operator]
-        world = distributed.world_size()
+        # The ranks of a tensor-parallel group read the same samples and share their FLOPs.
+        replicas = distributed.data_parallel_size()
+        group = max(1, distributed.world_size() // replicas)
         metrics = loop.state.metrics
         samples_per_s = count.samples / seconds
-        metrics[f"{prefix}samples_per_s"] = samples_per_s * world
+        metrics[f"{prefix}samples_per_s"] = samples_per_s * replicas
         metrics[f"{prefix}batches_per_s"] = count.batches / seconds
         if self.tokens is not None:
-            metrics[f"{prefix}tokens_per_s"] = count.token_count() / seconds * world
+            metrics[f"{prefix}tokens_per_s"] = count.token_count() / seconds * replicas
         peak = self._peak_flops(loop, outputs) if flops is not None else None
         if flops is not None and peak is not None:
-            metrics[f"{prefix}mfu"] = flops * samples_per_s / peak
+            metrics[f"{prefix}mfu"] = flops * samples_per_s / group / peak
         return now
 
     def _peak_flops(self, loop: Loop, outputs: Any) -> float | None:

@@ -135,6 +135,18 @@ def test_a_last_partial_window_under_tensor_parallel_equals_one_process(tp_runs)
             "weights/embed.weight", "gradients/head.bias"} <= tags, sorted(tags)
 
 
+def test_throughput_under_tensor_parallel_counts_each_sample_once(tp_runs) -> None:
+    """Both ranks of the one tensor-parallel group read the same 8-sample batches: the run
+    trains 8 samples per batch, not 16, and each rank does half of their FLOPs."""
+    for rank in (0, 1):
+        log = read(tp_runs["out"], "tp-throughput-log", rank)
+        assert log["data_parallel_ranks"] == 1.0
+        metrics = log["metrics"][-1]
+        assert metrics["samples_per_s"] / metrics["batches_per_s"] == pytest.approx(8.0)
+        per_rank_flops = 6.0 * metrics["samples_per_s"] / 2  # of the group's samples
+        assert metrics["mfu"] == pytest.approx(per_rank_flops / 1e9)
+
+
 def test_both_tensor_parallel_ranks_read_the_same_batches(tp_runs) -> None:
     first, second = (batch_ids(tp_runs["out"], "tp", rank) for rank in (0, 1))
     assert first == second

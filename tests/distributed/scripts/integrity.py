@@ -57,13 +57,18 @@ def _bytes_of(directory: Path) -> dict[str, str]:
 
 class DiskFillsAt(Callback):
     """At step ``step`` (before Checkpoint saves it): the disk is full from now on, and
-    what the directory holds is recorded."""
+    what the directory holds is recorded, once the earlier save is complete (an async one
+    may still be writing step 2's shards under a temporary name: on a loaded machine it
+    outlasts two steps, and the disk filling under it would fail that save instead)."""
 
-    def __init__(self, step: int, directory: Path, seen: dict[str, Any]) -> None:
+    def __init__(self, step: int, directory: Path, seen: dict[str, Any],
+                 checkpoint: Checkpoint) -> None:
         self.step, self.directory, self.seen = step, directory, seen
+        self.checkpoint = checkpoint
 
     def on_batch_end(self, loop: Loop) -> None:
         if loop.state.step_boundary and loop.state.step == self.step and not FULL[0]:
+            self.checkpoint._writes.wait()  # every rank: the write in flight is collective
             self.seen["before"] = _bytes_of(self.directory)
             FULL[0] = True
 
@@ -72,11 +77,12 @@ def run(directory: Path, *, async_save: bool = False, fill_at: int | None = None
         seen: dict[str, Any] | None = None) -> Loop:
     model = make_model(seed=7)
     callbacks: list[Callback] = [FSDP(state_dict="sharded")]
+    checkpoint = Checkpoint(directory, every_n_steps=2, resume=True, keep_last=None,
+                            async_save=async_save)
     if fill_at is not None:
         assert seen is not None
-        callbacks.append(DiskFillsAt(fill_at, directory, seen))
-    callbacks.append(Checkpoint(directory, every_n_steps=2, resume=True, keep_last=None,
-                                async_save=async_save))
+        callbacks.append(DiskFillsAt(fill_at, directory, seen, checkpoint))
+    callbacks.append(checkpoint)
     loop = Loop(model, make_optimizer(model),
                 shuffled_loader(regression_data(32, seed=8), 4, seed=9),
                 loss_fn=nn.functional.mse_loss, device="cpu", callbacks=callbacks)

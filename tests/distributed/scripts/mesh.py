@@ -42,6 +42,7 @@ from hookloop.callbacks import (
     GradClip,
     TensorBoard,
     TensorParallel,
+    ThroughputMonitor,
 )
 from hookloop.mesh import Mesh
 
@@ -255,6 +256,9 @@ def main() -> None:
         # gradients (plain and DTensor) accumulation rescales to its real size
         run("tp-partial", [TensorParallel(plan())], batch_size=8, samples=40, epochs=1,
             extra=(TensorBoard(directory / "tb", histograms_every_n_epochs=1),))
+        # The rates count each sample once: the two ranks of the group read the same ones.
+        run("tp-throughput", [TensorParallel(plan())], batch_size=8, epochs=1,
+            extra=(ThroughputMonitor(every_n_steps=1, flops_per_sample=6.0, peak_flops=1e9),))
         checkpointing_under_fsdp()
         partial_refused()
         run("tp-killed", [TensorParallel(plan())], batch_size=8,
