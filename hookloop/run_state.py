@@ -29,6 +29,7 @@ from hookloop.errors import (
 from hookloop.ordering import overrides
 from hookloop.rng import rng_state_problem
 from hookloop.sharded import gather_for_rank_zero, layout_of, model_state, optimizer_state
+from hookloop.state import is_learning_rate
 from hookloop.storage import (
     SHARDS_KEY,
     expect_field,
@@ -410,8 +411,7 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
     loop.state.history = [dict(row) for row in loop_part.get("history") or []]
     if loop.state.history:  # what fit() returns when the resumed run has nothing left to do
         loop.state.metrics = {key: value for key, value in loop.state.history[-1].items()
-                              if key not in ("epoch", "step") and key != "lr"
-                              and not key.startswith("lr_group")}  # the row's, not metrics
+                              if key not in ("epoch", "step") and not is_learning_rate(key)}
     end.restored = loop_part.get("ended")
     end.held = loop_part.get("stop_held")
     _load_extra_state(loop, payload, source)

@@ -15,7 +15,7 @@ from hookloop.forward import batch_targets
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["LoopState", "learning_rates"]
+__all__ = ["LoopState", "learning_rates", "is_learning_rate"]
 
 
 def learning_rates(optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
@@ -37,6 +37,17 @@ def learning_rates(optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
     if len(groups) == 1:
         return {"lr": float(groups[0]["lr"])}
     return {f"lr_group{index}": float(group["lr"]) for index, group in enumerate(groups)}
+
+
+def is_learning_rate(key: str) -> bool:
+    """True for a history key `learning_rates` writes (``lr``, ``lr_group0``...): a row's
+    record of the optimizer, not a metric.
+
+    Example:
+        >>> [is_learning_rate(key) for key in ("lr", "lr_group1", "val_loss")]
+        [True, True, False]
+    """
+    return key == "lr" or key.startswith("lr_group")
 
 
 @dataclass(slots=True, repr=False)

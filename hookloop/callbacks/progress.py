@@ -11,6 +11,7 @@ from hookloop.callback import Callback
 from hookloop.checks import check_console, check_flag, check_number
 from hookloop.data import length_of
 from hookloop.phase import Phase
+from hookloop.state import is_learning_rate
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -335,7 +336,8 @@ class ProgressBar(Callback):
         row = state.history[-1] if state.history else {}
         if loop.epoch_completed and (row.get("epoch"), row.get("step")) == (state.epoch,
                                                                             state.step):
-            shown = {name: value for name, value in row.items() if name not in ("epoch", "step")}
+            shown = {name: value for name, value in row.items()  # the bar shows its own lr
+                     if name not in ("epoch", "step") and not is_learning_rate(name)}
         else:  # an epoch stop() cut short records no row
             shown = {name: value for name, value in state.metrics.items()
                      if fresh or not name.startswith("val_")}
