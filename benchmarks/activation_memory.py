@@ -74,13 +74,13 @@ def make_model(width: int, depth: int) -> nn.Module:
 def measure(kind: str, width: int, depth: int, batch: int) -> tuple[int, list[torch.Tensor]]:
     model = make_model(width, depth)
     policy = CountingPolicy() if kind == "selective" else None
-    if kind != "none":
-        loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [(0, 0)],
-                    loss_fn=F.mse_loss, device="cpu")
-        ActivationCheckpointing(wrap={Block}, policy=policy).setup(loop)
     generator = torch.Generator().manual_seed(1)
     inputs = torch.randn(batch, width, generator=generator)
     targets = torch.randn(batch, 1, generator=generator)
+    if kind != "none":
+        loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [(inputs, targets)],
+                    loss_fn=F.mse_loss, device="cpu")
+        ActivationCheckpointing(wrap={Block}, policy=policy).setup(loop)
     losses = []
 
     def forward() -> None:
