@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hookloop.distributed import world_size
 from hookloop.dispatch import Table, call, emit, entered
 from hookloop.errors import ConfigurationError
 from hookloop.forward import check_loss, compute
@@ -74,6 +75,9 @@ class OptimizerStep:
         self.stepped = False
         if self.cancelled:
             return False
+        if self._closure and not self._checked:  # the fit's first step, before any weight moves
+            self._checked = True
+            check_closure_stack(loop, table)
         if table.step is None:
             if self._closure:  # the batch's own outputs and loss stay the state's after it
                 state = loop.state
@@ -121,6 +125,37 @@ def needs_closure(optimizer: Any) -> bool:
     except (TypeError, ValueError):  # a builtin or an odd callable: call it as before
         return False
     return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def check_closure_stack(loop: Loop, table: Table) -> None:
+    """Refuse, before its first step, what a closure optimizer cannot do through the loop:
+    the closure re-evaluates the current batch in this one process.
+
+    Raises:
+        ConfigurationError: a callback routes the step (AMP's GradScaler calls ``step()``
+            with no closure), the step accumulates several batches (the closure could
+            re-evaluate only the last, a different objective), or several processes train
+            (each rank's line search would re-evaluate a different number of times, each
+            time an all-reduce: the ranks would hang).
+    """
+    name = type(loop.optimizer).__name__
+    if table.step is not None:
+        owner = type(getattr(table.step, "__self__", None)).__name__
+        problem = (f"{owner} routes the optimizer step and calls step() without one (a "
+                   f"GradScaler cannot step a closure optimizer): leave {owner} out")
+    elif loop.accumulation_steps > 1:
+        problem = (f"the step accumulates {loop.accumulation_steps} batches and a closure can "
+                   f"re-evaluate only the last one, so {name} would compare losses and "
+                   "gradients of different objectives: leave GradAccumulation out (a larger "
+                   "batch gives the same window)")
+    elif world_size() > 1:
+        problem = (f"{world_size()} processes train, and each rank's {name} decides alone how "
+                   "often to re-evaluate, each time a gradient all-reduce, so the ranks would "
+                   "wait for each other forever: train with it in one process")
+    else:
+        return
+    raise ConfigurationError(f"{name}.step needs a closure, which the loop gives it by "
+                             f"re-evaluating the current batch; but {problem}.")
 
 
 def closure(loop: Loop, table: Table) -> Callable[[], torch.Tensor]:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 import torch
 from torch import nn
 
-from hookloop import Callback, Loop
+from hookloop import Callback, ConfigurationError, Loop
+from hookloop.callbacks import AMP, GradAccumulation
 
 from builders import EventRecorder
 
@@ -89,3 +92,26 @@ def test_lbfgs_through_the_loop_equals_a_hand_written_closure_loop() -> None:
     assert names.count("on_batch_start") == names.count("after_backward") == epochs
     assert names.count("after_forward") == counts.forwards
     assert epochs < counts.forwards <= epochs * 5
+
+
+@pytest.mark.parametrize("case", ["amp", "accumulation", "two processes"])
+def test_a_closure_optimizer_where_the_closure_cannot_be_right_is_refused_before_its_step(
+        case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMP's GradScaler steps without a closure (torch's raw TypeError before); under
+    accumulation the closure could re-evaluate only the window's last batch; on several
+    ranks the line searches would make different numbers of all-reduces and hang."""
+    model, optimizer = build()
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    callbacks = {"amp": [AMP(torch.bfloat16)], "accumulation": [GradAccumulation(2)],
+                 "two processes": []}[case]
+    if case == "two processes":
+        monkeypatch.setattr("hookloop.stepper.world_size", lambda: 2)
+    inputs, targets = waves()
+    loop = Loop(model, optimizer, [(inputs, targets)] * 2, loss_fn=nn.functional.mse_loss,
+                device="cpu", callbacks=callbacks)
+    expected = {"amp": r"AMP routes the optimizer step.*leave AMP out",
+                "accumulation": r"accumulates 2 batches.*leave GradAccumulation out",
+                "two processes": r"2 processes train.*in one process"}[case]
+    with pytest.raises(ConfigurationError, match=r"LBFGS\.step needs a closure.*" + expected):
+        loop.fit(1)
+    assert all(torch.equal(old, new) for old, new in zip(before, model.parameters()))
