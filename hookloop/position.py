@@ -130,13 +130,17 @@ class Position:
 
     def record(self, epoch: int, batches_done: int, step: int,
                loss_sum: LossMark | torch.Tensor | None,
-               samples: int, prefetch_rng: dict[str, Any] | None = None,
+               samples: int, prefetch: tuple[Any, Any, Any] | None = None,
                workers_rng: list[dict[str, Any] | None] | None = None) -> None:
-        """The weights now are those after ``batches_done`` batches of ``epoch``."""
-        self.prefetch_rng, self.workers_rng = prefetch_rng, workers_rng
+        """The weights now are those after ``batches_done`` batches of ``epoch``; with a
+        lookahead, ``prefetch`` is its snapshot from before the batch it fetched ahead."""
         stateful = self._stateful
-        self.data_state = stateful_part(stateful).state_dict() \
-            if stateful is not None and batches_done else None
+        if prefetch is not None:
+            self.prefetch_rng, data_state, self.workers_rng = prefetch
+        else:
+            self.prefetch_rng, self.workers_rng = None, workers_rng
+            data_state = stateful_part(stateful).state_dict() if stateful is not None else None
+        self.data_state = data_state if stateful is not None and batches_done else None
         self.validated = self.validated and step == self.step  # still that step's
         self.epoch, self.batches_done, self.step = epoch, batches_done, step
         self.loss_sum, self.samples = loss_sum, samples
@@ -250,10 +254,24 @@ class Position:
         if total is None and window > 1:
             if replay and skip and self.prefetch_rng is not None:
                 restore_rng(self.prefetch_rng, generators)
-            iterator = Lookahead(iterator, snapshot=lambda: capture_rng(generators, full=False))
+            iterator = self._lookahead(iterator, generators)
         if replay and skip and self.rng is not None:
             restore_rng(self.rng, generators)
         return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses)
+
+    def _lookahead(self, iterator: Iterator[Any], generators: Any) -> Lookahead:
+        """A `Lookahead` whose snapshot, taken before each fetch, is what a boundary before
+        that fetch records: the generators, the stateful data's state and the workers'
+        (read live at the boundary, they would already be one prefetched batch ahead)."""
+        stateful, inner = self._stateful, iterator
+        stamped = type(inner) is StampedBatches
+
+        def snapshot() -> tuple[Any, Any, Any]:
+            return (capture_rng(generators, full=False),
+                    stateful_part(stateful).state_dict() if stateful is not None else None,
+                    list(inner.states) if stamped else None)  # type: ignore[attr-defined]
+
+        return Lookahead(iterator, snapshot=snapshot)
 
     def _batches(self, data: Any, skip: int, replay: bool) -> Iterator[Any]:
         """An iterator over ``data`` past its first ``skip`` batches: a DataLoader's sampler

@@ -2,6 +2,7 @@
 position in samples of the epoch's global order."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -155,3 +156,62 @@ def test_workers_whose_draws_cannot_resume_are_named_at_the_resume(tmp_path) -> 
     with pytest.warns(RuntimeWarning, match="persistent_workers=True.*fresh seeds"):
         resumed.fit(1)
     assert resumed.state.step == 6
+
+
+class _CountingStream:
+    """An iterable with a state (no len()): batch i holds the value i."""
+
+    def __init__(self) -> None:
+        self.i = 0
+
+    def __iter__(self):
+        while self.i < 20:
+            self.i += 1
+            yield torch.full((2, 1), float(self.i)), torch.full((2, 1), 0.5)
+
+    def state_dict(self) -> dict:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.i = state["i"]
+
+
+def test_a_stateful_iterable_under_accumulation_resumes_at_its_boundary() -> None:
+    """With accumulation the loop fetches one batch ahead (to know where a window ends):
+    the state saved at a boundary is the one from before that fetch, so the resumed fit
+    trains batch 5 too (it skipped it silently before) and ends on the same weights."""
+    from hookloop import Callback, Loop, Suspended
+    from hookloop.callbacks import GradAccumulation
+
+    class StopAt(Callback):
+        def after_step(self, loop) -> None:
+            if loop.state.step == 2:
+                loop.stop("test", resumable=True)
+
+    class Seen(Callback):
+        def __init__(self) -> None:
+            self.values: list[int] = []
+
+        def on_batch_start(self, loop) -> None:
+            self.values.append(int(loop.state.batch[0][0, 0]))
+
+    def build(*callbacks: Callback) -> Loop:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1, 1)
+        return Loop(model, torch.optim.SGD(model.parameters(), lr=0.01), _CountingStream(),
+                    loss_fn=torch.nn.functional.mse_loss, device="cpu",
+                    callbacks=[GradAccumulation(2), *callbacks])
+
+    uninterrupted = build()
+    uninterrupted.fit(1)
+    first = build(StopAt())
+    with pytest.raises(Suspended):  # a resumable stop ends the launch, the run goes on
+        first.fit(1)
+    assert tuple(first.position) == (0, 4, 2)
+    seen = Seen()
+    resumed = build(seen)
+    resumed.load_state_dict(first.state_dict())
+    resumed.fit(1)
+    assert seen.values == list(range(5, 21))
+    for name, value in uninterrupted.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], value), name
