@@ -62,7 +62,8 @@ def test_run_returns_the_first_failed_workers_status(tmp_path: Path) -> None:
         "import os, sys\n"
         "import torch.distributed as dist\n"
         "dist.init_process_group('gloo')\n"
-        "print('rank', dist.get_rank(), 'of', dist.get_world_size(), sys.argv[1:], flush=True)\n"
+        # One write per line: both ranks share the pipe, unbuffered (print's pieces interleaved)
+        "sys.stdout.write(f'rank {dist.get_rank()} of {dist.get_world_size()} {sys.argv[1:]}\\n')\n"
         "dist.destroy_process_group()\n"
         "sys.exit(int(sys.argv[1]) if os.environ['RANK'] == '1' else 0)\n")
     process = _start("--nproc", "2", str(script), "3", "--flag")
