@@ -29,7 +29,7 @@ from hookloop.loop import Loop
 from hookloop.lr_find import LRFindResult, lr_find
 from hookloop.phase import Phase
 from hookloop.state import LoopState
-from hookloop.storage import load_checkpoint
+from hookloop.loading import load_checkpoint
 
 __version__ = "0.1.0"
 

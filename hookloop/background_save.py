@@ -46,7 +46,7 @@ def host_copy(payload: Any) -> Any:
     """
     storages: dict[tuple[str, int], torch.Tensor] = {}
     copied = _copy(payload, storages)
-    if any(key[0] == "cuda" for key in storages) and torch.cuda.is_available():
+    if torch.cuda.is_available() and any(host.is_pinned() for host in storages.values()):
         torch.cuda.synchronize()  # the non-blocking copies are complete
     return copied
 
@@ -74,7 +74,7 @@ def _copy_tensor(tensor: torch.Tensor, storages: dict[tuple[str, int], torch.Ten
     key = (tensor.device.type, storage.data_ptr())
     host = storages.get(key)
     if host is None:
-        pinned = tensor.device.type == "cuda"
+        pinned = tensor.is_cuda
         host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
         host.untyped_storage().copy_(storage, non_blocking=pinned)
         storages[key] = host

@@ -13,7 +13,6 @@ directory counts only once complete.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -23,48 +22,53 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop import distributed, suspension
+from hookloop import distributed
 from hookloop.directory_lock import DirectoryLock
 from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.loading import read_checkpoint
+from hookloop.retirement import RETIRED_PREFIX, Retirement
+from hookloop.run_file import (
+    EPOCH,
+    FILE,
+    FORMAT,
+    FORMAT_FIELD,
+    KIND,
+    LOOP,
+    META,
+    MODEL,
+    MONITOR,
+    RESUME,
+    STEP,
+    VALUE,
+    VERSION,
+    best_payload,
+    file_meta,
+    find_unplain,
+    resume_payload,
+)
 from hookloop.shard_files import (
     clean_temporary,
     contains_shards,
     link_directory,
-    read_directory,
     remove_entry,
     write_directory,
 )
 from hookloop.storage import (
-    FORMAT,
-    find_unplain,
-    fsync_directory,
     is_temporary,
     link_atomic,
     prepare_directory,
-    read_payload,
     regular_checkpoint_files,
     write_atomic,
-    write_text_atomic,
 )
 
 if TYPE_CHECKING:
     from hookloop.ranking import TopK
 
+# file_meta and read_checkpoint are run_file's and loading's, named here as before.
 __all__ = ["CheckpointFiles", "RETIRED_PREFIX", "file_meta", "read_checkpoint"]
 
-#: Folder (in the checkpoint directory) of the files a rollback abandoned.
-RETIRED_PREFIX = "retired-after-step="
 _FILE, _DIRECTORY = ".pt", ".dcp"
 _SUFFIX = r"\.(?:pt|dcp)"
-
-
-def read_checkpoint(path: str, map_location: Any) -> dict[str, Any]:
-    """A checkpoint file (`hookloop.storage.read_payload`) or directory of shards
-    (`hookloop.shard_files.read_directory`: its tensors are read when the run is restored).
-    """
-    if os.path.isdir(path):
-        return read_directory(path, map_location)
-    return read_payload(path, map_location)
 
 
 def _entries(dirpath: str, names: list[str]) -> list[str]:
@@ -80,19 +84,6 @@ def _entries(dirpath: str, names: list[str]) -> list[str]:
                                                    if name not in directories]))
     return [path for name in names for path in [os.path.join(dirpath, name)]
             if path in files or name in directories]
-
-
-def file_meta(kind: str) -> dict[str, Any]:
-    """The ``hookloop`` entry of a file: version, `FORMAT`, ``kind`` and the world size.
-
-    Example:
-        >>> sorted(file_meta("best"))
-        ['format', 'kind', 'version', 'world_size']
-    """
-    import hookloop  # the package imports this module: its version is there by now
-
-    return {"version": hookloop.__version__, "format": FORMAT, "kind": kind,
-            "world_size": distributed.world_size()}
 
 
 def _ranked_by(steps: list[int], reached: int, dropped_at: int) -> bool:
@@ -164,9 +155,13 @@ class CheckpointFiles:
                                      rf"{_SUFFIX})$")
         #: The marker of a rollback under way: what it moves, written before the first move.
         self.marker = self.path(f"{prefix}rollback-in-progress.json")
+        self._retirement = Retirement(dirpath, self.marker)
         self._lock = DirectoryLock(dirpath)
         #: Steps of rotating files written after their step's validations (this launch).
         self._after_validation: set[int] = set()
+        #: Seconds the last rotating save took, from its start to a complete file (None:
+        #: none yet in this fit; `Checkpoint` forgets it at each fit's setup).
+        self.last_save: float | None = None
 
     # ------------------------------------------------------------------ names
     def rotating_name(self, epoch: int, step: int) -> str:
@@ -179,7 +174,7 @@ class CheckpointFiles:
 
     def set_aside_name(self, entry: dict[str, Any], dropped_at: int) -> str:
         """Name under which a dropped ranking entry waits for a rollback that may need it."""
-        scored = self.scored_name(entry["value"], entry["step"])[len(self.prefix):]
+        scored = self.scored_name(entry[VALUE], entry[STEP])[len(self.prefix):]
         return f"{self.prefix}dropped-at-step={dropped_at:08d}-{scored}"
 
     @property
@@ -270,10 +265,10 @@ class CheckpointFiles:
         if not os.path.exists(self.best):
             return None
         payload = read_checkpoint(self.best, "cpu")
-        meta = payload["hookloop"]
-        if meta.get("monitor") != self.monitor or meta.get("value") is None:
+        meta = payload[META]
+        if meta.get(MONITOR) != self.monitor or meta.get(VALUE) is None:
             return None
-        return float(meta["value"]), int(payload.get("epoch", -1)), int(payload.get("step", -1))
+        return float(meta[VALUE]), int(payload.get(EPOCH, -1)), int(payload.get(STEP, -1))
 
     def recover(self, entries: list[dict[str, Any]], *, single: bool
                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -293,16 +288,15 @@ class CheckpointFiles:
             info = self.best_info()
             if info is None:
                 return [], []
-            if top is not None and top["step"] == info[2]:
+            if top is not None and top[STEP] == info[2]:
                 return [top], []
-            return entries[:1], [{"value": info[0], "epoch": info[1], "step": info[2],
-                                  "file": None}]
+            return entries[:1], [{VALUE: info[0], EPOCH: info[1], STEP: info[2], FILE: None}]
         kept = [entry for entry in entries
-                if entry["file"] is not None and self._put_back(entry, entry["file"])]
-        named = {entry["file"] for entry in kept}
+                if entry[FILE] is not None and self._put_back(entry, entry[FILE])]
+        named = {entry[FILE] for entry in kept}
         # Few files, written after the state: their epoch is read from them, not guessed.
-        newer = [{"value": value, "epoch": int(read_checkpoint(path, "cpu").get("epoch", -1)),
-                  "step": step, "file": os.path.basename(path)}
+        newer = [{VALUE: value, EPOCH: int(read_checkpoint(path, "cpu").get(EPOCH, -1)),
+                  STEP: step, FILE: os.path.basename(path)}
                  for value, step, path in self.scored() if os.path.basename(path) not in named]
         return kept, newer
 
@@ -321,14 +315,14 @@ class CheckpointFiles:
         dropped, top = ranking.merge(newer), ranking.best
         if distributed.is_main():
             self.discard(dropped, ranking.files())
-            if top is not None and top["file"] is not None:
-                self.link_best(top["file"])  # a rollback may have retired a later best.pt
+            if top is not None and top[FILE] is not None:
+                self.link_best(top[FILE])  # a rollback may have retired a later best.pt
 
     def _put_back(self, entry: dict[str, Any], name: str) -> bool:
         """True when ``name`` holds ``entry``'s weights, after moving its set-aside file there."""
         if os.path.exists(self.path(name)):
             return True
-        wanted = self.scored_name(entry["value"], entry["step"])[len(self.prefix):]
+        wanted = self.scored_name(entry[VALUE], entry[STEP])[len(self.prefix):]
         wanted = wanted[:-len(self._suffix)]  # either kind: a file or a directory of shards
         for _, _, path in self.set_aside():
             if os.path.splitext(path)[0].endswith(f"-{wanted}"):
@@ -349,17 +343,17 @@ class CheckpointFiles:
             payload = read_checkpoint(path, torch.device("cpu"))
         except CheckpointError as error:
             raise self.newest_damaged(path, error) from None
-        meta = payload["hookloop"]
-        if meta.get("kind") != "resume" or "loop" not in payload:
+        meta = payload[META]
+        if meta.get(KIND) != RESUME or LOOP not in payload:
             raise CheckpointError(
                 f"{path}: holds only validated weights (a best.pt file), not a training state; "
                 "resume from a rotating checkpoint (epoch=...-step=....pt), or load the weights "
                 "with hookloop.load_checkpoint(path, model).")
-        if int(meta.get("format", 0)) != FORMAT:
-            newer = int(meta.get("format", 0)) > FORMAT
+        if int(meta.get(FORMAT_FIELD, 0)) != FORMAT:
+            newer = int(meta.get(FORMAT_FIELD, 0)) > FORMAT
             raise CheckpointError(
                 f"{path}: written by {'a newer' if newer else 'an older'} hookloop "
-                f"({meta.get('version')}, file format {meta.get('format')}; this one reads "
+                f"({meta.get(VERSION)}, file format {meta.get(FORMAT_FIELD)}; this one reads "
                 f"format {FORMAT}). {'Upgrade hookloop' if newer else 'Use that hookloop version'} "
                 "to resume from it, or load its weights with hookloop.load_checkpoint.")
         return payload
@@ -403,7 +397,7 @@ class CheckpointFiles:
         for name in self._names():
             if is_temporary(name):  # a killed save's file or directory (or a set-aside one)
                 clean_temporary(self.dirpath, name)
-        if self._finish_retirement():
+        if self._retirement.finish():
             warnings.warn(f"Checkpoint: finished the rollback an earlier launch began in "
                           f"{self.dirpath} (it was killed while moving the abandoned files).",
                           RuntimeWarning, stacklevel=4)
@@ -452,16 +446,13 @@ class CheckpointFiles:
                      metrics: dict[str, float], *, group: Any = None,
                      shards: bool | None = None) -> str | None:
         """Write the rotating file of ``epoch`` and ``step`` holding ``run`` (`Loop.state_dict`);
-        every rank calls it (see `write`). Its duration is noted in the running fit's vote
-        (`TimeLimit` keeps time for it)."""
+        every rank calls it (see `write`). Its duration is kept as `last_save` (`TimeLimit`
+        keeps time for the final save through `Checkpoint.last_save_seconds`)."""
         started = time.monotonic()
         shards = self._kind_of(run, shards)
-        payload = {"hookloop": {**file_meta("resume"), "epoch": epoch, "step": step}, **run,
-                   "metrics": dict(metrics)}
+        payload = resume_payload(run, epoch, step, metrics)
         path = self.write(payload, self.rotating_name(epoch, step), group=group, shards=shards)
-        vote = suspension.current()
-        if vote is not None:
-            vote.last_save = time.monotonic() - started
+        self.last_save = time.monotonic() - started
         return path
 
     def write_best(self, weights: dict[str, Any], value: float, epoch: int, step: int,
@@ -469,9 +460,8 @@ class CheckpointFiles:
         """Write validated ``weights`` scoring ``value`` under ``name`` (None: ``best.pt``);
         return the name used (``.dcp`` for shards), or None for ``best.pt``. Every rank
         calls it (see `write`)."""
-        shards = self._kind_of({"model": weights})
-        payload = {"hookloop": {**file_meta("best"), "monitor": self.monitor, "value": value},
-                   "model": weights, "epoch": epoch, "step": step, "metrics": dict(metrics)}
+        shards = self._kind_of({MODEL: weights})
+        payload = best_payload(weights, self.monitor, value, epoch, step, metrics)
         name = None if name is None else _suffixed(name, self._suffix)
         self.write(payload, name or f"{self.prefix}best{self._suffix}", shards=shards)
         if name is None and distributed.is_main():
@@ -515,22 +505,22 @@ class CheckpointFiles:
         else deleted. Set-aside files no longer needed go too."""
         steps = self._rotating_steps()
         for at, entry in dropped:
-            if entry["file"] is None or entry["file"] in kept:
+            if entry[FILE] is None or entry[FILE] in kept:
                 continue
             with suppress(FileNotFoundError):
-                if _ranked_by(steps, entry["step"], at):
+                if _ranked_by(steps, entry[STEP], at):
                     aside = _suffixed(self.set_aside_name(entry, at),
-                                      os.path.splitext(entry["file"])[1])
-                    os.replace(self.path(entry["file"]), self.path(aside))
+                                      os.path.splitext(entry[FILE])[1])
+                    os.replace(self.path(entry[FILE]), self.path(aside))
                 else:
-                    remove_entry(self.path(entry["file"]))
+                    remove_entry(self.path(entry[FILE]))
         self._prune_set_aside()
 
     def set_best_aside(self, entry: dict[str, Any], at: int) -> None:
         """Before ``best.pt`` (``save_top_k=1``) is replaced at step ``at``: keep what it holds
         (``entry``) under its set-aside name while a kept rotating file still ranks it."""
         best = self.best
-        if _ranked_by(self._rotating_steps(), entry["step"], at) and os.path.exists(best):
+        if _ranked_by(self._rotating_steps(), entry[STEP], at) and os.path.exists(best):
             aside = _suffixed(self.set_aside_name(entry, at), os.path.splitext(best)[1])
             _link(best, self.path(aside))
 
@@ -604,7 +594,7 @@ class CheckpointFiles:
         the moves before it picks a file, so the retirement is complete or not begun.
         """
         # The step is in the file's own record of itself (its name says it too).
-        step = payload["hookloop"].get("step", self.step_of(resumed))
+        step = payload[META].get(STEP, self.step_of(resumed))
         if step is None:
             return  # a file of unknown position: nothing can be said to come after it
         step, resumed = int(step), os.path.abspath(resumed)
@@ -614,36 +604,12 @@ class CheckpointFiles:
         later += [path for found, _, path in self.set_aside() if found > step]
         if os.path.exists(self.best):
             with suppress(CheckpointError):  # an unreadable best.pt stays where it is
-                if int(read_checkpoint(self.best, "cpu").get("step", -1)) > step:
+                if int(read_checkpoint(self.best, "cpu").get(STEP, -1)) > step:
                     later.append(self.best)
         if not later:
             return
-        target = f"{RETIRED_PREFIX}{step:08d}"
-        suffix = 1
-        while os.path.exists(self.path(target)):
-            suffix += 1
-            target = f"{RETIRED_PREFIX}{step:08d}-{suffix}"
-        names = [os.path.basename(path) for path in later]
-        write_text_atomic(json.dumps({"into": target, "move": names}), self.marker)
-        self._finish_retirement()
+        target = self._retirement.retire(later, step)
         warnings.warn(
             f"Checkpoint: resuming from {os.path.basename(resumed)} (step {step}) abandons "
-            f"{len(later)} later file(s) of this run; moved to {self.path(target)} (nothing "
+            f"{len(later)} later file(s) of this run; moved to {target} (nothing "
             "deleted), so resume=True continues the new branch.", RuntimeWarning, stacklevel=5)
-
-    def _finish_retirement(self) -> bool:
-        """Do the moves the marker lists (those not done yet), then remove it; True if any."""
-        try:
-            with open(self.marker, encoding="utf-8") as handle:
-                plan = json.load(handle)
-        except FileNotFoundError:
-            return False
-        target = self.path(plan["into"])
-        os.makedirs(target, exist_ok=True)
-        for name in plan["move"]:
-            with suppress(FileNotFoundError):  # moved before the kill
-                os.replace(self.path(name), os.path.join(target, name))
-        fsync_directory(target)
-        fsync_directory(self.dirpath)
-        os.unlink(self.marker)
-        return True

@@ -104,7 +104,7 @@ class LogWriteError(HookloopError, OSError):
     @classmethod
     def of(cls, view: str, path: str, error: BaseException) -> LogWriteError:
         """The error for ``view`` failing to write ``path`` because of ``error``."""
-        from hookloop.storage import describe_os_error  # storage imports this module
+        from hookloop.os_errors import describe_os_error
 
         cause = describe_os_error(error) if isinstance(error, OSError) else (
             f"{type(error).__name__}: {error}")

@@ -30,17 +30,22 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from hookloop.errors import CheckpointError, CheckpointWriteError
+from hookloop.os_errors import describe_os_error
+from hookloop.run_file import BYTES, FILES, SAVE_ID, SHA256
 
 __all__ = ["DIGEST", "FILES_KEY", "SAVE_ID_KEY", "cause_of", "check_files", "control_flow",
            "file_digest", "new_save_id", "read_error", "read_metadata", "record_files",
            "safe_planner", "verified_reader", "write_error", "writer"]
 
-#: The ``hashlib`` algorithm of the digests recorded for a directory's files.
-DIGEST = "sha256"
+#: The ``hashlib`` algorithm of the digests recorded for a directory's files (its name is
+#: the key of each file's digest, `hookloop.run_file.SHA256`).
+DIGEST = SHA256
 #: Keys of the ``hookloop`` entry of a directory's plain part: the save's id, and each
-#: file's ``{"bytes": size, "sha256": digest}``.
-SAVE_ID_KEY, FILES_KEY = "save_id", "files"
+#: file's ``{"bytes": size, "sha256": digest}`` (the format is `hookloop.run_file`'s).
+SAVE_ID_KEY, FILES_KEY = SAVE_ID, FILES
 _CHUNK = 1 << 22
 # What DCP's .metadata holds (torch 2.4 to 2.13): its dataclasses, torch's sizes, dtypes and
 # layouts, and the checkpoint's path. Nothing here runs code of the file's choosing.
@@ -50,7 +55,7 @@ _METADATA_CLASSES = {
         "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
+    torch.__name__: {"Size"},
     "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
     "collections": {"OrderedDict"},
 }
@@ -82,7 +87,7 @@ def file_digest(path: str) -> str:
 
 def record_files(directory: str, names: list[str]) -> dict[str, dict[str, Any]]:
     """``{name: {"bytes": size, "sha256": digest}}`` of the files ``names`` in ``directory``."""
-    return {name: {"bytes": os.path.getsize(os.path.join(directory, name)),
+    return {name: {BYTES: os.path.getsize(os.path.join(directory, name)),
                    DIGEST: file_digest(os.path.join(directory, name))} for name in names}
 
 
@@ -104,7 +109,7 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
     record, save_id = meta.get(FILES_KEY), meta.get(SAVE_ID_KEY)
     where = os.path.join(directory, plain)
     if not isinstance(record, Mapping) or not isinstance(save_id, str) or not all(
-            isinstance(entry, Mapping) and isinstance(entry.get("bytes"), int)
+            isinstance(entry, Mapping) and isinstance(entry.get(BYTES), int)
             and isinstance(entry.get(DIGEST), str) for entry in record.values()):
         raise CheckpointError(
             f"{where}: records no save id and file digests (fields 'hookloop.{SAVE_ID_KEY}' "
@@ -120,9 +125,9 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
             differ.append((name, "is missing"))
             continue
         size = os.path.getsize(path)
-        if size != entry["bytes"]:
-            how = "truncated, or another file" if size < entry["bytes"] else "another file"
-            differ.append((name, f"is {size} bytes where the save wrote {entry['bytes']} "
+        if size != entry[BYTES]:
+            how = "truncated, or another file" if size < entry[BYTES] else "another file"
+            differ.append((name, f"is {size} bytes where the save wrote {entry[BYTES]} "
                                  f"({how})"))
         elif file_digest(path) != entry[DIGEST]:
             differ.append((name, f"has other bytes than the save wrote (its SHA-256 differs "
@@ -164,7 +169,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python one: its BUILD can be
     def find_class(self, module: str, name: str) -> Any:
         if name in _METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and _is_dtype(name):
+        if module == torch.__name__ and _is_dtype(name):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP's metadata never "
                                      "holds")
@@ -303,8 +308,6 @@ def cause_of(error: BaseException) -> str:
     (``"no space left on the device (the disk is full) [errno 28]"``), else its first line.
     The same on every rank for a ``CheckpointException`` (it carries every rank's failure).
     """
-    from hookloop.storage import describe_os_error
-
     failures = _failures(error)
     for item in failures:
         if isinstance(item, OSError) and item.errno is not None:

@@ -31,7 +31,7 @@ from hookloop.geometry import Geometry
 from hookloop.ordering import check_callbacks, overrides
 from hookloop.phase import Phase, Phases
 from hookloop.position import EpochPass, Position, RunPosition
-from hookloop.run_state import RunEnd
+from hookloop.run_end import RunEnd
 from hookloop.state import LoopState
 from hookloop.stepper import OptimizerStep
 from hookloop.untouched import untouched
@@ -435,9 +435,7 @@ class Loop(Geometry):
             gather: Under DDP, gather every rank's own part (a collective: every rank must
                 call it). False keeps this rank's only (for the exception path).
         """
-        ended = self._end.record(self.state.epochs, self.state.max_steps, self._position.epoch)
-        return run_state.capture(self, self._position, ended, gather=gather,
-                                 held=self._end.held)
+        return run_state.capture(self._parts(), gather=gather)
 
     def load_state_dict(self, state: Mapping[str, Any], *, source: str | None = None) -> None:
         """Continue the run of `state_dict` at the next ``fit`` (or ``validate``).
@@ -459,6 +457,12 @@ class Loop(Geometry):
                          source or "the state given to Loop.load_state_dict")
 
     # ------------------------------------------------------------------ inside
+    def _parts(self) -> run_state.RunParts:  # the values the run's state is made of
+        return run_state.RunParts(
+            self.unwrapped_model, self.optimizer, self.callbacks, self.extra_state, self.state,
+            self._position, self._end, self.batches_per_epoch, self.device, self.train_data,
+            self.fitting)
+
     @contextmanager
     def _alone(self, phase: Phase, data: Any) -> Iterator[tuple[Table, Any]]:
         """A pass outside fit (validate, evaluate, predict; ``data`` None: ``val_data`` as
@@ -481,7 +485,7 @@ class Loop(Geometry):
                 call(callback.setup, self)
         checks.check_setup(self)
         self.model.to(self.device)
-        self._restore = run_state.apply(self, self._position, self._end, self._restore)
+        self._restore = run_state.apply(self._parts(), self._restore)
         self._table = Table(self.callbacks, self.handler_wrapper, main=distributed.is_main())
         self._position.attach(self.train_data)
         return self._table

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from hookloop.run_file import EPOCH, FILE, STEP, VALUE
+
 __all__ = ["TopK"]
 
 #: ``better(value, other)``: True when ``value`` beats ``other`` (`hookloop.monitor.Monitor.better`).
@@ -60,20 +62,20 @@ class TopK:
 
     def files(self) -> set[str]:
         """The file names the kept entries hold (a file named here must not be deleted)."""
-        return {entry["file"] for entry in self.entries if entry["file"] is not None}
+        return {entry[FILE] for entry in self.entries if entry[FILE] is not None}
 
     def at_step(self, step: int) -> dict[str, Any] | None:
         """The entry reached at optimizer ``step``, or None."""
-        return next((entry for entry in self.entries if entry["step"] == step), None)
+        return next((entry for entry in self.entries if entry[STEP] == step), None)
 
     def admits(self, value: float, step: int) -> bool:
         """Whether `offer` would keep ``value`` (reached at ``step``) now."""
         same = self.at_step(step)
         if same is not None:
-            return self.better(value, same["value"])
+            return self.better(value, same[VALUE])
         if self.k is None or len(self.entries) < self.k:
             return True
-        return self.better(value, self.entries[-1]["value"])
+        return self.better(value, self.entries[-1][VALUE])
 
     def offer(self, value: float, epoch: int, step: int, file: str | None) -> list[dict[str, Any]]:
         """Rank a new score; return the entries that drop out (it, when it does not enter).
@@ -84,17 +86,17 @@ class TopK:
             step: The optimizer step it was reached at.
             file: The name of the file holding its weights, or None.
         """
-        entry = {"value": float(value), "epoch": int(epoch), "step": int(step), "file": file}
+        entry = {VALUE: float(value), EPOCH: int(epoch), STEP: int(step), FILE: file}
         replaced = []
-        same = self.at_step(entry["step"])
+        same = self.at_step(entry[STEP])
         if same is not None:
-            if not self.better(entry["value"], same["value"]):
+            if not self.better(entry[VALUE], same[VALUE]):
                 return [entry]
             self.entries.remove(same)
             replaced.append(same)
         # After the equal-or-better entries: of equal scores the earlier stays ahead.
         place = next((index for index, other in enumerate(self.entries)
-                      if self.better(entry["value"], other["value"])), len(self.entries))
+                      if self.better(entry[VALUE], other[VALUE])), len(self.entries))
         self.entries.insert(place, entry)
         if self.k is None or len(self.entries) <= self.k:
             return replaced
@@ -113,9 +115,9 @@ class TopK:
             Each entry that dropped out, with the step of the entry whose offer dropped it.
         """
         dropped: list[tuple[int, dict[str, Any]]] = []
-        for entry in sorted(found, key=lambda item: item["step"]):
-            out = self.offer(entry["value"], entry["epoch"], entry["step"], entry["file"])
-            dropped += [(entry["step"], item) for item in out]
+        for entry in sorted(found, key=lambda item: item[STEP]):
+            out = self.offer(entry[VALUE], entry[EPOCH], entry[STEP], entry[FILE])
+            dropped += [(entry[STEP], item) for item in out]
         return dropped
 
     def state_dict(self) -> list[dict[str, Any]]:
@@ -124,6 +126,6 @@ class TopK:
 
     def load_state_dict(self, entries: Iterable[Mapping[str, Any]]) -> None:
         """Restore `state_dict` (entries best first, as saved)."""
-        self.entries = [{"value": float(entry["value"]), "epoch": int(entry["epoch"]),
-                         "step": int(entry["step"]), "file": entry["file"]}
+        self.entries = [{VALUE: float(entry[VALUE]), EPOCH: int(entry[EPOCH]),
+                         STEP: int(entry[STEP]), FILE: entry[FILE]}
                         for entry in entries]

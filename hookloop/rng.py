@@ -12,6 +12,15 @@ from typing import Any
 
 import torch
 
+from hookloop.run_file import (  # its keys; the check of a saved state is the run file's
+    RNG_CUDA,
+    RNG_GENERATORS,
+    RNG_NUMPY,
+    RNG_PYTHON,
+    RNG_TORCH,
+    rng_state_problem,
+)
+
 __all__ = ["capture_rng", "host_rng", "restore_rng", "restore_host_rng", "loader_generators",
            "rng_state_problem"]
 
@@ -39,12 +48,12 @@ def capture_rng(generators: Iterable[torch.Generator] = (), *, full: bool = True
     """Snapshot the torch CPU and CUDA generators and ``generators`` (about 2 microseconds);
     with ``full``, also Python's and NumPy's global generators (`host_rng`)."""
     state: dict[str, Any] = {
-        "torch": torch.default_generator.get_state(),  # torch.get_rng_state(), one call less
-        "generators": [generator.get_state() for generator in generators] if generators else [],
+        RNG_TORCH: torch.default_generator.get_state(),  # torch.get_rng_state(), one call less
+        RNG_GENERATORS: [generator.get_state() for generator in generators] if generators else [],
     }
     # is_initialized first: it is a flag, is_available asks the driver (microseconds).
     if torch.cuda.is_initialized() and torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state[RNG_CUDA] = torch.cuda.get_rng_state_all()
     if full:
         state.update(host_rng())
     return state
@@ -54,10 +63,10 @@ def host_rng() -> dict[str, Any]:
     """Python's and NumPy's global generators: about 70 microseconds (NumPy's copy of its
     624 words is most of it), so they are captured when a state is read, not at every step."""
     python_version, python_state, python_gauss = random.getstate()
-    state: dict[str, Any] = {"python": [python_version, list(python_state), python_gauss]}
+    state: dict[str, Any] = {RNG_PYTHON: [python_version, list(python_state), python_gauss]}
     if _numpy is not None:
         kind, keys, position, has_gauss, cached = _numpy.random.get_state()
-        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(position),
+        state[RNG_NUMPY] = [kind, torch.from_numpy(keys.astype("int64")), int(position),
                           int(has_gauss), float(cached)]
     return state
 
@@ -65,80 +74,20 @@ def host_rng() -> dict[str, Any]:
 def restore_rng(state: dict[str, Any], generators: Iterable[torch.Generator] = ()) -> None:
     """Put back what `capture_rng` returned (generators in the same order)."""
     restore_host_rng(state)
-    torch.set_rng_state(state["torch"].cpu())
-    for generator, saved in zip(generators, state.get("generators", ())):
+    torch.set_rng_state(state[RNG_TORCH].cpu())
+    for generator, saved in zip(generators, state.get(RNG_GENERATORS, ())):
         generator.set_state(saved.cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        cuda_states = [s.cpu() for s in state["cuda"]][: torch.cuda.device_count()]
+    if RNG_CUDA in state and torch.cuda.is_available():
+        cuda_states = [s.cpu() for s in state[RNG_CUDA]][: torch.cuda.device_count()]
         torch.cuda.set_rng_state_all(cuda_states)
 
 
 def restore_host_rng(state: Mapping[str, Any]) -> None:
     """Put back Python's and NumPy's generators of a state, where it holds them."""
-    if "python" in state:
-        version, python_state, gauss = state["python"]
+    if RNG_PYTHON in state:
+        version, python_state, gauss = state[RNG_PYTHON]
         random.setstate((version, tuple(python_state), gauss))
-    if "numpy" in state and _numpy is not None:
-        kind, keys, position, has_gauss, cached = state["numpy"]
+    if RNG_NUMPY in state and _numpy is not None:
+        kind, keys, position, has_gauss, cached = state[RNG_NUMPY]
         _numpy.random.set_state((kind, keys.numpy().astype("uint32"), position, has_gauss, cached))
 
-
-def rng_state_problem(state: Any) -> tuple[str, Any, str] | None:
-    """The first field of a saved `capture_rng` state with the wrong type, or None.
-
-    A checkpoint file read back may have been edited or written by another program;
-    restoring a wrong state fails deep inside torch or NumPy without naming the field.
-
-    Returns:
-        ``(field, value, expected)``: the field's name inside the state (``""`` for the
-        state itself), its value, and what it should be.
-
-    Example:
-        >>> rng_state_problem(capture_rng()) is None
-        True
-        >>> rng_state_problem({"torch": "abc"})
-        ('torch', 'abc', 'a uint8 tensor')
-    """
-    if not isinstance(state, Mapping):
-        return "", state, "a dict"
-    torch_state = state.get("torch")
-    if not _is_byte_tensor(torch_state):
-        return "torch", torch_state, "a uint8 tensor"
-    for field in ("generators", "cuda"):
-        states = state.get(field, [])
-        if not isinstance(states, list):
-            return field, states, "a list of uint8 tensors"
-        for index, item in enumerate(states):
-            if not _is_byte_tensor(item):
-                return f"{field}[{index}]", item, "a uint8 tensor"
-    for field, size in (("python", 3), ("numpy", 5)):
-        if field in state and (not isinstance(state[field], list) or len(state[field]) != size):
-            return field, state[field], f"a list of {size} items"
-    if "python" in state:
-        version, words, gauss = state["python"]
-        if not _is_int(version):
-            return "python[0]", version, "an int (the generator's version)"
-        if not isinstance(words, list) or not all(_is_int(word) for word in words):
-            return "python[1]", words, "a list of ints"
-        if gauss is not None and not isinstance(gauss, float):
-            return "python[2]", gauss, "a float or None"
-    if "numpy" in state:
-        kind, keys, position, has_gauss, cached = state["numpy"]
-        for index, value, ok, expected in (
-                (0, kind, isinstance(kind, str), "a str"),
-                (1, keys, isinstance(keys, torch.Tensor) and keys.dtype == torch.int64,
-                 "an int64 tensor"),
-                (2, position, _is_int(position), "an int"),
-                (3, has_gauss, _is_int(has_gauss), "an int"),
-                (4, cached, isinstance(cached, float), "a float")):
-            if not ok:
-                return f"numpy[{index}]", value, expected
-    return None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_byte_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8

@@ -37,15 +37,9 @@ from torch import nn
 from hookloop import distributed, integrity
 from hookloop.errors import CheckpointError, CheckpointWriteError
 from hookloop.sharded import is_sharded_tensor, load_sharded_state, sharded_targets
-from hookloop.storage import (
-    SHARDS_KEY,
-    TEMP_PREFIX,
-    TEMP_SUFFIX,
-    find_unplain,
-    fsync_directory,
-    read_payload,
-    write_atomic,
-)
+from hookloop.run_file import (META, MODEL, OPTIMIZER, PARAM_GROUPS, SHARD_MARK, SHARDS, STATE,
+                               find_unplain, read_payload)
+from hookloop.storage import TEMP_PREFIX, TEMP_SUFFIX, fsync_directory, write_atomic
 
 __all__ = ["PLAIN_FILE", "Shards", "clean_temporary", "contains_shards",
            "install_directory", "is_complete", "link_directory", "read_directory",
@@ -54,7 +48,7 @@ __all__ = ["PLAIN_FILE", "Shards", "clean_temporary", "contains_shards",
 #: The file of a sharded checkpoint directory that holds everything but the shards.
 PLAIN_FILE = "hookloop.pt"
 _METADATA = ".metadata"
-_MARK = "__hookloop_shard__"
+_MARK = SHARD_MARK
 _REPLACED = "replaced-"
 
 
@@ -121,11 +115,11 @@ def split_shards(payload: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, 
     plain: dict[str, Any] = {}
     tensors: dict[str, Any] = {}
     for key, value in payload.items():
-        if key == "model":
-            tensors["model"], plain["model"] = dict(value), {}
-        elif key == "optimizer" and isinstance(value, Mapping):
-            tensors["optimizer"] = {"state": dict(value.get("state", {}))}
-            plain["optimizer"] = {"state": {}, "param_groups": list(value.get("param_groups", []))}
+        if key == MODEL:
+            tensors[MODEL], plain[MODEL] = dict(value), {}
+        elif key == OPTIMIZER and isinstance(value, Mapping):
+            tensors[OPTIMIZER] = {STATE: dict(value.get(STATE, {}))}
+            plain[OPTIMIZER] = {STATE: {}, PARAM_GROUPS: list(value.get(PARAM_GROUPS, []))}
         else:
             moved: dict[str, Any] = {}
             plain[key] = _marked(value, str(key), "", moved)
@@ -264,7 +258,7 @@ def write_directory(payload: Mapping[str, Any], path: str, *, group: Any = None)
         if main:
             shutil.rmtree(temporary, ignore_errors=True)
     elif main:
-        plain["hookloop"] = {**plain.get("hookloop", {}), integrity.SAVE_ID_KEY: save_id,
+        plain[META] = {**plain.get(META, {}), integrity.SAVE_ID_KEY: save_id,
                              integrity.FILES_KEY: record}
         try:
             write_atomic(plain, os.path.join(temporary, PLAIN_FILE))
@@ -398,7 +392,7 @@ class Shards:
 
 
 def read_directory(path: str, map_location: Any) -> dict[str, Any]:
-    """The plain part of the sharded checkpoint ``path``, its `Shards` under `SHARDS_KEY`.
+    """The plain part of the sharded checkpoint ``path``, its `Shards` under `SHARDS`.
 
     Raises:
         CheckpointError: the directory is not a complete sharded checkpoint, or its
@@ -412,7 +406,7 @@ def read_directory(path: str, map_location: Any) -> dict[str, Any]:
             "(hookloop renames a directory to its final name only once complete, so it was "
             "edited or damaged). Resume from another checkpoint.")
     payload = read_payload(os.path.join(path, PLAIN_FILE), map_location)
-    meta = payload["hookloop"]
+    meta = payload[META]
     integrity.check_files(path, meta, PLAIN_FILE)  # before DCP reads any of them
     recorded = integrity.read_metadata(path).storage_meta.save_id
     if recorded != meta[integrity.SAVE_ID_KEY]:
@@ -420,6 +414,6 @@ def read_directory(path: str, map_location: Any) -> dict[str, Any]:
             f"{os.path.join(path, _METADATA)}: records save {recorded}, but {PLAIN_FILE} "
             f"records save {meta[integrity.SAVE_ID_KEY]}: the files belong to different "
             "saves. Resume from another checkpoint.")
-    payload[SHARDS_KEY] = Shards(path)
+    payload[SHARDS] = Shards(path)
     return payload
 

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookloop.run_file import MODEL, OPTIMIZER, PARAM_GROUPS, PARAMS, STATE
+
 __all__ = [
     "LAYOUTS",
     "full_optimizer_state",
@@ -107,7 +109,7 @@ def check_optimizer_holds_model(owner: str, module: nn.Module,
             "Build the optimizer fresh before fit; Checkpoint(resume=...) restores its "
             "state into the sharded one.")
     names = {id(param): name for name, param in module.named_parameters()}
-    foreign = [param for group in optimizer.param_groups for param in group["params"]
+    foreign = [param for group in optimizer.param_groups for param in group[PARAMS]
                if id(param) not in names]
     if foreign:
         raise ConfigurationError(
@@ -126,7 +128,7 @@ def repoint_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer,
     and groups kept: an optimizer still holding the old tensors would step nothing)."""
     by_name = dict(module.named_parameters())
     for group in optimizer.param_groups:
-        group["params"] = [by_name[names[id(param)]] for param in group["params"]]
+        group[PARAMS] = [by_name[names[id(param)]] for param in group[PARAMS]]
 
 
 def set_layout(module: nn.Module, layout: str | None) -> None:
@@ -281,11 +283,11 @@ def full_optimizer_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """
     numbers: dict[str, int] = {}
     groups = []
-    for group in state.get("param_groups", []):
-        groups.append({**group, "params": [numbers.setdefault(name, len(numbers))
-                                           for name in group["params"]]})
-    return {"state": {numbers[name]: value for name, value in state.get("state", {}).items()},
-            "param_groups": groups}
+    for group in state.get(PARAM_GROUPS, []):
+        groups.append({**group, PARAMS: [numbers.setdefault(name, len(numbers))
+                                           for name in group[PARAMS]]})
+    return {STATE: {numbers[name]: value for name, value in state.get(STATE, {}).items()},
+            PARAM_GROUPS: groups}
 
 
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -304,7 +306,7 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     if layout == "full":
         gathered = get_optimizer_state_dict(module, optimizer, options=_options(
             full_state_dict=True, cpu_offload=True))
-        return full_optimizer_state(gathered) if gathered else {"state": {}, "param_groups": []}
+        return full_optimizer_state(gathered) if gathered else {STATE: {}, PARAM_GROUPS: []}
     return get_optimizer_state_dict(module, optimizer)
 
 
@@ -344,14 +346,14 @@ def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimize
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     names = _named_parameters(module)
-    order = [names.get(id(param)) for group in optimizer.param_groups for param in group["params"]]
+    order = [names.get(id(param)) for group in optimizer.param_groups for param in group[PARAMS]]
     if None in order:
         raise KeyError("the optimizer holds parameters that are not the model's; a sharded "
                        "model's optimizer must hold only its parameters")
-    groups = [{**group, "params": [order[number] for number in group["params"]]}
-              for group in state["param_groups"]]
-    by_name = {"state": {order[int(number)]: value for number, value in state["state"].items()},
-               "param_groups": groups}
+    groups = [{**group, PARAMS: [order[number] for number in group[PARAMS]]}
+              for group in state[PARAM_GROUPS]]
+    by_name = {STATE: {order[int(number)]: value for number, value in state[STATE].items()},
+               PARAM_GROUPS: groups}
     optimizer.zero_grad(set_to_none=True)  # torch fills a fresh state with a zero-grad step
     set_optimizer_state_dict(module, optimizer, by_name, options=_options(full_state_dict=True))
 
@@ -370,10 +372,10 @@ def sharded_targets(module: nn.Module, optimizer: torch.optim.Optimizer | None
         get_optimizer_state_dict,
     )
 
-    targets: dict[str, Any] = {"model": get_model_state_dict(module)}
+    targets: dict[str, Any] = {MODEL: get_model_state_dict(module)}
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)  # the zero-grad step above needs no gradients
-        targets["optimizer"] = {"state": get_optimizer_state_dict(module, optimizer)["state"]}
+        targets[OPTIMIZER] = {STATE: get_optimizer_state_dict(module, optimizer)[STATE]}
     return targets
 
 
@@ -386,7 +388,7 @@ def load_sharded_state(module: nn.Module, optimizer: torch.optim.Optimizer | Non
         set_optimizer_state_dict,
     )
 
-    set_model_state_dict(module, dict(targets["model"]))
+    set_model_state_dict(module, dict(targets[MODEL]))
     if optimizer is not None and param_groups is not None:
-        set_optimizer_state_dict(module, optimizer, {"state": dict(targets["optimizer"]["state"]),
-                                                     "param_groups": list(param_groups)})
+        set_optimizer_state_dict(module, optimizer, {STATE: dict(targets[OPTIMIZER][STATE]),
+                                                     PARAM_GROUPS: list(param_groups)})

@@ -89,15 +89,12 @@ class Vote:
         Suspension(status=75, reason='TimeLimit: 2 hours', causes=('requested',))
     """
 
-    __slots__ = ("asked", "last_save", "save_request", "agreed_save", "_save_pending",
+    __slots__ = ("asked", "save_request", "agreed_save", "_save_pending",
                  "_actions", "_carried", "_host", "_event", "_late", "_alone")
 
     def __init__(self) -> None:
         #: The causes this rank asked for, with this rank's reason for each.
         self.asked: dict[Cause, str] = {}
-        #: Seconds the last checkpoint save of this fit took, from its start to a complete
-        #: file (`hookloop.callbacks.TimeLimit` keeps that much time for the final save).
-        self.last_save: float | None = None
         #: Rank 0's last ticket for a save due by the clock: 1 to `SAVE_TICKETS` - 1
         #: (0: none drawn yet).
         self.save_request = 0
@@ -113,9 +110,8 @@ class Vote:
         self._alone: bool | None = None  # no group to agree over: asked once a fit
 
     def reset(self) -> None:
-        """At every fit start: nothing asked or measured, nothing in flight, no action."""
+        """At every fit start: nothing asked, nothing in flight, no action."""
         self.asked.clear()
-        self.last_save = None
         self.save_request = self.agreed_save = 0
         self._save_pending = False
         self._actions.clear()

@@ -61,6 +61,7 @@ import torch
 from hookloop.callback import Callback
 from hookloop.events import Event
 from hookloop.ordering import overrides
+from hookloop.run_file import CALLBACKS
 
 __all__ = ["KitFailure", "check_callback", "check_declarations", "check_dispatch",
            "check_preset", "check_ranks", "check_resume", "check_state", "standard_loop"]
@@ -264,7 +265,7 @@ def check_state(factory: Factory, directory: str | os.PathLike[str] | None = Non
         files = sorted(Path(where, "kit-checkpoints").glob("*epoch=*.pt"))
         if not files:
             raise KitFailure("the kit's Checkpoint wrote no file")
-        saved = torch.load(files[-1], weights_only=True).get("callbacks", {})
+        saved = torch.load(files[-1], weights_only=True).get(CALLBACKS, {})
         fresh_made = _make(factory, os.path.join(root, "first"))  # a relaunch: the same paths
         fresh_loop = standard_loop(_as_list(fresh_made), where)
         capture = _Capture(_as_list(fresh_made))
@@ -599,7 +600,7 @@ def check_callback(factory: Factory, directory: str | os.PathLike[str] | None = 
             check_resume(factory, os.path.join(root, "relaunch"), seed=seed, step=step,
                          relaunch=True, ignore=ignore)
         if ranks:
-            check_ranks(factory, os.path.join(root, "ranks"))
+            check_ranks(factory, os.path.join(root, "two-ranks"))
 
 
 def check_preset(name: str, *, seed: int = 0, relaunch: bool = False,

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from hookloop import CheckpointError, ConfigurationError, Loop, load_checkpoint, storage
+from hookloop import CheckpointError, ConfigurationError, Loop, load_checkpoint, run_file, storage
 from hookloop.callbacks import Checkpoint
 from hookloop.errors import CheckpointWriteError
 
@@ -323,7 +323,7 @@ def test_a_wrong_payload_names_the_file_and_field(tmp_path: Path, field: str, va
         make_loop(tmp_path, resume=str(path)).fit(2)
     assert str(path) in str(caught.value)
     with pytest.raises(CheckpointError, match=expected):
-        storage.read_payload(path, "cpu")
+        run_file.read_payload(path, "cpu")
 
 
 # ------------------------------------------------------------- more damaged files

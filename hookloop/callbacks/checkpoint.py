@@ -1,7 +1,7 @@
 """`Checkpoint`: when to save the run, what to keep, and which file to resume.
 
-The loop gathers and restores the run; `hookloop.checkpoint_files` does the file work and
-`hookloop.ranking` ranks the best validations. The details: docs/callbacks/checkpoint.md.
+The loop gathers and restores the run; the files, their integrity and the ranking sit below,
+reached through `hookloop.checkpoint_io`. The details: docs/callbacks/checkpoint.md.
 """
 
 from __future__ import annotations
@@ -14,17 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.checkpoint_files import CheckpointFiles
-from hookloop.background_save import RotatingWrites
-from hookloop.cadence import TimedSaves
+from hookloop.checkpoint_io import (MODEL, VALUE, CheckpointFiles, RotatingWrites, TimedSaves,
+                                    TopK, all_finite, load_checkpoint, model_state)
 from hookloop.checks import check_choice, check_name, check_number, check_optional_int, check_path
 from hookloop.deprecation import CheckpointAliases
 from hookloop.errors import ConfigurationError
 from hookloop.grads import non_finite_weights_advice
 from hookloop.monitor import MODES, Monitor
-from hookloop.ranking import TopK
-from hookloop.sharded import model_state
-from hookloop.storage import all_finite, load_checkpoint
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -141,7 +137,12 @@ class Checkpoint(Callback, CheckpointAliases):
     @property
     def best(self) -> float | None:
         """The best monitored value kept so far, or None."""
-        return self.top_k[0]["value"] if self.top_k else None
+        return self.top_k[0][VALUE] if self.top_k else None
+
+    @property
+    def last_save_seconds(self) -> float | None:
+        """Seconds this fit's last rotating save took, to a complete file (None: none yet)."""
+        return self.files.last_save
 
     @property
     def best_path(self) -> str | None:
@@ -153,7 +154,7 @@ class Checkpoint(Callback, CheckpointAliases):
         """At a fit: check the directory, and at the first fit pick the file to resume."""
         if not loop.fitting:
             return  # validate/evaluate/predict alone write and read nothing
-        self._saved_at = None  # until on_fit_start: a fit that fails to start saves nothing
+        self._saved_at = self.files.last_save = None  # a fit that fails to start saves nothing
         if self._monitor is not None:
             self._monitor.resolve()
         # Every rank learns whether rank 0 may use the directory: none waits for it in vain.
@@ -255,9 +256,8 @@ class Checkpoint(Callback, CheckpointAliases):
         if position == self._saved_at:
             return False  # this position is on disk already (or is where the run started)
         run = loop.state_dict(gather=collective)  # a collective under DDP/FSDP when gathering
-        previous, self._saved_at = self._saved_at, position
-        state = loop.state
-        if not all_finite(run["model"], agree=collective):  # every rank skips, or none
+        previous, self._saved_at, state = self._saved_at, position, loop.state
+        if not all_finite(run[MODEL], agree=collective):  # every rank skips, or none
             if not self._warned_not_finite and distributed.is_main():
                 warnings.warn(f"Checkpoint: the weights at epoch {state.epoch}, step {state.step}"
                               " are not finite (NaN/inf); no checkpoint written, the older files "
@@ -282,7 +282,7 @@ class Checkpoint(Callback, CheckpointAliases):
         weights = model_state(loop.unwrapped_model)  # gathered or shards under FSDP
         if not all_finite(weights, agree=True):
             return
-        is_best = ranking.best is None or monitor.better(value, ranking.best["value"])
+        is_best = ranking.best is None or monitor.better(value, ranking.best[VALUE])
         if distributed.is_main() and self.save_top_k == 1 and ranking.best is not None:
             self.files.set_best_aside(ranking.best, at=state.step)  # best.pt is to be replaced
         name = self.files.write_best(weights, value, state.epoch, state.step, state.metrics,

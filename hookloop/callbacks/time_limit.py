@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 from hookloop import slurm
 from hookloop.callback import Callback
+from hookloop.callbacks.checkpoint import Checkpoint
 from hookloop.checks import check_choice, check_duration, check_number
 from hookloop.clock import process_start
 from hookloop.errors import ConfigurationError
-from hookloop.suspension import current
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -35,7 +35,8 @@ class TimeLimit(Callback):
     * the longest time between two step boundaries of this launch (the next step may still
       run before every rank agrees; a validation or a save between two steps counts), plus
     * the save: ``margin`` seconds if given, else twice the duration of the last checkpoint
-      save of this fit (`Checkpoint` measures each, from its start to a complete file);
+      save of this fit (each `Checkpoint` in the stack measures its own, from its start to a
+      complete file, `Checkpoint.last_save_seconds`; with several, their sum);
       before the first save that part is 0, so pass ``margin`` when the end of the launch
       may come before any periodic save.
 
@@ -94,6 +95,7 @@ class TimeLimit(Callback):
             self.duration = check_duration("TimeLimit duration", duration)
         self._longest = 0.0
         self._last = self.started
+        self._savers: list[Checkpoint] = []  # the stack's checkpoints, asked for their saves
 
     def __repr__(self) -> str:
         start = "" if self.start == "process" else f", start={self.start!r}"
@@ -140,13 +142,13 @@ class TimeLimit(Callback):
 
     def reserve(self) -> float:
         """Seconds the end of the launch needs: the longest step interval and the save."""
-        vote = current()
-        last_save = vote.last_save if vote is not None else None
-        save = self.margin if self.margin is not None else 2.0 * (last_save or 0.0)
+        last_save = sum(saver.last_save_seconds or 0.0 for saver in self._savers)
+        save = self.margin if self.margin is not None else 2.0 * last_save
         return self._longest + save
 
     def on_fit_start(self, loop: Loop) -> None:
         self._last = time.monotonic()
+        self._savers = [callback for callback in loop.callbacks if isinstance(callback, Checkpoint)]
 
     def on_batch_end(self, loop: Loop) -> None:
         if not loop.state.step_boundary:

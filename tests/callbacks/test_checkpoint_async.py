@@ -16,7 +16,7 @@ import torch
 from hookloop import Callback, CheckpointWriteError, Loop
 from hookloop import checkpoint_files as checkpoint_module  # where Checkpoint's writes go
 from hookloop.callbacks import Checkpoint
-from hookloop.storage import read_payload
+from hookloop.run_file import read_payload
 
 from builders import dropout_loop
 from kill_campaign import campaign

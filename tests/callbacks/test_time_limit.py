@@ -16,7 +16,6 @@ import torch
 
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import Checkpoint, TimeLimit
-from hookloop.suspension import current
 
 from builders import BatchCounter, dropout_loop
 from conftest import stand_in_scontrol, subprocess_env
@@ -88,11 +87,11 @@ def test_the_reserve_is_the_longest_step_and_twice_the_last_save(tmp_path: Path)
 
     class Look(Callback):
         def on_epoch_end(self, loop: Loop) -> None:
-            seen["save"] = current().last_save
+            seen["save"] = saver.last_save_seconds
             seen["reserve"] = measured.reserve()
 
-    measured = TimeLimit(3600)
-    dropout_loop([measured, Checkpoint(tmp_path), Look()]).fit(1)
+    measured, saver = TimeLimit(3600), Checkpoint(tmp_path)
+    dropout_loop([measured, saver, Look()]).fit(1)
     assert seen["save"] is not None and seen["save"] > 0  # Checkpoint measured its save
     assert seen["reserve"] == pytest.approx(measured._longest + 2 * seen["save"])
     fixed = TimeLimit(3600, margin=30.0)
@@ -233,3 +232,22 @@ def test_no_duration_without_a_slurm_end_time_is_refused_with_the_fix(
     monkeypatch.setenv("PATH", str(tmp_path))  # neither squeue nor scontrol
     with pytest.raises(ConfigurationError, match="neither squeue nor scontrol"):
         TimeLimit()
+
+
+def test_the_reserve_keeps_time_for_every_checkpoints_last_save(tmp_path: Path) -> None:
+    """Two Checkpoints both write at the launch's end: the reserve is twice the sum of
+    their last saves, each asked of its callback (no module-global mailbox)."""
+    seen: dict[str, float] = {}
+
+    class Look(Callback):
+        def on_epoch_end(self, loop: Loop) -> None:
+            seen["saves"] = first.last_save_seconds + second.last_save_seconds
+            seen["reserve"] = measured.reserve()
+
+    measured = TimeLimit(3600)
+    first, second = Checkpoint(tmp_path / "a"), Checkpoint(tmp_path / "b", name="second")
+    dropout_loop([measured, first, second, Look()]).fit(1)
+    assert seen["reserve"] == pytest.approx(measured._longest + 2 * seen["saves"])
+    again = TimeLimit(3600)
+    dropout_loop([again]).fit(1)  # no Checkpoint in this stack: no save to keep time for
+    assert again.reserve() == pytest.approx(again._longest)

@@ -1,0 +1,130 @@
+"""The run file has one owner (hookloop/run_file.py): every key a real save writes is one of
+its `KEYS`, and no other module of the package spells a key of the format as a string of
+its own (issue 23, item 2)."""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hookloop import Loop, run_file
+from hookloop.callbacks import Checkpoint
+from hookloop.checkpoint_files import CheckpointFiles
+from hookloop.shard_files import PLAIN_FILE
+
+PACKAGE = Path(run_file.__file__).parent
+#: The modules of the run file and its storage: they name no key at all but through the
+#: constants of run_file.
+RUN_FILE_LAYER = {
+    "background_save.py", "checkpoint_files.py", "checkpoint_io.py", "directory_lock.py",
+    "integrity.py", "loading.py", "os_errors.py", "ranking.py", "retirement.py", "rng.py",
+    "run_end.py", "run_parts.py", "run_restore.py", "run_state.py", "shard_files.py",
+    "sharded.py", "storage.py", "suspension.py", "weights.py", "callbacks/checkpoint.py",
+    "callbacks/time_limit.py",
+}
+#: Modules being changed on other branches (issue 23 item 3) that still spell their keys;
+#: they switch to run_file's constants (RNG, EPOCH_RNG, TRAIN_LOSS_SUM, ...) at the merge.
+PENDING = {"position.py"}
+
+
+def _key_strings(path: Path) -> Iterator[tuple[int, str]]:
+    """Each string constant of ``path`` (docstrings left out) that is a key of the format."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    keys = set(run_file.KEYS)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in docstrings and node.value in keys:
+            yield node.lineno, node.value
+
+
+def test_no_module_but_run_file_spells_a_key_of_the_format() -> None:
+    """In the run file's layer no key at all; elsewhere only the keys that are also ordinary
+    words (`run_file.SHARED_WORDS`: a device type "cuda", a log column "step")."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+        if name == "run_file.py" or name in PENDING:
+            continue
+        for line, key in _key_strings(path):
+            if name in RUN_FILE_LAYER or key not in run_file.SHARED_WORDS:
+                found.append(f"hookloop/{name}:{line}: {key!r}")
+    assert not found, "keys of the run file spelled outside hookloop/run_file.py (use its " \
+                      "constants):\n" + "\n".join(found)
+
+
+def test_the_keys_are_one_constant_each() -> None:
+    assert len(set(run_file.KEYS)) == len(run_file.KEYS)
+    assert run_file.SHARED_WORDS <= set(run_file.KEYS)
+    constants = {value for name, value in vars(run_file).items()
+                 if name.isupper() and isinstance(value, str)}
+    assert set(run_file.KEYS) <= constants
+    assert constants - set(run_file.KEYS) == {run_file.RESUME, run_file.BEST}  # the kinds
+
+
+def _format_keys(payload: Mapping[str, Any]) -> set[str]:
+    """The keys of the format a payload holds: every level hookloop lays out, not the
+    contents others own (weight names, a callback's state, torch's hyper-parameters)."""
+    keys = set(payload)
+    meta = payload[run_file.META]
+    keys |= set(meta)
+    for entry in meta.get(run_file.FILES, {}).values():
+        keys |= set(entry)
+    loop = payload.get(run_file.LOOP, {})
+    keys |= set(loop)
+    keys |= set(loop.get(run_file.ENDED) or {})
+    for row in loop.get(run_file.HISTORY) or ():
+        keys |= {run_file.EPOCH, run_file.STEP} & set(row)
+    optimizer = payload.get(run_file.OPTIMIZER, {})
+    keys |= set(optimizer)
+    for group in optimizer.get(run_file.PARAM_GROUPS, ()):
+        keys |= {run_file.PARAMS} & set(group)
+    for part in payload.get(run_file.RANKS) or ():
+        keys |= set(part) - {run_file.DATA_STATE}
+        for name in (run_file.RNG, run_file.EPOCH_RNG, run_file.PREFETCH_RNG, run_file.MARK_RNG):
+            keys |= set(part.get(name) or {})
+    top_k = payload.get(run_file.CALLBACKS, {}).get("Checkpoint", {}).get("top_k", ())
+    for entry in top_k:  # the Checkpoint's ranking entries
+        keys |= set(entry)
+    return keys
+
+
+def test_every_key_a_real_save_writes_is_one_of_keys(tmp_path: Path) -> None:
+    """The oracle is the files themselves: a rotating file, best.pt, a scored file and a
+    sharded directory's hookloop.pt, read back with torch.load."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(4)]
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), data,
+                loss_fn=torch.nn.functional.mse_loss, val_data=data[:2], device="cpu",
+                callbacks=[Checkpoint(tmp_path / "run", monitor="val_loss", save_top_k=2,
+                                      every_n_steps=3)])
+    loop.fit(2, max_steps=7)
+    files = sorted((tmp_path / "run").iterdir())
+    assert any(path.name.startswith("epoch=") for path in files)
+    assert any(path.name == "best.pt" for path in files)
+    written: set[str] = set()
+    for path in files:
+        payload = torch.load(path, weights_only=True)
+        written |= _format_keys(payload)
+    sharded = CheckpointFiles(str(tmp_path / "sharded"))
+    sharded.prepare()
+    directory = sharded.write({run_file.META: run_file.file_meta(run_file.BEST),
+                               run_file.MODEL: {"w": torch.ones(2)}}, "best.dcp", shards=True)
+    sharded.release()
+    written |= _format_keys(torch.load(os.path.join(directory, PLAIN_FILE), weights_only=True))
+    assert written - set(run_file.KEYS) == set()
+    # The run wrote the parts this test means to see (not a vacuous subset).
+    assert {run_file.SAVE_ID, run_file.FILES, run_file.SHA256, run_file.BYTES, run_file.RNG,
+            run_file.RNG_TORCH, run_file.TRAIN_SAMPLES, run_file.HISTORY, run_file.MONITOR,
+            run_file.VALUE, run_file.FILE, run_file.PARAMS} <= written
