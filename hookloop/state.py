@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.data import batch_size_of, move_to_device
-from hookloop.forward import batch_targets
 
 if TYPE_CHECKING:
-    from hookloop.loop import Loop
+    from hookloop.forward import ForwardRule
 
 __all__ = ["LoopState", "learning_rates", "is_learning_rate"]
 
@@ -113,20 +112,21 @@ class LoopState:
     history: list[dict[str, float]] = field(default_factory=list)
     prefix: str = "val"
 
-    def set_batch(self, batch: Any, batch_idx: int, loop: Loop) -> Any:
-        """Move ``batch`` to ``loop.device`` and make it the current one, with its targets
-        (by the loop's ``targets=`` rule) and its size; return it."""
+    def set_batch(self, batch: Any, batch_idx: int, device: torch.device,
+                  rule: ForwardRule) -> Any:
+        """Move ``batch`` to ``device`` and make it the current one, with its targets (by the
+        ``rule``'s ``targets=``) and its size; return it."""
         self.batch_idx = batch_idx
-        self.batch = batch = move_to_device(batch, loop.device)
+        self.batch = batch = move_to_device(batch, device)
         kind = type(batch)
-        if loop.targets is None and (kind is tuple or kind is list) and len(batch) == 2:
+        if rule.targets is None and (kind is tuple or kind is list) and len(batch) == 2:
             # A pair: what batch_targets and batch_size_of say, without their calls.
             targets = self.targets = batch[1]
             if isinstance(targets, torch.Tensor) and targets.dim() > 0:
                 self.batch_size = targets.shape[0]
                 return batch
         else:
-            targets = self.targets = batch_targets(loop, batch)
+            targets = self.targets = rule.targets_of(batch)
         self.batch_size = batch_size_of(batch, targets)
         return batch
 

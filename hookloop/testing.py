@@ -115,7 +115,7 @@ def _placed(callbacks: Sequence[Callback], stack: list[Callback], loop: Any) -> 
     for position in range(len(stack), -1, -1):
         candidate = stack[:position] + list(callbacks) + stack[position:]
         try:
-            check_callbacks(candidate, loop)
+            check_callbacks(candidate, loop, loop.val_data)
         except CallbackOrderError as problem:
             error = error or problem
             continue
@@ -501,7 +501,7 @@ def check_dispatch(factory: Factory, directory: str | os.PathLike[str] | None = 
 
     with _folder(directory) as root:
         callbacks = _as_list(_make(factory, root))
-        table = Table(callbacks)
+        table = Table(callbacks, None)
         for callback in callbacks:
             for event in Event:
                 name = event.value
