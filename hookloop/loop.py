@@ -32,7 +32,7 @@ from hookloop.ordering import check_callbacks
 from hookloop.phase import Phase, Phases
 from hookloop.position import EpochPass, Position, RunPosition
 from hookloop.run_state import RunEnd
-from hookloop.state import LoopState
+from hookloop.state import LoopState, current_batch
 from hookloop.stepper import OptimizerStep
 from hookloop.untouched import untouched
 
@@ -516,7 +516,7 @@ class Loop(Geometry):
         if self._cadence.owed_on_resume(batches.start, state.step, self._position.validated):
             self._step_validation(batches)  # the run stopped during the one due at this step
         for batch_idx, batch, state.step_boundary in batches:
-            batch = state.set_batch(batch, batch_idx, self.device, self._rule)
+            batch = current_batch(state, batch, batch_idx, self.device, self._rule)
             if table.on_batch_start:
                 table.emit(table.on_batch_start)
             with table.entered(table.train_step_context):
@@ -592,7 +592,7 @@ class Loop(Geometry):
                 table.emit(table.on_validation_start)
                 with torch.no_grad():
                     for batch_idx, batch in enumerate(itertools.islice(data, limit)):
-                        batch = state.set_batch(batch, batch_idx, self.device, self._rule)
+                        batch = current_batch(state, batch, batch_idx, self.device, self._rule)
                         if table.on_validation_batch_start:
                             table.emit(table.on_validation_batch_start)
                         with contexts.entered(contexts.forward_context):
