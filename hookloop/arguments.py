@@ -255,6 +255,40 @@ def _function_name(function: Any) -> str:
     return f"presets.{name}" if module == "hookloop.presets" else name
 
 
+def _check_callback_list(callbacks: Any) -> None:
+    """``Loop(callbacks=...)``: a list (or other iterable) of `Callback` instances."""
+    if callbacks is None:
+        raise ConfigurationError(
+            "callbacks is None: pass a list of callbacks (callbacks=[AMP(), Checkpoint(...)]) "
+            "or leave the argument out for none.")
+    if isinstance(callbacks, Callback):
+        raise ConfigurationError("callbacks must be a list of callbacks: callbacks=[...].")
+    if inspect.isfunction(callbacks) or inspect.ismethod(callbacks):
+        name = _function_name(callbacks)
+        raise ConfigurationError(
+            f"callbacks is the function {name}, not a list: call it, callbacks={name}(...) "
+            "(a preset is a function that returns the list of callbacks).")
+    if isinstance(callbacks, (str, bytes, dict)) or not isinstance(callbacks, Iterable):
+        raise ConfigurationError(
+            f"callbacks must be a list of Callback instances, got {type(callbacks).__name__}.")
+    if isinstance(callbacks, (list, tuple)):
+        for index, callback in enumerate(callbacks):
+            if isinstance(callback, type) and issubclass(callback, Callback):
+                raise ConfigurationError(
+                    f"callbacks[{index}] is the class {callback.__name__}, not an instance: "
+                    f"write {callback.__name__}(...) in the list.")
+            if inspect.isfunction(callback) or inspect.ismethod(callback):
+                name = _function_name(callback)
+                raise ConfigurationError(
+                    f"callbacks[{index}] is the function {name}, not a callback: call it. A "
+                    f"function returning a list of callbacks (a preset) goes in as "
+                    f"callbacks={name}(...), or joined to others: [*{name}(...), MyCallback()].")
+            if not isinstance(callback, Callback):
+                raise ConfigurationError(
+                    f"callbacks[{index}] is {callback!r} ({type(callback).__name__}), not a "
+                    "hookloop.Callback. Subclass hookloop.Callback and pass an instance.")
+
+
 def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: Any,
                          loss_fn: Any, forward: Any, callbacks: Any, device: Any, *,
                          val_every_n_epochs: Any = 1, val_every_n_steps: Any = None,
@@ -301,36 +335,7 @@ def check_loop_arguments(model: Any, optimizer: Any, train_data: Any, val_data: 
     _check_arity(forward, "forward", 2, "forward(loop, batch)",
                  "It must return (outputs, loss).")
     _check_callable(forward, "forward", "fn(loop, batch) -> (outputs, loss)")
-    if callbacks is None:
-        raise ConfigurationError(
-            "callbacks is None: pass a list of callbacks (callbacks=[AMP(), Checkpoint(...)]) "
-            "or leave the argument out for none.")
-    if isinstance(callbacks, Callback):
-        raise ConfigurationError("callbacks must be a list of callbacks: callbacks=[...].")
-    if inspect.isfunction(callbacks) or inspect.ismethod(callbacks):
-        name = _function_name(callbacks)
-        raise ConfigurationError(
-            f"callbacks is the function {name}, not a list: call it, callbacks={name}(...) "
-            "(a preset is a function that returns the list of callbacks).")
-    if isinstance(callbacks, (str, bytes, dict)) or not isinstance(callbacks, Iterable):
-        raise ConfigurationError(
-            f"callbacks must be a list of Callback instances, got {type(callbacks).__name__}.")
-    if isinstance(callbacks, (list, tuple)):
-        for index, callback in enumerate(callbacks):
-            if isinstance(callback, type) and issubclass(callback, Callback):
-                raise ConfigurationError(
-                    f"callbacks[{index}] is the class {callback.__name__}, not an instance: "
-                    f"write {callback.__name__}(...) in the list.")
-            if inspect.isfunction(callback) or inspect.ismethod(callback):
-                name = _function_name(callback)
-                raise ConfigurationError(
-                    f"callbacks[{index}] is the function {name}, not a callback: call it. A "
-                    f"function returning a list of callbacks (a preset) goes in as "
-                    f"callbacks={name}(...), or joined to others: [*{name}(...), MyCallback()].")
-            if not isinstance(callback, Callback):
-                raise ConfigurationError(
-                    f"callbacks[{index}] is {callback!r} ({type(callback).__name__}), not a "
-                    "hookloop.Callback. Subclass hookloop.Callback and pass an instance.")
+    _check_callback_list(callbacks)
     for label, selector in (("inputs", inputs), ("targets", targets)):
         _check_selector(label, selector)
     check_optional_int("Loop val_every_n_epochs", val_every_n_epochs)

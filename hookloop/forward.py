@@ -391,18 +391,28 @@ def concatenate(outputs: list[Any]) -> Any:
         return outputs
     if isinstance(first, Mapping) and all(isinstance(item, Mapping) and item.keys() == first.keys()
                                           for item in outputs):
-        joined = {key: concatenate([item[key] for item in outputs]) for key in first}
-        try:
-            return type(first)(joined) if type(first) is not dict else joined
-        except TypeError:
-            return joined
+        return _joined_mappings(outputs, first)
     if isinstance(first, (tuple, list)) and all(
             isinstance(item, type(first)) and len(item) == len(first) for item in outputs):
-        columns = [concatenate([item[index] for item in outputs]) for index in range(len(first))]
-        if hasattr(first, "_fields"):
-            return type(first)(*columns)
-        return type(first)(columns)
+        return _joined_sequences(outputs, first)
     return outputs
+
+
+def _joined_mappings(outputs: list[Any], first: Mapping[Any, Any]) -> Any:
+    """Mappings of the same keys, each entry `concatenate`d, in ``first``'s type if it can."""
+    joined = {key: concatenate([item[key] for item in outputs]) for key in first}
+    try:
+        return type(first)(joined) if type(first) is not dict else joined
+    except TypeError:
+        return joined
+
+
+def _joined_sequences(outputs: list[Any], first: tuple[Any, ...] | list[Any]) -> Any:
+    """Tuples (named ones too) or lists of the same length, each column `concatenate`d."""
+    columns = [concatenate([item[index] for item in outputs]) for index in range(len(first))]
+    if hasattr(first, "_fields"):
+        return type(first)(*columns)
+    return type(first)(columns)
 
 
 def model_inputs(batch: Any, inputs: Selector | None = None

@@ -42,6 +42,13 @@ __all__ = [
 ]
 
 
+# Where users find them, and how errors name them (``presets.standard``); their code is in
+# hookloop.builtin_presets so that the registry, which this module re-exports, can reach it.
+for _built_in in (standard, finetune, debug):
+    _built_in.__module__ = __name__
+del _built_in
+
+
 # ------------------------------------------------------------------ editing a stack
 def replace(callbacks: list[Callback], kind: type[Callback] | str,
             new: Callback | None) -> list[Callback]:

@@ -115,24 +115,37 @@ def rng_state_problem(state: Any) -> tuple[str, Any, str] | None:
         if field in state and (not isinstance(state[field], list) or len(state[field]) != size):
             return field, state[field], f"a list of {size} items"
     if "python" in state:
-        version, words, gauss = state["python"]
-        if not _is_int(version):
-            return "python[0]", version, "an int (the generator's version)"
-        if not isinstance(words, list) or not all(_is_int(word) for word in words):
-            return "python[1]", words, "a list of ints"
-        if gauss is not None and not isinstance(gauss, float):
-            return "python[2]", gauss, "a float or None"
+        problem = _python_state_problem(*state["python"])
+        if problem is not None:
+            return problem
     if "numpy" in state:
-        kind, keys, position, has_gauss, cached = state["numpy"]
-        for index, value, ok, expected in (
-                (0, kind, isinstance(kind, str), "a str"),
-                (1, keys, isinstance(keys, torch.Tensor) and keys.dtype == torch.int64,
-                 "an int64 tensor"),
-                (2, position, _is_int(position), "an int"),
-                (3, has_gauss, _is_int(has_gauss), "an int"),
-                (4, cached, isinstance(cached, float), "a float")):
-            if not ok:
-                return f"numpy[{index}]", value, expected
+        return _numpy_state_problem(*state["numpy"])
+    return None
+
+
+def _python_state_problem(version: Any, words: Any, gauss: Any) -> tuple[str, Any, str] | None:
+    """The wrong field of ``random.getstate()``'s three, as `rng_state_problem` says it."""
+    if not _is_int(version):
+        return "python[0]", version, "an int (the generator's version)"
+    if not isinstance(words, list) or not all(_is_int(word) for word in words):
+        return "python[1]", words, "a list of ints"
+    if gauss is not None and not isinstance(gauss, float):
+        return "python[2]", gauss, "a float or None"
+    return None
+
+
+def _numpy_state_problem(kind: Any, keys: Any, position: Any, has_gauss: Any,
+                         cached: Any) -> tuple[str, Any, str] | None:
+    """The wrong field of NumPy's five (keys as a tensor), as `rng_state_problem` says it."""
+    for index, value, ok, expected in (
+            (0, kind, isinstance(kind, str), "a str"),
+            (1, keys, isinstance(keys, torch.Tensor) and keys.dtype == torch.int64,
+             "an int64 tensor"),
+            (2, position, _is_int(position), "an int"),
+            (3, has_gauss, _is_int(has_gauss), "an int"),
+            (4, cached, isinstance(cached, float), "a float")):
+        if not ok:
+            return f"numpy[{index}]", value, expected
     return None
 
 
