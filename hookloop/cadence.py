@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from hookloop import distributed
 from hookloop.checks import check_number, check_optional_int
 from hookloop.suspension import current
-
-if TYPE_CHECKING:
-    from hookloop.loop import Loop
 
 __all__ = ["Cadence", "TimedSaves"]
 
@@ -37,21 +34,25 @@ class Cadence:
         self.at_start = False
         self._validated_step = -1
 
-    def begin(self, loop: Loop, validated: bool) -> None:
+    def begin(self, position: Any, val_data: Any, every_n_epochs: Any, every_n_steps: Any,
+              at_start: Any) -> None:
         """At fit start, after setup (which may rebuild the data): the cadence of this fit.
 
-        ``validated``: the validation due at the loop's position already ran (before an
-        exception, or in the run a checkpoint resumes), so it is not done again.
+        ``position``: the loop's `hookloop.position.Position` (its ``public`` ``(epoch,
+        batches_done, step)``, and ``validated``: the validation due there already ran,
+        before an exception or in the run a checkpoint resumes, so it is not done again);
+        then the loop's ``val_data``, ``val_every_n_epochs``, ``val_every_n_steps`` and
+        ``val_at_start``.
         """
-        self.every_n_epochs = check_optional_int("Loop val_every_n_epochs",
-                                                 loop.val_every_n_epochs)
-        self.every_n_steps = check_optional_int("Loop val_every_n_steps", loop.val_every_n_steps)
-        if loop.val_data is None:
+        self.every_n_epochs = check_optional_int("Loop val_every_n_epochs", every_n_epochs)
+        self.every_n_steps = check_optional_int("Loop val_every_n_steps", every_n_steps)
+        if val_data is None:
             self.every_n_epochs = self.every_n_steps = None
-        self._validated_step = loop.position.step if validated else -1
+        where, validated = tuple(position.public), bool(position.validated)
+        self._validated_step = where[2] if validated else -1
         # Only at the run's very start: a resume, or fit() again, does not repeat it.
-        self.at_start = (bool(loop.val_at_start) and loop.val_data is not None
-                         and tuple(loop.position) == (0, 0, 0) and not validated)
+        self.at_start = (bool(at_start) and val_data is not None
+                         and where == (0, 0, 0) and not validated)
 
     def at_epoch_end(self, epoch: int, step: int) -> bool:
         """Due at the end of ``epoch`` (0-based), at optimizer step ``step``?"""

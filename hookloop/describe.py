@@ -47,15 +47,7 @@ def describe(callbacks: Sequence[Callback], *, print_table: bool = True) -> str:
     from rich.text import Text
 
     rows = [event.value for event in Event] + list(HOOKS)
-    cells: dict[str, list[str]] = {}  # the turns are counted over the whole stack
-    for row in rows:
-        order, cells[row] = 0, []
-        for callback in callbacks:
-            if overrides(callback, row):
-                order += 1
-                cells[row].append(str(order))
-            else:
-                cells[row].append("")
+    cells = _turns(callbacks, rows)
     event_width = max(map(len, rows))
     cell_width = len(str(len(callbacks)))  # the widest index or turn
     # A table is "│ event │ c │ c │...│": the event column takes event_width + 3 characters,
@@ -84,15 +76,31 @@ def describe(callbacks: Sequence[Callback], *, print_table: bool = True) -> str:
             table.add_row(row, *(cells[row][index] for index in chunk),
                           style=None if listening else "dim")
         tables.append(table)
-    legend = Text(caption + "\n" if len(chunks) > 1 else "")
-    for index, callback in enumerate(callbacks):
-        line = f"{index}: {callback!r}"
-        if callback.rank_zero_only:
-            line += " (rank 0 only)"
-        legend.append(line + "\n")
+    legend = Text((caption + "\n" if len(chunks) > 1 else "") + _legend(callbacks))
     renderable = Group(*tables, legend) if callbacks else tables[0]
     buffer = io.StringIO()
     Console(file=buffer, width=WIDTH, color_system=None).print(renderable)
     if print_table:
         Console().print(renderable)
     return buffer.getvalue()
+
+
+def _turns(callbacks: Sequence[Callback], rows: Sequence[str]) -> dict[str, list[str]]:
+    """For each row (event or hook), each callback's turn among those listening ("1" runs
+    first), or "" for one that does not listen; counted over the whole stack."""
+    cells: dict[str, list[str]] = {}
+    for row in rows:
+        order, cells[row] = 0, []
+        for callback in callbacks:
+            if overrides(callback, row):
+                order += 1
+                cells[row].append(str(order))
+            else:
+                cells[row].append("")
+    return cells
+
+
+def _legend(callbacks: Sequence[Callback]) -> str:
+    """One line per callback: its index and ``repr`` (and whether it runs on rank 0 only)."""
+    return "".join(f"{index}: {callback!r}{' (rank 0 only)' if callback.rank_zero_only else ''}\n"
+                   for index, callback in enumerate(callbacks))

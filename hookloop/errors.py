@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from hookloop.os_errors import describe_os_error
+
 __all__ = ["HookloopError", "CallbackOrderError", "CheckpointError", "CheckpointWriteError",
            "LogWriteError",
            "NonFiniteError",
@@ -104,8 +106,6 @@ class LogWriteError(HookloopError, OSError):
     @classmethod
     def of(cls, view: str, path: str, error: BaseException) -> LogWriteError:
         """The error for ``view`` failing to write ``path`` because of ``error``."""
-        from hookloop.os_errors import describe_os_error
-
         cause = describe_os_error(error) if isinstance(error, OSError) else (
             f"{type(error).__name__}: {error}")
         failure = cls(

@@ -9,20 +9,18 @@ targets)``; an ``(inputs, targets)`` pair with ``loss_fn``; a mapping batch:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from hookloop.data import find_targets, is_pair, move_to_device
-from hookloop.dispatch import Handlers, entered
 from hookloop.errors import ConfigurationError, with_article
 
 if TYPE_CHECKING:
-    from hookloop.loop import Loop
+    from hookloop.dispatch import Table
 
-__all__ = ["compute", "check_loss", "predict_outputs", "predict_all", "concatenate",
-           "model_inputs", "batch_targets", "select", "check_batch_rule", "Selector",
-           "input_problem", "target_problem", "predict_dtype"]
+__all__ = ["ForwardRule", "check_loss", "concatenate", "model_inputs", "select",
+           "check_batch_rule", "Selector", "input_problem", "target_problem", "predict_dtype"]
 
 #: How ``Loop(inputs=..., targets=...)`` names a part of a batch: a key (or an index of a
 #: tuple batch), or a function of the batch.
@@ -51,20 +49,12 @@ def select(selector: Selector, batch: Any, what: str) -> Any:
                                  f"{found}.") from None
 
 
-def batch_targets(loop: Loop, batch: Any) -> Any:
-    """The targets of ``batch``: the loop's ``targets=`` rule, else item 1 of a pair or the
-    ``labels``/``targets`` entry of a mapping (None when there are none)."""
-    if loop.targets is not None:
-        return select(loop.targets, batch, "targets")
-    return find_targets(batch)
-
-
-def check_batch_rule(loop: Loop, batch: Any) -> None:
+def check_batch_rule(batch: Any, *, loss_fn: Any, forward: Any, inputs: Any) -> None:
     """A mapping batch (or sample) with a ``loss_fn`` needs the ``inputs=`` rule: without
     it, this raises the error that names the batch's keys and the fix (before the model is
     called with arguments it does not take)."""
-    if isinstance(batch, Mapping) and loop.loss_fn is not None and loop.forward is None \
-            and loop.inputs is None:
+    if isinstance(batch, Mapping) and loss_fn is not None and forward is None \
+            and inputs is None:
         keys = ", ".join(repr(key) for key in batch)
         raise ConfigurationError(
             f"The batch is a mapping (keys {keys}) and the Loop has a loss_fn, so it trains "
@@ -194,49 +184,113 @@ def input_problem(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
     return None
 
 
-def compute(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
-    """Outputs and loss of one batch, by the first rule that applies.
+class ForwardRule(NamedTuple):
+    """How the loop gets outputs and loss from a batch, built from the loop's arguments
+    when a fit (or a pass outside it) sets up.
 
-    1. ``loop.forward(loop, batch) -> (outputs, loss)`` when given.
-    2. ``loop.inputs`` (``Loop(inputs=...)``): ``outputs = model(inputs)``, then
-       ``loss_fn(outputs, targets)`` (targets by ``loop.targets``, else the batch's
-       ``labels``/``targets``), or the model's own loss without a ``loss_fn``.
-    3. An ``(inputs, targets)`` pair with ``loop.loss_fn``: ``loss_fn(model(inputs), targets)``.
-    4. A mapping without ``loss_fn``: ``outputs = model(**batch)`` and ``outputs["loss"]`` or
-       ``outputs.loss``. A mapping with a ``loss_fn`` but no ``inputs`` rule is an error
-       naming the batch's keys and the fix, before the model is called.
-    5. Otherwise a `ConfigurationError` saying which to use.
+    ``host`` is what a ``forward=`` function is called with (the loop, held as it is); the
+    model is passed at each call, since callbacks swap it inside their contexts (DDP's
+    validation, `hookloop.callbacks.Compile`).
     """
-    if loop.forward is not None:
-        result = loop.forward(loop, batch)
-        if not isinstance(result, tuple) or len(result) != 2:
+
+    host: object
+    forward: Callable[..., Any] | None
+    loss_fn: Callable[[Any, Any], Any] | None
+    inputs: Selector | None
+    targets: Selector | None
+
+    def targets_of(self, batch: Any) -> Any:
+        """The targets of ``batch``: the ``targets=`` rule, else item 1 of a pair or the
+        ``labels``/``targets`` entry of a mapping (None when there are none)."""
+        if self.targets is not None:
+            return select(self.targets, batch, "targets")
+        return find_targets(batch)
+
+    def check_batch(self, batch: Any) -> None:
+        """`check_batch_rule` for this rule."""
+        check_batch_rule(batch, loss_fn=self.loss_fn, forward=self.forward, inputs=self.inputs)
+
+    def compute(self, model: Any, batch: Any) -> tuple[Any, torch.Tensor]:
+        """Outputs and loss of one batch, by the first rule that applies.
+
+        1. ``forward(loop, batch) -> (outputs, loss)`` when given.
+        2. ``inputs`` (``Loop(inputs=...)``): ``outputs = model(inputs)``, then
+           ``loss_fn(outputs, targets)`` (targets by ``targets``, else the batch's
+           ``labels``/``targets``), or the model's own loss without a ``loss_fn``.
+        3. An ``(inputs, targets)`` pair with ``loss_fn``: ``loss_fn(model(inputs), targets)``.
+        4. A mapping without ``loss_fn``: ``outputs = model(**batch)`` and ``outputs["loss"]``
+           or ``outputs.loss``. A mapping with a ``loss_fn`` but no ``inputs`` rule is an
+           error naming the batch's keys and the fix, before the model is called.
+        5. Otherwise a `ConfigurationError` saying which to use.
+        """
+        if self.forward is not None:
+            result = self.forward(self.host, batch)
+            if not isinstance(result, tuple) or len(result) != 2:
+                raise ConfigurationError(
+                    f"forward(loop, batch) must return (outputs, loss); it returned "
+                    f"{type(result).__name__}.")
+            return result
+        loss_fn = self.loss_fn
+        if self.inputs is not None:
+            call = model_inputs(batch, self.inputs)
+            assert call is not None
+            outputs = _call(model, call)
+            if loss_fn is None:
+                return outputs, _loss_of(outputs, f"model(inputs) (inputs={self.inputs!r})")
+            return outputs, _loss(loss_fn, outputs, self.targets_of(batch))
+        if loss_fn is not None and is_pair(batch):
+            outputs = _call(model, ((batch[0],), {}))
+            return outputs, _loss(loss_fn, outputs, self.targets_of(batch))
+        if isinstance(batch, Mapping):
+            self.check_batch(batch)
+            outputs = model(**batch)
+            return outputs, _loss_of(outputs, "model(**batch) (the batch is a mapping)")
+        if is_pair(batch):
             raise ConfigurationError(
-                f"forward(loop, batch) must return (outputs, loss); it returned "
-                f"{type(result).__name__}.")
-        return result
-    if loop.inputs is not None:
-        call = model_inputs(batch, loop.inputs)
-        assert call is not None
-        outputs = _call(loop.model, call)
-        if loop.loss_fn is None:
-            return outputs, _loss_of(outputs, f"model(inputs) (inputs={loop.inputs!r})")
-        return outputs, _loss(loop.loss_fn, outputs, batch_targets(loop, batch))
-    if loop.loss_fn is not None and is_pair(batch):
-        outputs = _call(loop.model, ((batch[0],), {}))
-        return outputs, _loss(loop.loss_fn, outputs, batch_targets(loop, batch))
-    if isinstance(batch, Mapping):
-        check_batch_rule(loop, batch)
-        outputs = loop.model(**batch)
-        return outputs, _loss_of(outputs, "model(**batch) (the batch is a mapping)")
-    if is_pair(batch):
+                "The batch is an (inputs, targets) pair but the Loop has no loss_fn. Pass "
+                "loss_fn=fn(outputs, targets) (e.g. torch.nn.functional.cross_entropy), or "
+                "forward=fn(loop, batch) -> (outputs, loss).")
         raise ConfigurationError(
-            "The batch is an (inputs, targets) pair but the Loop has no loss_fn. Pass "
-            "loss_fn=fn(outputs, targets) (e.g. torch.nn.functional.cross_entropy), or "
-            "forward=fn(loop, batch) -> (outputs, loss).")
-    raise ConfigurationError(
-        f"Cannot compute a loss from a batch of type {type(batch).__name__}. Use one of: "
-        "forward=fn(loop, batch) -> (outputs, loss); (inputs, targets) batches with "
-        "loss_fn=fn(outputs, targets); or mapping batches with a model returning a 'loss'.")
+            f"Cannot compute a loss from a batch of type {type(batch).__name__}. Use one of: "
+            "forward=fn(loop, batch) -> (outputs, loss); (inputs, targets) batches with "
+            "loss_fn=fn(outputs, targets); or mapping batches with a model returning a 'loss'.")
+
+    def predict(self, model: Any, batch: Any, forward: Any = None) -> Any:
+        """What the model returns for ``batch``, without needing targets or a loss.
+
+        The first that applies: ``forward(loop, batch)`` (given to `Loop.predict`); the
+        ``inputs=`` rule: ``model(inputs)``; the loop's ``forward`` (its outputs); the inputs
+        of a pair (or the first item of any tuple or list); ``model(**batch)`` for a
+        mapping; ``model(batch)`` otherwise. A forward returning ``(outputs, loss)`` gives
+        its outputs.
+        """
+        forward = forward if forward is not None else (None if self.inputs is not None
+                                                       else self.forward)
+        if forward is not None:
+            result = forward(self.host, batch)
+            return result[0] if isinstance(result, tuple) and len(result) == 2 else result
+        call = model_inputs(batch, self.inputs)
+        if call is None or (self.inputs is None and hasattr(batch, "_fields")):  # a namedtuple
+            return _call(model, ((batch,), {}))
+        return _call(model, call)
+
+    def predict_all(self, state: Any, model: Any, device: Any, data: Iterable[Any],
+                    table: Table, forward: Any = None,
+                    dtype: torch.dtype | None = torch.float32) -> Any:
+        """`predict` of every batch of ``data``, inside the ``forward_context`` hooks of
+        ``table``, moved to the CPU (floating tensors as ``dtype``) and joined with
+        `concatenate`. Each batch is ``state.batch`` during its forward (then the one
+        before is put back). ``model()`` gives the model of the moment."""
+        outputs: list[Any] = []
+        cpu = torch.device("cpu")
+        with state.kept("batch"):  # a predict inside fit leaves fit's batch as it was
+            for batch in data:
+                # The current batch, for the forward contexts (ThroughputMonitor counts it).
+                state.batch = batch = move_to_device(batch, device)
+                with table.entered(table.forward_context):
+                    result = self.predict(model(), batch, forward)
+                outputs.append(_cast(move_to_device(result, cpu), dtype))
+        return concatenate(outputs)
 
 
 def check_loss(loss: Any, training: bool, replaced: bool = False) -> None:
@@ -256,25 +310,6 @@ def check_loss(loss: Any, training: bool, replaced: bool = False) -> None:
         raise ConfigurationError(
             f"{what} does not require grad, so backward cannot run: it was detached, "
             "computed under torch.no_grad(), or no trainable parameter took part in it.")
-
-
-def predict_outputs(loop: Loop, batch: Any, forward: Any = None) -> Any:
-    """What the model returns for ``batch``, without needing targets or a loss.
-
-    The first that applies: ``forward(loop, batch)`` (given to `Loop.predict`); the loop's
-    ``inputs=`` rule: ``model(inputs)``; the loop's ``forward`` (its outputs); the inputs of
-    a pair (or the first item of any tuple or list); ``model(**batch)`` for a mapping;
-    ``model(batch)`` otherwise. A forward returning ``(outputs, loss)`` gives its outputs.
-    """
-    forward = forward if forward is not None else (None if loop.inputs is not None
-                                                   else loop.forward)
-    if forward is not None:
-        result = forward(loop, batch)
-        return result[0] if isinstance(result, tuple) and len(result) == 2 else result
-    call = model_inputs(batch, loop.inputs)
-    if call is None or (loop.inputs is None and hasattr(batch, "_fields")):  # a namedtuple
-        return _call(loop.model, ((batch,), {}))
-    return _call(loop.model, call)
 
 
 _DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "half", "float", "double")
@@ -334,24 +369,6 @@ def _cast(value: Any, dtype: torch.dtype | None) -> Any:
     return value
 
 
-def predict_all(loop: Loop, data: Iterable[Any], contexts: Handlers, forward: Any = None,
-                dtype: torch.dtype | None = torch.float32) -> Any:
-    """`predict_outputs` of every batch of ``data``, inside the ``forward_context`` hooks
-    ``contexts``, moved to the CPU (floating tensors as ``dtype``) and joined with
-    `concatenate`. Each batch is ``loop.state.batch`` during its forward (then the one
-    before is put back)."""
-    outputs: list[Any] = []
-    cpu = torch.device("cpu")
-    with loop.state.kept("batch"):  # a predict inside fit leaves fit's batch as it was
-        for batch in data:
-            # The current batch, for the forward contexts (ThroughputMonitor counts it).
-            loop.state.batch = batch = move_to_device(batch, loop.device)
-            with entered(contexts, loop):
-                result = predict_outputs(loop, batch, forward)
-            outputs.append(_cast(move_to_device(result, cpu), dtype))
-    return concatenate(outputs)
-
-
 def concatenate(outputs: list[Any]) -> Any:
     """Per-batch outputs joined along the batch dimension where they are tensors.
 
@@ -374,18 +391,28 @@ def concatenate(outputs: list[Any]) -> Any:
         return outputs
     if isinstance(first, Mapping) and all(isinstance(item, Mapping) and item.keys() == first.keys()
                                           for item in outputs):
-        joined = {key: concatenate([item[key] for item in outputs]) for key in first}
-        try:
-            return type(first)(joined) if type(first) is not dict else joined
-        except TypeError:
-            return joined
+        return _joined_mappings(outputs, first)
     if isinstance(first, (tuple, list)) and all(
             isinstance(item, type(first)) and len(item) == len(first) for item in outputs):
-        columns = [concatenate([item[index] for item in outputs]) for index in range(len(first))]
-        if hasattr(first, "_fields"):
-            return type(first)(*columns)
-        return type(first)(columns)
+        return _joined_sequences(outputs, first)
     return outputs
+
+
+def _joined_mappings(outputs: list[Any], first: Mapping[Any, Any]) -> Any:
+    """Mappings of the same keys, each entry `concatenate`d, in ``first``'s type if it can."""
+    joined = {key: concatenate([item[key] for item in outputs]) for key in first}
+    try:
+        return type(first)(joined) if type(first) is not dict else joined
+    except TypeError:
+        return joined
+
+
+def _joined_sequences(outputs: list[Any], first: tuple[Any, ...] | list[Any]) -> Any:
+    """Tuples (named ones too) or lists of the same length, each column `concatenate`d."""
+    columns = [concatenate([item[index] for item in outputs]) for index in range(len(first))]
+    if hasattr(first, "_fields"):
+        return type(first)(*columns)
+    return type(first)(columns)
 
 
 def model_inputs(batch: Any, inputs: Selector | None = None

@@ -18,21 +18,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookloop import checks, dispatch, distributed, run_state, sanity
+from hookloop import arguments, dispatch, distributed, run_state, sanity
 from hookloop.boundary import BoundaryStates
 from hookloop.cadence import Cadence
 from hookloop.callback import Callback
 from hookloop.data import LossSum
 from hookloop.describe import describe
-from hookloop.dispatch import Table, Wrapper, call, emit, entered
+from hookloop.dispatch import Table, Wrapper
 from hookloop.errors import ConfigurationError
-from hookloop.forward import Selector, check_loss, compute, predict_all, predict_dtype
+from hookloop.forward import ForwardRule, Selector, check_loss, predict_dtype
 from hookloop.geometry import Geometry
-from hookloop.ordering import check_callbacks, overrides
+from hookloop.ordering import check_callbacks
 from hookloop.phase import Phase, Phases
 from hookloop.position import EpochPass, Position, RunPosition
 from hookloop.run_end import RunEnd
-from hookloop.state import LoopState
+from hookloop.state import LoopState, current_batch
 from hookloop.stepper import OptimizerStep
 from hookloop.untouched import untouched
 
@@ -115,7 +115,7 @@ class Loop(Geometry):
                  sanity_val_batches: int = 2, state: dict[str, Any] | None = None,
                  inputs: Selector | None = None, targets: Selector | None = None,
                  loss_reduction: str = "auto", val_at_start: bool = False) -> None:
-        self.device = checks.check_loop_arguments(
+        self.device = arguments.check_loop_arguments(
             model, optimizer, train_data, val_data, loss_fn, forward, callbacks, device,
             val_every_n_epochs=val_every_n_epochs, val_every_n_steps=val_every_n_steps,
             sanity_val_batches=sanity_val_batches, inputs=inputs, targets=targets,
@@ -127,10 +127,10 @@ class Loop(Geometry):
         self.val_every_n_epochs, self.val_every_n_steps = val_every_n_epochs, val_every_n_steps
         self.sanity_val_batches, self.val_at_start = sanity_val_batches, val_at_start
         #: ``"mean"`` or ``"sum"``: how the epoch losses weigh a batch's loss (``loss_reduction``).
-        self.loss_reduction = checks.check_loss_reduction(loss_reduction, loss_fn)
+        self.loss_reduction = arguments.check_loss_reduction(loss_reduction, loss_fn)
         self._loss_weight = 1 if self.loss_reduction == "sum" else None  # LossSum.add's
         #: More objects saved and restored with the run (``state=``), by name.
-        self.extra_state = checks.check_extra_state(state, model, optimizer)
+        self.extra_state = arguments.check_extra_state(state, model, optimizer)
         self.state = LoopState()
         #: Micro-batches per optimizer step; set by ``GradAccumulation`` in ``setup``.
         self.accumulation_steps = 1
@@ -143,14 +143,11 @@ class Loop(Geometry):
         #: ``fn(callback, event, method) -> callable`` wrapping every dispatched method
         #: (set by a profiler or tracer in its ``setup``); None dispatches the methods as they are.
         self.handler_wrapper: Wrapper | None = None
-        self._phases = Phases()
-        self._table: Table | None = None
+        self._phases, self._epoch_completed, self._table = Phases(), False, None
         self._position = Position()  # where the weights are, in data terms (see state_dict)
-        self._cadence = Cadence()
-        self._stepper = OptimizerStep()
-        self._boundary = BoundaryStates()  # callbacks' states at the last step boundary
+        # _boundary: the callbacks' states at the last step boundary
+        self._cadence, self._stepper, self._boundary = Cadence(), OptimizerStep(), BoundaryStates()
         self._end = RunEnd(self.state, self._position)
-        self._epoch_completed = False
         self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
 
     # ------------------------------------------------------------------ control
@@ -281,8 +278,10 @@ class Loop(Geometry):
                 `SystemExit` with the documented status, so the script exits without a
                 traceback; relaunch the same command to continue.
         """
-        checks.check_fit(self, epochs, max_steps, min_epochs, min_steps)  # before anything ran
-        dispatch.bind(self, self.callbacks)
+        arguments.check_fit(epochs, max_steps, min_epochs, min_steps, self.callbacks, self,
+                            self.train_data, self.val_data, self._position.epoch, self.loss_fn,
+                            self.forward, self.inputs)  # before anything ran
+        dispatch.bind(self.callbacks, self)
         self.state.min_epochs, self.state.min_steps = min_epochs, min_steps
         with self._end.launch(self.train_data, self.val_data):  # Suspended once it ended
             return self._fit(epochs, max_steps)
@@ -291,15 +290,16 @@ class Loop(Geometry):
         state, position = self.state, self._position
         state.epochs, state.max_steps = epochs, max_steps
         self._end.begin()
-        table = Table(self.callbacks)  # until setup has run (DDP may create the group), all listen
+        table = Table(self.callbacks, self)  # all listen until setup ran (DDP may create the group)
         with self._stepper.observing(self.optimizer), self._phases.entered(Phase.TRAIN):
             try:
                 self._boundary.attach(self.callbacks)  # no copy of an earlier fit's
                 table = self._setup()
-                self._cadence.begin(self, position.validated)
+                self._cadence.begin(position, self.val_data, self.val_every_n_epochs,
+                                    self.val_every_n_steps, self.val_at_start)
                 self.optimizer.zero_grad(set_to_none=True)
                 idle = self._end.nothing_to_train(epochs, max_steps, position.epoch, state.step)
-                emit(self, table.on_fit_start)
+                table.emit(table.on_fit_start)
                 if idle is not None and distributed.is_main():
                     print(f"hookloop: {idle}", flush=True)
                 run_state.check_callback_states(self.callbacks, self.extra_state)
@@ -307,7 +307,10 @@ class Loop(Geometry):
                     self._validate_pass(self.val_data, "val")
                     position.mark_validated()
                 elif idle is None:
-                    sanity.check(self, self._phases, self._validate_pass, self._position.generators)
+                    sanity.check(self, self.callbacks, self.forward, state, self.model,
+                                 self.train_data, self.val_data, self.sanity_val_batches,
+                                 self.handler_wrapper, self._phases, self._validate_pass,
+                                 position.generators)
                 for epoch in range(position.epoch, epochs):
                     if self._end.due():
                         break
@@ -315,12 +318,12 @@ class Loop(Geometry):
             except BaseException as exc:
                 position.rewind()  # a later fit continues from the last step boundary
                 self._boundary.rewind(position.public)  # ... and so do the callbacks' states
-                terminated = dispatch.handle_exception(self, table, exc)
+                terminated = table.handle_exception(exc)
                 if terminated is not None:
                     raise terminated from exc  # exit with SIGTERM's status, the cause attached
                 raise
             else:
-                dispatch.emit_fit_end(self, table, None)
+                table.emit_fit_end(None)
                 self._end.announce()  # why the run ended, in one line (rank 0)
             finally:
                 # Device memory of the last batch is not kept alive by the returned state.
@@ -362,7 +365,7 @@ class Loop(Geometry):
             >>> sorted(loop.evaluate(data, prefix="test"))
             ['test_loss']
         """
-        checks.check_evaluation(data, prefix)
+        arguments.check_evaluation(data, prefix)
         return self._evaluate(data, prefix)
 
     def _evaluate(self, data: Iterable[Any] | None, prefix: str) -> dict[str, float]:
@@ -414,9 +417,10 @@ class Loop(Geometry):
             raise ConfigurationError("predict() needs data, got None.")
         dtype = predict_dtype(dtype)  # before any work: an int dtype would truncate silently
         with self._alone(Phase.PREDICT, data) as (table, data), \
-                entered(table.validation_context, self):
+                table.entered(table.validation_context):
             self.model.eval()
-            return predict_all(self, data, table.forward_context, forward, dtype)
+            return self._rule.predict_all(self.state, lambda: self.model, self.device, data,
+                                          table, forward, dtype)
 
     def describe(self) -> str:
         """Print and return the table of which callback runs at which event."""
@@ -469,8 +473,8 @@ class Loop(Geometry):
         setup leaves it): set up, then leave every random generator and every submodule's
         train/eval mode as found, so a check in the middle of work changes nothing."""
         with self._phases.entered(phase):
-            check_callbacks(self.callbacks, self)
-            dispatch.bind(self, self.callbacks)
+            check_callbacks(self.callbacks, self, self.val_data)
+            dispatch.bind(self.callbacks, self)
             table = self._setup()
             data = self.val_data if data is None else data
             with untouched(self.model, self._position.generators, data=(self.train_data, data)):
@@ -480,32 +484,31 @@ class Loop(Geometry):
         """Run the setup hooks, check the data, move the model, restore, build the table."""
         self.accumulation_steps, self.scaler, self.handler_wrapper = 1, None, None
         self.partial_window_steps = True
-        for callback in self.callbacks:  # the step geometry is read afresh at every fit
-            if overrides(callback, "setup"):
-                call(callback.setup, self)
-        checks.check_setup(self)
+        self._rule = ForwardRule(self, self.forward, self.loss_fn, self.inputs, self.targets)
+        setups = Table(self.callbacks, self)  # the step geometry is read afresh at every fit
+        setups.emit(setups.setup)
+        arguments.check_setup(self.accumulation_steps, self.train_data, self.val_data)
         self.model.to(self.device)
         self._restore = run_state.apply(self._parts(), self._restore)
-        self._table = Table(self.callbacks, self.handler_wrapper, main=distributed.is_main())
+        self._table = Table(self.callbacks, self, self.handler_wrapper, main=distributed.is_main())
+        self._stepper.prepare(self.state, self._rule, lambda: self.model, self.accumulation_steps)
         self._position.attach(self.train_data)
         return self._table
 
     def _run_epoch(self, epoch: int, table: Table) -> None:
         state = self.state
-        state.epoch, state.metrics = epoch, {}
-        self._epoch_completed = False
+        state.epoch, state.metrics, self._epoch_completed = epoch, {}, False
         self._boundary.mark(self._position)
-        emit(self, table.on_epoch_start)
+        table.emit(table.on_epoch_start)
         self._epoch_completed = completed = self._train_epoch(table)
         if completed and self._cadence.at_epoch_end(epoch, state.step):
             self._validate_pass(self.val_data, "val")
         if completed:
             self._position.record(epoch + 1, 0, state.step, None, 0)
             # The epoch's history row takes the metrics each on_epoch_end writes, at once.
-            dispatch.emit_recording(self, table.on_epoch_end,
-                                    state.epoch_recorder(self.optimizer))
+            table.emit_recording(table.on_epoch_end, state.epoch_recorder(self.optimizer))
         else:
-            emit(self, table.on_epoch_end)
+            table.emit(table.on_epoch_end)
 
     def _train_epoch(self, table: Table) -> bool:
         """One training pass. Returns False when `stop` ended it before the data ran out."""
@@ -516,18 +519,18 @@ class Loop(Geometry):
         if self._cadence.owed_on_resume(batches.start, state.step, self._position.validated):
             self._step_validation(batches)  # the run stopped during the one due at this step
         for batch_idx, batch, state.step_boundary in batches:
-            batch = state.set_batch(batch, batch_idx, self)
+            batch = current_batch(state, batch, batch_idx, self.device, self._rule)
             if table.on_batch_start:
-                emit(self, table.on_batch_start)
-            with entered(table.train_step_context, self):
+                table.emit(table.on_batch_start)
+            with table.entered(table.train_step_context):
                 loss = self._forward(batch, batches, table)
                 loss.backward()
             if table.after_backward:
-                emit(self, table.after_backward)
+                table.emit(table.after_backward)
             if state.step_boundary:
                 self._step(batches, table)
             if table.on_batch_end:
-                emit(self, table.on_batch_end)
+                table.emit(table.on_batch_end)
             if state.step_boundary:
                 self._boundary.mark(self._position)
         train_loss = batches.train_loss()
@@ -538,27 +541,27 @@ class Loop(Geometry):
     def _forward(self, batch: Any, batches: EpochPass, table: Table) -> torch.Tensor:
         """Outputs and loss of a training batch; returns the loss to backpropagate."""
         state = self.state
-        with entered(table.forward_context, self):
-            outputs, loss = compute(self, batch)
+        with table.entered(table.forward_context):
+            outputs, loss = self._rule.compute(self.model, batch)
         check_loss(loss, training=True)
         state.outputs, state.loss = outputs, loss
         if table.after_forward:
-            emit(self, table.after_forward)
+            table.emit(table.after_forward)
             if state.loss is not loss:  # replaced by a callback (a penalty term)
                 check_loss(state.loss, training=True, replaced=True)
                 loss = state.loss
         batches.losses.add(loss, state.batch_size, self._loss_weight)
         for scale in table.scale_loss:
-            loss = call(scale, self, loss)
+            loss = table.call(scale, loss)
         return loss
 
     def _step(self, batches: EpochPass, table: Table) -> None:
         state, stepper = self.state, self._stepper
-        if stepper.take(self, table):
+        if stepper.take(self.optimizer, self.scaler, table):
             state.step += 1
         batches.record(state.step)  # the weights now match this position
         if stepper.stepped and table.after_step:
-            emit(self, table.after_step)
+            table.emit(table.after_step)
         self.optimizer.zero_grad(set_to_none=True)
         self._end.check_steps()
         if stepper.stepped and self._cadence.after_step(state.step):
@@ -581,30 +584,29 @@ class Loop(Geometry):
         events go to ``events`` (default: the loop's table), the contexts come from the loop's."""
         state, contexts = self.state, self._table
         assert contexts is not None
-        table = events if events is not None else contexts
-        phase = self._phases.current
+        table, phase = events or contexts, self._phases.current
         if phase is Phase.TRAIN:  # its data may draw from Python's and NumPy's generators
             phase, self._position.host_now = Phase.VALIDATE, False
         with self._phases.entered(phase), state.kept("prefix"):
             self.model.eval()
             state.training, state.prefix = False, prefix
             losses = LossSum(self.device)
-            with entered(contexts.validation_context, self):
-                emit(self, table.on_validation_start)
+            with contexts.entered(contexts.validation_context):
+                table.emit(table.on_validation_start)
                 with torch.no_grad():
                     for batch_idx, batch in enumerate(itertools.islice(data, limit)):
-                        batch = state.set_batch(batch, batch_idx, self)
+                        batch = current_batch(state, batch, batch_idx, self.device, self._rule)
                         if table.on_validation_batch_start:
-                            emit(self, table.on_validation_batch_start)
-                        with entered(contexts.forward_context, self):
-                            state.outputs, state.loss = compute(self, batch)
+                            table.emit(table.on_validation_batch_start)
+                        with contexts.entered(contexts.forward_context):
+                            state.outputs, state.loss = self._rule.compute(self.model, batch)
                         check_loss(state.loss, training=False)
                         losses.add(state.loss, state.batch_size, self._loss_weight)
                         if table.on_validation_batch_end:
-                            emit(self, table.on_validation_batch_end)
+                            table.emit(table.on_validation_batch_end)
                 empty = "val_data" if prefix == "val" else "the data given to evaluate()"
                 state.metrics[f"{prefix}_loss"] = losses.mean(empty=empty)
-                emit(self, table.on_validation_end)
+                table.emit(table.on_validation_end)
         if phase is Phase.VALIDATE:
             self._cadence.validated(state.step)
             state.record_validation(self.optimizer)

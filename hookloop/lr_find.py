@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from hookloop.checks import check_int, check_number
 from hookloop.data import move_to_device
 from hookloop.errors import ConfigurationError
-from hookloop.forward import check_loss, compute
+from hookloop.forward import ForwardRule, check_loss
 from hookloop.rng import loader_generators
 from hookloop.untouched import untouched
 
@@ -183,6 +183,7 @@ def _ramp(loop: Loop, start_lr: float, end_lr: float, steps: int, smoothing: flo
     model.train()
     optimizer.zero_grad(set_to_none=True)
     batches = _cycle(loop.train_data)
+    rule = ForwardRule(loop, loop.forward, loop.loss_fn, loop.inputs, loop.targets)
     ratio = end_lr / start_lr
     average, best = 0.0, math.inf
     for index in range(steps):
@@ -190,7 +191,7 @@ def _ramp(loop: Loop, start_lr: float, end_lr: float, steps: int, smoothing: flo
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = move_to_device(next(batches), loop.device)
-        _, loss = compute(loop, batch)
+        _, loss = rule.compute(loop.model, batch)
         check_loss(loss, training=True)
         value = float(loss.detach())  # one host sync per step: this is a measurement
         if not math.isfinite(value):

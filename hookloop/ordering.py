@@ -5,14 +5,11 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hookloop.callback import Callback
 from hookloop.errors import CallbackOrderError, ConfigurationError
 from hookloop.events import HOOKS, Event
-
-if TYPE_CHECKING:
-    from hookloop.loop import Loop
 
 __all__ = ["overrides", "check_callbacks", "suggest_order", "LOOP_METRICS", "FOREIGN_EVENTS"]
 
@@ -20,9 +17,9 @@ EVENT_NAMES: tuple[str, ...] = tuple(event.value for event in Event)
 _EVENT_LIKE = re.compile(r"^(on|before|after)_[a-z0-9_]+$")
 
 
-def LOOP_METRICS(loop: Loop) -> set[str]:  # noqa: N802 - reads like a constant at call sites
+def LOOP_METRICS(val_data: Any) -> set[str]:  # noqa: N802 - reads like a constant at call sites
     """Metrics the loop itself writes: ``train_loss``, and ``val_loss`` with validation data."""
-    return {"train_loss", "val_loss"} if loop.val_data is not None else {"train_loss"}
+    return {"train_loss", "val_loss"} if val_data is not None else {"train_loss"}
 
 
 def overrides(callback: Callback, method: str) -> bool:
@@ -60,8 +57,9 @@ def suggest_order(callbacks: Sequence[Callback], edges: set[tuple[int, int]]) ->
     return [callbacks[index] for index in placed]
 
 
-def _order_edges(callbacks: Sequence[Callback], loop: Loop) -> dict[tuple[int, int], str]:
-    """Every ``(must_come_first, must_come_after) -> reason`` the stack declares."""
+def _order_edges(callbacks: Sequence[Callback], host: object) -> dict[tuple[int, int], str]:
+    """Every ``(must_come_first, must_come_after) -> reason`` the stack declares (``host``:
+    what the callbacks' ``produces`` is asked with, the loop)."""
     edges: dict[tuple[int, int], str] = {}
     for index, callback in enumerate(callbacks):
         for other_index, other in enumerate(callbacks):
@@ -72,7 +70,7 @@ def _order_edges(callbacks: Sequence[Callback], loop: Loop) -> dict[tuple[int, i
                     edges.setdefault((other_index, index), reason)
     produced_by: dict[str, int] = {}
     for index, callback in enumerate(callbacks):
-        for metric in callback.produces(loop):
+        for metric in callback.produces(host):  # type: ignore[arg-type]
             produced_by.setdefault(metric, index)
     for index, callback in enumerate(callbacks):
         for metric in callback.monitors():
@@ -230,19 +228,33 @@ def _check_removed_declarations(callback: Callback) -> None:
         f"come after it (delete runs_before from {owner}).")
 
 
-def check_callbacks(callbacks: Sequence[object], loop: Loop) -> None:
+def check_callbacks(callbacks: Sequence[object], host: object, val_data: Any) -> None:
     """Raise before training when the stack cannot work.
 
     Checks: every item is a `Callback` instance; no method named like an event that does
-    not exist; no ``runs_before`` (removed: declare ``runs_after`` on the later callback); ``unique`` classes appear once; no declared conflict; at most one callback
-    routes the optimizer step; every ordering constraint holds; every monitored metric is
-    produced, and before its reader; no two stateful callbacks share a state key.
+    not exist; no ``runs_before`` (removed: declare ``runs_after`` on the later callback);
+    ``unique`` classes appear once; no declared conflict; at most one callback routes the
+    optimizer step; every ordering constraint holds; every monitored metric is produced
+    (by the loop itself, with ``val_data``, or by a callback), and before its reader; no
+    two stateful callbacks share a state key. ``host`` is what the callbacks' ``produces``
+    is asked with (the loop), held as it is.
 
     Raises:
         ConfigurationError: for a non-callback, a misnamed event method or a
             ``runs_before``.
         CallbackOrderError: for everything about how the callbacks sit together.
     """
+    stack = _instances(callbacks)
+    _check_unique(stack)
+    _check_conflicts(stack)
+    _check_one_router(stack)
+    _check_monitored(stack, host, val_data)
+    _check_order(stack, host)
+    _check_state_keys(stack)
+
+
+def _instances(callbacks: Sequence[object]) -> list[Callback]:
+    """The stack, once every item is known to be a `Callback` instance with sound names."""
     for index, callback in enumerate(callbacks):
         if isinstance(callback, type) and issubclass(callback, Callback):
             raise ConfigurationError(
@@ -256,8 +268,10 @@ def check_callbacks(callbacks: Sequence[object], loop: Loop) -> None:
             )
         _check_event_names(callback, index)
         _check_removed_declarations(callback)
-    stack: list[Callback] = list(callbacks)  # type: ignore[arg-type]
+    return list(callbacks)  # type: ignore[arg-type]
 
+
+def _check_unique(stack: list[Callback]) -> None:
     seen: dict[type, int] = {}
     for index, callback in enumerate(stack):
         if callback.unique and type(callback) in seen:
@@ -267,6 +281,8 @@ def check_callbacks(callbacks: Sequence[object], loop: Loop) -> None:
             )
         seen.setdefault(type(callback), index)
 
+
+def _check_conflicts(stack: list[Callback]) -> None:
     for index, callback in enumerate(stack):
         for other_index, other in enumerate(stack):
             for name, reason in callback.conflicts_with.items():
@@ -276,6 +292,8 @@ def check_callbacks(callbacks: Sequence[object], loop: Loop) -> None:
                         f"{reason}. Remove one of them."
                     )
 
+
+def _check_one_router(stack: list[Callback]) -> None:
     routers = [index for index, callback in enumerate(stack) if overrides(callback, "optimizer_step")]
     if len(routers) > 1:
         first, second = routers[:2]
@@ -284,22 +302,26 @@ def check_callbacks(callbacks: Sequence[object], loop: Loop) -> None:
             "(both override optimizer_step); only one callback may. Remove one of them."
         )
 
-    available = set(LOOP_METRICS(loop))
+
+def _check_monitored(stack: list[Callback], host: object, val_data: Any) -> None:
+    available = set(LOOP_METRICS(val_data))
     for callback in stack:
-        available.update(callback.produces(loop))
+        available.update(callback.produces(host))  # type: ignore[arg-type]
     for index, callback in enumerate(stack):
         missing = [metric for metric in callback.monitors() if metric not in available]
         if missing:
             raise CallbackOrderError(
                 f"{_label(stack, index)} monitors {missing[0]!r} but nothing produces it. "
                 f"Available metrics: {', '.join(sorted(available))}. "
-                + ("" if loop.val_data is not None else
+                + ("" if val_data is not None else
                    "Validation metrics need val_data=... on the Loop. ")
                 + "Add the callback that computes it (e.g. Metrics(...)) before "
                 f"{type(callback).__name__}, or monitor an available metric."
             )
 
-    edges = _order_edges(stack, loop)
+
+def _check_order(stack: list[Callback], host: object) -> None:
+    edges = _order_edges(stack, host)
     for (first, then), reason in edges.items():
         if first > then:
             suggestion = suggest_order(stack, set(edges))
@@ -309,6 +331,8 @@ def check_callbacks(callbacks: Sequence[object], loop: Loop) -> None:
                 f"example: [{', '.join(repr(callback) for callback in suggestion)}]."
             )
 
+
+def _check_state_keys(stack: list[Callback]) -> None:
     owners: dict[str, int] = {}
     for index, callback in enumerate(stack):
         name = getattr(callback, "name", None)

@@ -32,8 +32,9 @@ __all__ = ["ENTRY_POINT_GROUP", "Entry", "available", "entries", "get", "require
 #: The entry-point group other packages publish their presets in.
 ENTRY_POINT_GROUP = "hookloop.presets"
 
-# The presets hookloop itself defines, in hookloop.presets; a package cannot take these
-# names. They are looked up there at call time because that module imports this one.
+# The presets hookloop itself defines (hookloop.builtin_presets, shown as hookloop.presets);
+# a package cannot take these names. That module is imported at call time: importing the
+# registry imports no callback.
 _BUILT_IN_NAMES = ("standard", "finetune", "debug")
 
 PresetFunction = Callable[..., list[Callback]]
@@ -75,9 +76,9 @@ class Entry:
 
 
 def _built_ins() -> dict[str, PresetFunction]:
-    from hookloop import presets
+    from hookloop import builtin_presets
 
-    return {name: getattr(presets, name) for name in _BUILT_IN_NAMES}
+    return {name: getattr(builtin_presets, name) for name in _BUILT_IN_NAMES}
 
 
 def _package_of(entry_point: importlib.metadata.EntryPoint) -> str:

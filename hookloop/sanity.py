@@ -29,7 +29,7 @@ import copy
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -41,21 +41,18 @@ from hookloop.ordering import overrides
 from hookloop.phase import Phase, Phases
 from hookloop.untouched import untouched
 
-if TYPE_CHECKING:
-    from hookloop.loop import Loop
-
 __all__ = ["check", "batches_to_check", "listeners"]
 
 #: ``run(data, prefix, limit=..., events=...)``: the loop's validation pass.
 ValidationPass = Callable[..., None]
 
 
-def batches_to_check(loop: Loop) -> int:
+def batches_to_check(val_data: Any, sanity_val_batches: int) -> int:
     """How many validation batches the check runs: 0 without validation data, with
     ``sanity_val_batches=0``, or for a one-shot iterator (nothing to spare)."""
-    if loop.val_data is None or hasattr(loop.val_data, "__next__"):
+    if val_data is None or hasattr(val_data, "__next__"):
         return 0
-    return loop.sanity_val_batches
+    return sanity_val_batches
 
 
 _VALIDATION_EVENTS = ("on_validation_start", "on_validation_batch_start",
@@ -86,33 +83,38 @@ def _owner(forward: Any) -> Any:
     return getattr(forward, "__self__", forward)
 
 
-def listeners(loop: Loop) -> list[Callback]:
-    """The callbacks that hear the check's validation events (see the module docstring)."""
-    behind = _owner(loop.forward)
-    return [callback for callback in loop.callbacks
-            if list(callback.produces(loop)) or callback is behind
+def listeners(callbacks: Sequence[Callback], host: object, forward: Any) -> list[Callback]:
+    """The callbacks that hear the check's validation events (see the module docstring);
+    ``host`` is what their ``produces`` is asked with (the loop), ``forward`` the loop's."""
+    behind = _owner(forward)
+    return [callback for callback in callbacks
+            if list(callback.produces(host)) or callback is behind  # type: ignore[arg-type]
             or (overrides(callback, "state_dict") and not callback.rank_zero_only
                 and not list(callback.monitors()))]
 
 
-def check(loop: Loop, phases: Phases, run: ValidationPass,
-          generators: Sequence[torch.Generator]) -> None:
+def check(host: object, callbacks: Sequence[Callback], forward: Any, state: Any, model: Any,
+          train_data: Any, val_data: Any, sanity_val_batches: int, wrapper: Any,
+          phases: Phases, run: ValidationPass, generators: Sequence[torch.Generator]) -> None:
     """Run the check (when `batches_to_check` is not 0) and put everything back.
 
     Args:
-        loop: The loop about to train.
+        host: What the events are emitted with (the loop), held as it is.
+        callbacks, forward, state, model, train_data, val_data, sanity_val_batches: The
+            loop's (``state``: its `LoopState`).
+        wrapper: The loop's ``handler_wrapper``.
         phases: The loop's phase tracker (``SANITY_CHECK`` during the check).
         run: The loop's validation pass.
         generators: The training data's generators, put back too.
     """
-    batches = batches_to_check(loop)
+    batches = batches_to_check(val_data, sanity_val_batches)
     if not batches:
         return
-    kept: Any = loop.state.kept("metrics", "history", "batch_idx", "batch", "outputs", "loss",
-                                "targets", "batch_size", "training")
-    heard = listeners(loop)
+    kept: Any = state.kept("metrics", "history", "batch_idx", "batch", "outputs", "loss",
+                           "targets", "batch_size", "training")
+    heard = listeners(callbacks, host, forward)
     with phases.entered(Phase.SANITY_CHECK), kept, _states_kept(heard), \
-            untouched(loop.model, generators, data=(loop.train_data, loop.val_data)), \
-            no_new_persistent_iterator(loop.val_data):
-        run(loop.val_data, "val", limit=batches,
-            events=Table(heard, loop.handler_wrapper, main=distributed.is_main()))
+            untouched(model, generators, data=(train_data, val_data)), \
+            no_new_persistent_iterator(val_data):
+        run(val_data, "val", limit=batches,
+            events=Table(heard, host, wrapper, main=distributed.is_main()))

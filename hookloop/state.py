@@ -5,17 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from hookloop.data import batch_size_of, move_to_device
-from hookloop.forward import batch_targets
 
-if TYPE_CHECKING:
-    from hookloop.loop import Loop
+from hookloop.forward import ForwardRule
 
-__all__ = ["LoopState", "learning_rates", "is_learning_rate"]
+__all__ = ["LoopState", "current_batch", "learning_rates", "is_learning_rate"]
 
 
 def learning_rates(optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
@@ -113,22 +111,14 @@ class LoopState:
     history: list[dict[str, float]] = field(default_factory=list)
     prefix: str = "val"
 
-    def set_batch(self, batch: Any, batch_idx: int, loop: Loop) -> Any:
+    def set_batch(self, batch: Any, batch_idx: int, loop: Any) -> Any:
         """Move ``batch`` to ``loop.device`` and make it the current one, with its targets
-        (by the loop's ``targets=`` rule) and its size; return it."""
-        self.batch_idx = batch_idx
-        self.batch = batch = move_to_device(batch, loop.device)
-        kind = type(batch)
-        if loop.targets is None and (kind is tuple or kind is list) and len(batch) == 2:
-            # A pair: what batch_targets and batch_size_of say, without their calls.
-            targets = self.targets = batch[1]
-            if isinstance(targets, torch.Tensor) and targets.dim() > 0:
-                self.batch_size = targets.shape[0]
-                return batch
-        else:
-            targets = self.targets = batch_targets(loop, batch)
-        self.batch_size = batch_size_of(batch, targets)
-        return batch
+        (by the loop's ``targets=`` rule) and its size; return it.
+
+        Kept for the public API: the loop itself calls `current_batch`, which is handed the
+        device and the forward rule instead of the loop."""
+        return current_batch(self, batch, batch_idx, loop.device,
+                             ForwardRule(loop, None, None, None, loop.targets))
 
     def record_validation(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Append the history row of a validation that counts: ``epoch``, ``step``, metrics,
@@ -191,3 +181,22 @@ class LoopState:
         # Counters and metrics only: the batch and outputs would flood a terminal.
         return (f"LoopState(epoch={self.epoch}, step={self.step}, batch_idx={self.batch_idx}, "
                 f"training={self.training}, metrics={self.metrics})")
+
+
+def current_batch(state: LoopState, batch: Any, batch_idx: int, device: torch.device,
+                  rule: ForwardRule) -> Any:
+    """Move ``batch`` to ``device`` and make it ``state``'s current one, with its targets
+    (by the ``rule``'s ``targets=``) and its size; return it."""
+    state.batch_idx = batch_idx
+    state.batch = batch = move_to_device(batch, device)
+    kind = type(batch)
+    if rule.targets is None and (kind is tuple or kind is list) and len(batch) == 2:
+        # A pair: what targets_of and batch_size_of say, without their calls.
+        targets = state.targets = batch[1]
+        if isinstance(targets, torch.Tensor) and targets.dim() > 0:
+            state.batch_size = targets.shape[0]
+            return batch
+    else:
+        targets = state.targets = rule.targets_of(batch)
+    state.batch_size = batch_size_of(batch, targets)
+    return batch

@@ -5,17 +5,17 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from hookloop.distributed import world_size
-from hookloop.dispatch import Table, call, emit, entered
 from hookloop.errors import ConfigurationError
-from hookloop.forward import check_loss, compute
+from hookloop.forward import ForwardRule, check_loss
 
 if TYPE_CHECKING:
-    from hookloop.loop import Loop
+    from hookloop.dispatch import Table
+    from hookloop.state import LoopState
 
 __all__ = ["OptimizerStep"]
 
@@ -40,7 +40,7 @@ class OptimizerStep:
     the ``scale_loss`` hooks, ``backward``. No other event fires in it.
     """
 
-    __slots__ = ("cancelled", "stepped", "_observed", "_checked", "_closure")
+    __slots__ = ("cancelled", "stepped", "_observed", "_checked", "_closure", "_recompute")
 
     def __init__(self) -> None:
         #: A callback called ``loop.cancel_step()`` at this boundary.
@@ -50,6 +50,7 @@ class OptimizerStep:
         self._observed = True
         self._checked = False  # the first routed step of the fit was checked
         self._closure = False  # the optimizer's step needs a closure (LBFGS)
+        self._recompute: Recompute | None = None  # what a closure recomputes (`prepare`)
 
     @contextmanager
     def observing(self, optimizer: Any) -> Iterator[None]:
@@ -67,39 +68,54 @@ class OptimizerStep:
     def _mark(self, *_: Any) -> None:
         self.stepped = True
 
-    def take(self, loop: Loop, table: Table) -> bool:
-        """``before_step``, then the step unless cancelled; True when the optimizer stepped."""
+    def prepare(self, state: LoopState, rule: ForwardRule, model: Callable[[], Any],
+                accumulation_steps: int) -> None:
+        """After setup: what a closure optimizer's closure recomputes (the current batch of
+        ``state`` by ``rule``, on ``model()``, the model of the moment) and over how many
+        batches a step accumulates."""
+        self._recompute = Recompute(state, rule, model, accumulation_steps)
+
+    def take(self, optimizer: Any, scaler: Any, table: Table) -> bool:
+        """``before_step``, then the step unless cancelled; True when the optimizer stepped.
+
+        ``scaler``: AMP's ``GradScaler`` or None; ``table``: the fit's dispatch table."""
         self.cancelled = False
         if table.before_step:
-            emit(loop, table.before_step)
+            table.emit(table.before_step)
         self.stepped = False
         if self.cancelled:
             return False
-        if self._closure and not self._checked:  # the fit's first step, before any weight moves
-            self._checked = True
-            check_closure_stack(loop, table)
-        if table.step is None:
-            if self._closure:  # the batch's own outputs and loss stay the state's after it
-                state = loop.state
-                outputs, loss = state.outputs, state.loss
-                loop.optimizer.step(closure(loop, table))
-                state.outputs, state.loss = outputs, loss
-            else:
-                loop.optimizer.step()
+        if self._closure:
+            self._closure_step(optimizer, table)
+        elif table.step is None:
+            optimizer.step()
         else:
-            said = call(table.step, loop)
+            said = table.call(table.step)
             if said is True and not self.stepped:  # the router updated the weights itself
                 self.stepped = True
             elif not self._checked:
-                self._check_routed(loop, table)
+                self._check_routed(scaler, table)
         if not self._observed:  # an optimizer without step hooks: trust the call
             self.stepped = True
         return self.stepped
 
-    def _check_routed(self, loop: Loop, table: Table) -> None:
+    def _closure_step(self, optimizer: Any, table: Table) -> None:
+        """The step of a closure optimizer, checked at the fit's first (before any weight
+        moves); the batch's own outputs and loss stay the state's after it."""
+        recompute = self._recompute
+        assert recompute is not None, "OptimizerStep.prepare runs at every setup"
+        if not self._checked:
+            self._checked = True
+            check_closure_stack(optimizer, table, recompute.accumulation_steps)
+        state = recompute.state
+        outputs, loss = state.outputs, state.loss
+        optimizer.step(closure(optimizer, table, recompute))
+        state.outputs, state.loss = outputs, loss
+
+    def _check_routed(self, scaler: Any, table: Table) -> None:
         """The first routed step of a fit must really step (or say that it did)."""
         self._checked = True
-        if self.stepped or not self._observed or loop.scaler is not None:
+        if self.stepped or not self._observed or scaler is not None:
             return  # a GradScaler may skip a step: that is not the router's mistake
         owner = type(getattr(table.step, "__self__", None)).__name__
         raise ConfigurationError(
@@ -127,7 +143,16 @@ def needs_closure(optimizer: Any) -> bool:
     return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
-def check_closure_stack(loop: Loop, table: Table) -> None:
+class Recompute(NamedTuple):
+    """What a closure recomputes: the current batch of ``state`` by ``rule`` on ``model()``."""
+
+    state: LoopState
+    rule: ForwardRule
+    model: Callable[[], Any]
+    accumulation_steps: int
+
+
+def check_closure_stack(optimizer: Any, table: Table, accumulation_steps: int) -> None:
     """Refuse, before its first step, what a closure optimizer cannot do through the loop:
     the closure re-evaluates the current batch in this one process.
 
@@ -138,13 +163,13 @@ def check_closure_stack(loop: Loop, table: Table) -> None:
             (each rank's line search would re-evaluate a different number of times, each
             time an all-reduce: the ranks would hang).
     """
-    name = type(loop.optimizer).__name__
+    name = type(optimizer).__name__
     if table.step is not None:
         owner = type(getattr(table.step, "__self__", None)).__name__
         problem = (f"{owner} routes the optimizer step and calls step() without one (a "
                    f"GradScaler cannot step a closure optimizer): leave {owner} out")
-    elif loop.accumulation_steps > 1:
-        problem = (f"the step accumulates {loop.accumulation_steps} batches and a closure can "
+    elif accumulation_steps > 1:
+        problem = (f"the step accumulates {accumulation_steps} batches and a closure can "
                    f"re-evaluate only the last one, so {name} would compare losses and "
                    "gradients of different objectives: leave GradAccumulation out (a larger "
                    "batch gives the same window)")
@@ -158,26 +183,27 @@ def check_closure_stack(loop: Loop, table: Table) -> None:
                              f"re-evaluating the current batch; but {problem}.")
 
 
-def closure(loop: Loop, table: Table) -> Callable[[], torch.Tensor]:
+def closure(optimizer: Any, table: Table, recompute: Recompute) -> Callable[[], torch.Tensor]:
     """The closure a closure optimizer's ``step`` calls (see `OptimizerStep`): the loss of
     the current batch, first as the loop computed it, then recomputed at each call."""
-    state, batch, first = loop.state, loop.state.batch, [True]
+    state, first = recompute.state, [True]
+    batch = state.batch
 
     def evaluate() -> torch.Tensor:
         if first:
             first.clear()
             assert state.loss is not None
             return state.loss.detach()
-        loop.optimizer.zero_grad(set_to_none=True)
-        with entered(table.train_step_context, loop):
-            with entered(table.forward_context, loop):
-                state.outputs, state.loss = compute(loop, batch)
+        optimizer.zero_grad(set_to_none=True)
+        with table.entered(table.train_step_context):
+            with table.entered(table.forward_context):
+                state.outputs, state.loss = recompute.rule.compute(recompute.model(), batch)
             check_loss(state.loss, training=True)
             if table.after_forward:
-                emit(loop, table.after_forward)
+                table.emit(table.after_forward)
             loss = state.loss
             for scale in table.scale_loss:
-                loss = call(scale, loop, loss)
+                loss = table.call(scale, loss)
             loss.backward()
         return state.loss.detach()
 

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from hookloop.callback import Callback
+from hookloop.comparison import difference, without
 from hookloop.events import Event
 from hookloop.ordering import overrides
 from hookloop.run_file import CALLBACKS
@@ -116,7 +117,7 @@ def _placed(callbacks: Sequence[Callback], stack: list[Callback], loop: Any) -> 
     for position in range(len(stack), -1, -1):
         candidate = stack[:position] + list(callbacks) + stack[position:]
         try:
-            check_callbacks(candidate, loop)
+            check_callbacks(candidate, loop, loop.val_data)
         except CallbackOrderError as problem:
             error = error or problem
             continue
@@ -177,50 +178,6 @@ def _as_list(made: Any) -> list[Callback]:
 
 
 # ------------------------------------------------------------------ comparisons
-def _difference(a: Any, b: Any, where: str = "") -> str | None:
-    """Where ``a`` and ``b`` differ (tensors with torch.equal), or None."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return f"{where or 'value'}: {type(a).__name__} vs {type(b).__name__}"
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return f"{where or 'tensor'}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-        same = torch.equal(a.cpu(), b.cpu()) or (
-            a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
-            and torch.equal(a[~a.isnan()].cpu(), b[~b.isnan()].cpu()))
-        return None if same else f"{where or 'tensor'}: values differ"
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return (f"{where or 'state'}: keys {sorted(map(str, a.keys() - b.keys()))} only in "
-                    f"the first, {sorted(map(str, b.keys() - a.keys()))} only in the second")
-        for key in a:
-            found = _difference(a[key], b[key], f"{where}[{key!r}]")
-            if found:
-                return found
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return f"{where or 'list'}: {len(a)} items vs {len(b)}"
-        for index, (x, y) in enumerate(zip(a, b)):
-            found = _difference(x, y, f"{where}[{index}]")
-            if found:
-                return found
-        return None
-    if a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b):
-        return None
-    return f"{where or 'value'}: {a!r:.80} vs {b!r:.80}"
-
-
-def _without(value: Any, keys: Sequence[str]) -> Any:
-    """``value`` with the mapping entries named ``keys`` left out, at any depth."""
-    if not keys:
-        return value
-    if isinstance(value, dict):
-        return {key: _without(item, keys) for key, item in value.items() if key not in keys}
-    if isinstance(value, (list, tuple)):
-        return [_without(item, keys) for item in value]
-    return value
-
-
 def _weights(loop: Any) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in loop.model.state_dict().items()}
 
@@ -275,7 +232,7 @@ def check_state(factory: Factory, directory: str | os.PathLike[str] | None = Non
             if callback.state_key not in saved:
                 raise KitFailure(f"{callback!r}: the checkpoint file {files[-1].name} has no "
                                  f"state under {callback.state_key!r}")
-            found = _difference(capture.states.get(callback.state_key), saved[callback.state_key])
+            found = difference(capture.states.get(callback.state_key), saved[callback.state_key])
             if found:
                 raise KitFailure(f"{callback!r}: a new instance restored from the checkpoint "
                                  f"file gives a state_dict() after load_state_dict() that "
@@ -356,7 +313,7 @@ def _resume_once(factory: Factory, root: str, seed: int, stop_at: int, relaunch:
               ("the step", resumed.state.step, reference.state.step),
               ("the callbacks' state", _states(_as_list(made)), _states(_as_list(reference_made)))]
     for what, got, expected in checks:
-        found = _difference(_without(got, ignore), _without(expected, ignore))
+        found = difference(without(got, ignore), without(expected, ignore))
         if found:
             raise KitFailure(
                 f"{_as_list(made)!r}: a run stopped after step {stop_at} and {how} from its "
@@ -502,7 +459,7 @@ def check_dispatch(factory: Factory, directory: str | os.PathLike[str] | None = 
 
     with _folder(directory) as root:
         callbacks = _as_list(_make(factory, root))
-        table = Table(callbacks)
+        table = Table(callbacks, None)
         for callback in callbacks:
             for event in Event:
                 name = event.value
@@ -550,7 +507,7 @@ def check_ranks(factory: Factory, directory: str | os.PathLike[str] | None = Non
             raise KitFailure("a rank failed under torchrun (ranks that decide differently "
                              f"break the collectives):\n{output[-3000:]}")
         ranks = [torch.load(Path(root, f"rank{rank}.pt"), weights_only=True) for rank in (0, 1)]
-        found = _difference(ranks[1], ranks[0])
+        found = difference(ranks[1], ranks[0])
         if found:
             raise KitFailure(f"rank 1 decided differently from rank 0: {found}")
 

@@ -79,7 +79,7 @@ def test_standard_stack_in_a_legal_order(tmp_path: Path) -> None:
     assert (early_stopping.monitor, early_stopping.mode, early_stopping.patience) == ("val_acc", "max", 5)
     assert (checkpoint.monitor, checkpoint.mode, checkpoint.resume) == ("val_acc", "max", False)
     loop = classification_loop(callbacks)
-    check_callbacks(callbacks, loop)  # the order rules hold
+    check_callbacks(callbacks, loop, loop.val_data)  # the order rules hold
     state = loop.fit(2)
     assert state.step == 6 and "val_acc" in state.metrics
     assert (tmp_path / "ckpt" / "best.pt").exists()

@@ -20,7 +20,6 @@ from hookloop.data import length_of
 from hookloop.errors import ConfigurationError
 from hookloop.launcher import Launch, destroy_at_exit
 from hookloop.mesh import Mesh
-from hookloop.phase import Phase
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -255,7 +254,8 @@ class FSDP(Callback):
     def _runs_sharded(self, loop: Loop) -> bool:
         """Whether every rank runs the same number of validation forwards (asked once per
         loader, of all ranks): then they run sharded, without gathering the model."""
-        if loop.phase not in (Phase.VALIDATE, Phase.SANITY_CHECK) or loop.val_data is None:
+        # Phase's values are its names as strings: "validate", "sanity_check" (no import).
+        if loop.phase not in ("validate", "sanity_check") or loop.val_data is None:
             return False  # evaluate(data), predict(data): data this callback cannot see
         key = id(loop.val_data)
         if key not in self._even:

@@ -12,7 +12,7 @@ import torch
 from hookloop.callback import Callback
 from hookloop.checks import check_console, check_flag, check_int
 from hookloop.errors import ConfigurationError
-from hookloop.forward import compute
+from hookloop.forward import ForwardRule
 from hookloop.untouched import untouched
 
 if TYPE_CHECKING:
@@ -132,7 +132,8 @@ def _model_call(loop: Loop, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]
     handle = probe.model.register_forward_pre_hook(stop, with_kwargs=True)
     try:
         with untouched(probe.model, tensors="buffers"), torch.no_grad():
-            compute(probe, batch)  # type: ignore[arg-type]
+            ForwardRule(probe, loop.forward, loop.loss_fn, loop.inputs,
+                        loop.targets).compute(probe.model, batch)
     except _Captured:
         pass
     except Exception as error:
