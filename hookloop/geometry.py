@@ -16,6 +16,7 @@ from hookloop.data import length_of
 from hookloop.modules import unwrap
 
 if TYPE_CHECKING:
+    from hookloop.position import Position
     from hookloop.state import LoopState
 
 __all__ = ["Geometry"]
@@ -42,6 +43,7 @@ class Geometry:
     #: "drop")`` sets False).
     partial_window_steps: bool
     state: LoopState
+    _position: Position
 
     @property
     def unwrapped_model(self) -> nn.Module:
@@ -71,7 +73,9 @@ class Geometry:
     def total_steps(self) -> int | None:
         """Optimizer steps the current fit makes in all, from its start (or None)."""
         per_epoch = self.steps_per_epoch
-        total = None if per_epoch is None else per_epoch * self.state.epochs
+        # Steps taken on another number of ranks count as taken (`Position.step_offset`).
+        total = None if per_epoch is None else \
+            per_epoch * self.state.epochs + self._position.step_offset
         if self.state.max_steps is not None:
             total = self.state.max_steps if total is None else min(total, self.state.max_steps)
         return total

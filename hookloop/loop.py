@@ -483,7 +483,7 @@ class Loop(Geometry):
         self.model.to(self.device)
         self._restore = run_state.apply(self, self._position, self._end, self._restore)
         self._table = Table(self.callbacks, self.handler_wrapper, main=distributed.is_main())
-        self._position.attach(self.train_data)
+        self._position.attach(self.train_data, self.accumulation_steps, self.partial_window_steps)
         return self._table
 
     def _run_epoch(self, epoch: int, table: Table) -> None:
@@ -508,7 +508,8 @@ class Loop(Geometry):
         state = self.state
         self.model.train()
         state.training = True
-        batches = self._position.start_epoch(self, stop_due=self._end.due_at_boundary)
+        batches = self._position.start_epoch(state.epoch, self.train_data, self.accumulation_steps,
+                                             self.device, stop_due=self._end.due_at_boundary)
         if self._cadence.owed_on_resume(batches.start, state.step, self._position.validated):
             self._step_validation(batches)  # the run stopped during the one due at this step
         for batch_idx, batch, state.step_boundary in batches:

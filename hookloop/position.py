@@ -4,8 +4,9 @@ the weights are."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,9 +25,7 @@ from hookloop.resumable import (
     stateful_view,
 )
 from hookloop.rng import capture_rng, host_rng, loader_generators, restore_host_rng, restore_rng
-
-if TYPE_CHECKING:
-    from hookloop.loop import Loop
+from hookloop.samplers import distributed_sampler, epoch_order_key, rest_of_epoch
 
 __all__ = ["Position", "EpochPass", "RunPosition"]
 
@@ -82,7 +81,8 @@ class Position:
     __slots__ = ("epoch", "batches_done", "step", "loss_sum", "samples",
                  "rng", "epoch_rng", "prefetch_rng", "validated", "generators", "host_now",
                  "host_mark", "_replay", "_live", "source", "workers_rng", "data_state",
-                 "_stateful", "_batch_samples")
+                 "_stateful", "_batch_samples", "epoch_samples", "step_offset", "_base",
+                 "_loaded", "_order")
 
     def __init__(self) -> None:
         self.epoch = self.batches_done = self.step = self.samples = 0
@@ -116,17 +116,55 @@ class Position:
         #: Samples of the epoch's global order one batch of every rank takes (None: the
         #: data has no fixed batch size, or no order to count in).
         self._batch_samples: int | None = None
+        #: Samples of the epoch's global order trained on at the position (None: not
+        #: known, `_batch_samples` is None): what the position means on any number of ranks.
+        self.epoch_samples: int | None = 0
+        #: Optimizer steps the run takes beyond ``steps_per_epoch * epochs`` of the current
+        #: geometry: the steps taken on another number of ranks (`hookloop.geometry`).
+        self.step_offset = 0
+        #: ``(batches, samples)`` where this epoch's pass began counting batches from: the
+        #: position a resume on another number of ranks derived from ``epoch_samples``.
+        self._base = (0, 0)
+        #: After `load`, until `attach`: the saved global batch and epoch order key.
+        self._loaded: tuple[int | None, str | None] | None = None
+        #: The key of the epoch order of the data (`hookloop.samplers.epoch_order_key`).
+        self._order: str | None = None
 
     @property
     def public(self) -> RunPosition:
         return RunPosition(self.epoch, self.batches_done, self.step)
 
-    def attach(self, data: Any) -> None:
-        """At every setup: the training data (DDP may have rebuilt it) and its generators."""
+    def attach(self, data: Any, window: int = 1, partial_steps: bool = True) -> None:
+        """At every setup: the training data (DDP may have rebuilt it) and its generators.
+
+        After a `load` whose global batch differs from this data's (another number of
+        ranks), the position inside the epoch is derived from ``epoch_samples``: the
+        epoch's pass starts at the batch from which the samples not trained on yet fill
+        the rest of the epoch, and `step_offset` counts the run's steps in the new geometry
+        (``window`` batches a step, ``partial_steps``: an epoch's last, partial window
+        steps)."""
         self.generators = loader_generators(data)
         self.source = data_source(data)
         self._stateful = stateful_view(data) if self.source == "stateful" else None
         self._batch_samples = global_batch(data)
+        sampler = distributed_sampler(data) if self.source == "sampler" else None
+        self._order = None if sampler is None else epoch_order_key(sampler)
+        loaded, self._loaded = self._loaded, None
+        if loaded is None or self._batch_samples is None or loaded[0] == self._batch_samples:
+            return
+        total, done = length_of(data), self.batches_done
+        if total is None:
+            return
+        start = 0
+        if done and self.epoch_samples is not None and sampler is not None:
+            rest = length_of(rest_of_epoch(data, self.epoch_samples)) or 0
+            start = self.batches_done = max(1, total - rest)
+            self._base = (start, self.epoch_samples)
+            total = start + rest
+        # The steps of the run: those taken, the rest of this epoch's, then whole epochs.
+        per_epoch = _steps(0, length_of(data) or 0, window, 0, partial_steps)
+        left = _steps(start, total, window, start, partial_steps) if done else per_epoch
+        self.step_offset = self.step + left - per_epoch * (self.epoch + 1)
 
     def record(self, epoch: int, batches_done: int, step: int,
                loss_sum: LossMark | torch.Tensor | None,
@@ -141,6 +179,9 @@ class Position:
             self.prefetch_rng, self.workers_rng = None, workers_rng
             data_state = stateful_part(stateful).state_dict() if stateful is not None else None
         self.data_state = data_state if stateful is not None and batches_done else None
+        size, (base_batches, base_samples) = self._batch_samples, self._base
+        self.epoch_samples = 0 if not batches_done else None if size is None else \
+            base_samples + (batches_done - base_batches) * size
         self.validated = self.validated and step == self.step  # still that step's
         self.epoch, self.batches_done, self.step = epoch, batches_done, step
         self.loss_sum, self.samples = loss_sum, samples
@@ -168,8 +209,12 @@ class Position:
         (its generators and the loss sums of its shard). Tensors and plain values only."""
         shared = {"epoch": self.epoch, "batch_idx": self.batches_done, "step": self.step,
                   "validated": self.validated}
-        if self._batch_samples is not None:  # the same on any number of ranks
-            shared["epoch_samples"] = self.batches_done * self._batch_samples
+        if self.epoch_samples is not None and self._batch_samples is not None:
+            shared.update(epoch_samples=self.epoch_samples, global_batch=self._batch_samples)
+        if self._order is not None:
+            shared["epoch_order"] = self._order
+        if self.step_offset:
+            shared["step_offset"] = self.step_offset
         own: dict[str, Any] = {
             "train_loss_sum": None if self.loss_sum is None else self._loss_total().detach().cpu(),
             "train_samples": self.samples,
@@ -213,12 +258,21 @@ class Position:
         self.workers_rng, self.data_state = own.get("workers_rng"), own.get("data_state")
         mark = own.get("mark_rng")
         self.host_mark = None if mark is None else (int(own["mark_batches"]), mark)
+        samples, size = shared.get("epoch_samples"), shared.get("global_batch")
+        if size is None and samples is not None and self.batches_done:  # an older file
+            size = int(samples) // self.batches_done
+        self.epoch_samples = None if samples is None else int(samples)
+        self.step_offset = int(shared.get("step_offset", 0))
+        self._loaded = (None if size is None else int(size), shared.get("epoch_order"))
+        self._base = (self.batches_done, self.epoch_samples or 0)
         self._replay = True
         self._live = None
 
-    def start_epoch(self, loop: Loop, stop_due: Callable[[], bool]) -> EpochPass:
-        """The training pass of the loop's current epoch: its batches past those already
-        trained on; ``stop_due()`` says at a step boundary whether to end it there.
+    def start_epoch(self, epoch: int, data: Any, window: int, device: Any,
+                    stop_due: Callable[[], bool]) -> EpochPass:
+        """The training pass of ``epoch`` over ``data`` (``window`` batches a step, the loss
+        summed on ``device``): its batches past those already trained on; ``stop_due()``
+        says at a step boundary whether to end it there.
 
         After `load` or `rewind`, the generators are put back as they were when the
         interrupted run created this epoch's iterator (same data order), the trained batches
@@ -226,18 +280,26 @@ class Position:
         dropout and augmentation draws). The live iterator of an epoch that ``stop`` cut
         short in this process is continued as it is. Data without a length and an
         accumulation window is read one batch ahead, to know where the last window ends.
+        A position whose samples are not a whole number of this data's batches (a resume
+        on another number of ranks) continues with the samples of the epoch's order not
+        trained on yet, resharded (`hookloop.samplers.rest_of_epoch`); its windows count
+        from there.
         """
-        epoch, data, window, device = (loop.state.epoch, loop.train_data,
-                                       loop.accumulation_steps, loop.device)
         generators = self.generators
         live, self._live = self._live, None
         skip = self.batches_done if self.epoch == epoch else 0
+        if not skip:
+            self._base = (0, 0)
+        phase = self._base[0] if self._resharded(skip) else 0
         losses = LossSum(device, *((self._loss_total(), self.samples)
                                    if skip and self.loss_sum is not None else ()))
         replay, self._replay = self._replay, False
         total = length_of(data)
+        if phase:
+            data = rest_of_epoch(data, self.epoch_samples)  # type: ignore[arg-type]
+            total = skip + (length_of(data) or 0)
         if live is not None and live[0] == epoch and skip and not replay:
-            return EpochPass(self, epoch, live[1], skip, total, window, stop_due, losses)
+            return EpochPass(self, epoch, live[1], skip, total, window, stop_due, losses, phase)
         if replay and skip and self.epoch_rng is not None:
             restore_rng(self.epoch_rng, generators)
         elif replay and not skip and self.rng is not None:
@@ -249,6 +311,8 @@ class Position:
         # its iterator is exhausted (RandomSampler does, after an even last batch).
         if total is not None and skip > total:
             iterator: Iterator[Any] = iter(())
+        elif phase:
+            iterator = iter(data)  # the rest of the epoch: nothing of it was read
         else:
             iterator = self._batches(data, skip, replay)
         if total is None and window > 1:
@@ -257,7 +321,14 @@ class Position:
             iterator = self._lookahead(iterator, generators)
         if replay and skip and self.rng is not None:
             restore_rng(self.rng, generators)
-        return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses)
+        return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses, phase)
+
+    def _resharded(self, skip: int) -> bool:
+        """The epoch resumes from a sample that does not start one of this data's batches:
+        the epoch's samples from there on are sharded over the ranks afresh."""
+        samples, size = self.epoch_samples, self._batch_samples
+        return bool(skip) and self._order is not None and samples is not None and \
+            size is not None and samples != skip * size
 
     def _lookahead(self, iterator: Iterator[Any], generators: Any) -> Lookahead:
         """A `Lookahead` whose snapshot, taken before each fetch, is what a boundary before
@@ -298,6 +369,14 @@ class Position:
         return iterator
 
 
+def _steps(start: int, end: int, window: int, phase: int, partial: bool) -> int:
+    """Optimizer steps between ``start`` and ``end`` batches done of an epoch whose windows
+    of ``window`` batches count from batch ``phase``, the last, partial one stepping when
+    ``partial``."""
+    whole = (end - phase) // window - (start - phase) // window
+    return whole + int(partial and end > start and (end - phase) % window != 0)
+
+
 def _say_replay(data: Any, skip: int, source: str) -> None:
     """One line at a resume that fetches the trained batches again (rank 0)."""
     if not distributed.is_main():
@@ -328,12 +407,13 @@ class EpochPass:
     """
 
     __slots__ = ("_position", "epoch", "_iterator", "start", "_total", "_window", "_stop_due",
-                 "losses", "batches_done", "completed", "_at_boundary")
+                 "losses", "batches_done", "completed", "_at_boundary", "_phase")
 
     def __init__(self, position: Position, epoch: int, iterator: Iterator[Any], start: int,
                  total: int | None, window: int, stop_due: Callable[[], bool],
-                 losses: LossSum) -> None:
+                 losses: LossSum, phase: int = 0) -> None:
         self._position, self.epoch, self._iterator = position, epoch, iterator
+        self._phase = phase  # the windows count from this batch (a resharded epoch's start)
         self.start, self._total, self._window, self._stop_due = start, total, window, stop_due
         #: The sample-weighted sum of this epoch's training losses, on the device.
         self.losses = losses
@@ -344,7 +424,7 @@ class EpochPass:
         self._at_boundary = True  # the weights match `batches_done`: a stop may end here
 
     def __iter__(self) -> Iterator[tuple[int, Any, bool]]:
-        iterator, total, window = self._iterator, self._total, self._window
+        iterator, total, window, phase = self._iterator, self._total, self._window, self._phase
         lookahead = iterator if isinstance(iterator, Lookahead) else None
         boundary, batch_idx = True, self.start - 1
         stop_due, position = self._stop_due, self._position
@@ -367,7 +447,7 @@ class EpochPass:
             batch_idx += 1
             # Every batch ends a step without accumulation; else every window-th batch
             # and the one that ends the data.
-            boundary = window == 1 or (batch_idx + 1) % window == 0 or (
+            boundary = window == 1 or (batch_idx + 1 - phase) % window == 0 or (
                 lookahead.exhausted if lookahead is not None
                 else total is not None and batch_idx == total - 1)
             self.batches_done = batch_idx + 1

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from hookloop.compat import loader_view, seed_worker_as
 from hookloop.rng import restore_rng
+from hookloop.samplers import distributed_sampler, epoch_order_key
 
 try:  # numpy is optional
     import numpy as _numpy
@@ -321,3 +322,23 @@ def global_batch(data: Any) -> int | None:
         return None
     replicas = getattr(sampler, "num_replicas", 1)
     return size * replicas if isinstance(replicas, int) else None
+
+
+def reshard_problem(data: Any, saved: Any) -> str | None:
+    """Why the position ``saved`` (a checkpoint's ``loop`` part, written inside an epoch by
+    another number of ranks) cannot continue over ``data``'s ranks, or None when it can:
+    ``data`` is a DataLoader drawing from a torch ``DistributedSampler`` whose epoch order
+    is the one the position counts samples of (same seed, shuffle, dataset size)."""
+    sampler = distributed_sampler(data)
+    if sampler is None:
+        return (f"the training data ({type(data).__name__}) does not draw from a torch "
+                "DistributedSampler, whose order of the epoch is the same on any number of "
+                "ranks (DDP and FSDP give a DataLoader one)")
+    if saved.get("epoch_samples") is None or saved.get("epoch_order") is None:
+        return ("the checkpoint does not say which samples of the epoch's order were trained "
+                "on (its data was not sharded by a DistributedSampler, or an older hookloop "
+                "wrote it)")
+    if saved["epoch_order"] != epoch_order_key(sampler):
+        return (f"the epoch's order was that of {saved['epoch_order']} and is now that of "
+                f"{epoch_order_key(sampler)}")
+    return None

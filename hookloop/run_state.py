@@ -27,6 +27,7 @@ from hookloop.errors import (
     with_article,
 )
 from hookloop.ordering import overrides
+from hookloop.resumable import reshard_problem
 from hookloop.rng import rng_state_problem
 from hookloop.sharded import gather_for_rank_zero, layout_of, model_state, optimizer_state
 from hookloop.state import is_learning_rate
@@ -395,13 +396,17 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
             f"Relaunch on {saved_world} process(es), or resume from a checkpoint written at an "
             "epoch end, or use a DataLoader over a map-style dataset (its position is kept in "
             "samples).")
+    problem = reshard_problem(loop.train_data, loop_part) if saved_world != world and \
+        int(loop_part.get("batch_idx", 0)) else None
+    if problem is not None:
+        raise CheckpointError(
+            f"{source}: the run was saved inside epoch {int(loop_part.get('epoch', 0)) + 1} by "
+            f"{saved_world} process(es) and this run has {world}; the samples of the epoch "
+            f"not trained on yet can be resharded over the new ranks only when both "
+            f"launches draw the same order from a DistributedSampler, but {problem}. Relaunch "
+            f"on {saved_world} process(es), or resume from a checkpoint written at an epoch end.")
     if saved_world != world or (world > 1 and len(ranks) < world):
         own.update(train_loss_sum=None, train_samples=0)  # not this rank's own sums
-    if saved_world != world and distributed.is_main():
-        warnings.warn(
-            f"{source} was written by {saved_world} process(es), this run has {world}: "
-            "the position in the epoch does not carry over exactly.", RuntimeWarning,
-            stacklevel=4)
     position.load(loop_part, own, loop.device)
     epoch, done, step = position.public
     # The epoch the weights are in, as an uninterrupted run shows it: after a whole epoch e
@@ -614,8 +619,15 @@ def check_run_fields(path: str, payload: Mapping[str, Any]) -> None:
             raise CheckpointError(f"{path}: the checkpoint's field 'loop.{field}' is missing; "
                                   "it cannot be resumed.")
         _expect_int(path, f"loop.{field}", loop[field])
-    if "epoch_samples" in loop:
-        _expect_int(path, "loop.epoch_samples", loop["epoch_samples"])
+    for field in ("epoch_samples", "global_batch"):
+        if field in loop:
+            _expect_int(path, f"loop.{field}", loop[field])
+    if "step_offset" in loop:
+        expect_field(path, "loop.step_offset", loop["step_offset"], _is_int(loop["step_offset"]),
+                     "an int")
+    if "epoch_order" in loop:
+        expect_field(path, "loop.epoch_order", loop["epoch_order"],
+                     isinstance(loop["epoch_order"], str), "a str (the sampler's order)")
     if "validated" in loop:
         expect_field(path, "loop.validated", loop["validated"],
                      isinstance(loop["validated"], bool), "a bool")

@@ -215,3 +215,77 @@ def test_a_stateful_iterable_under_accumulation_resumes_at_its_boundary() -> Non
     assert seen.values == list(range(5, 21))
     for name, value in uninterrupted.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], value), name
+
+
+def _saved_by_two_ranks(tmp_path, train) -> tuple[dict, object]:
+    """A checkpoint of a run stopped inside its epoch (step 3), edited as if two ranks had
+    written it, and a fresh loop over ``train()`` to resume it on this one."""
+    from hookloop.callbacks import Checkpoint
+
+    from builders import StopAt
+
+    def run(callbacks):
+        return make_loop(callbacks, model=lambda: torch.nn.Linear(1, 1), train=train,
+                         sanity_val_batches=0)
+
+    with pytest.raises(SystemExit):
+        run([Checkpoint(tmp_path, every_n_steps=1), StopAt(3, resumable=True)]).fit(1)
+    (path,) = [p for p in tmp_path.glob("*.pt") if "step=00000003" in p.name]
+    state = torch.load(path, weights_only=True)
+    state["loop"]["world_size"] = 2
+    return state, run([])
+
+
+def test_a_stateful_loader_s_per_rank_state_on_another_number_of_ranks_is_refused(
+        tmp_path) -> None:
+    """torchdata's StatefulDataLoader on each rank holds that rank's own place in its shard:
+    it cannot be split over other ranks, so the resume names it and the fix."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from hookloop import CheckpointError
+
+    state, resumed = _saved_by_two_ranks(tmp_path, lambda: StatefulDataLoader(
+        _dataset(), 4, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    assert state["ranks"][0]["data_state"] is not None
+    resumed.load_state_dict(state)
+    with pytest.raises(CheckpointError, match=r"StatefulDataLoader\.state_dict\(\).*cannot be "
+                                              r"split or merged.*Relaunch on 2 process"):
+        resumed.fit(1)
+    assert resumed.state.step == 0  # refused before any training
+
+
+def test_another_number_of_ranks_inside_an_epoch_of_an_order_that_cannot_be_resharded_is_refused(
+        tmp_path) -> None:
+    """A RandomSampler's order is not a DistributedSampler's: the trained samples cannot be
+    told apart on the new ranks, so the resume refuses rather than approximate."""
+    from hookloop import CheckpointError
+
+    state, resumed = _saved_by_two_ranks(tmp_path, lambda: DataLoader(
+        _dataset(), 4, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    resumed.load_state_dict(state)
+    with pytest.raises(CheckpointError, match=r"inside epoch 1 by 2 process\(es\) and this run "
+                                              r"has 1.*DataLoader\) does not draw from a torch "
+                                              r"DistributedSampler.*Relaunch on 2"):
+        resumed.fit(1)
+
+
+def test_the_rest_of_an_epoch_is_its_order_s_samples_from_the_position_sharded() -> None:
+    """Over any number of ranks, the shares of the rest are the order's samples from the
+    position on, each once when they divide evenly, and every rank gets as many."""
+    from hookloop.samplers import RestOfEpoch
+
+    def sampler(replicas: int, rank: int) -> DistributedSampler:
+        made = DistributedSampler(range(36), num_replicas=replicas, rank=rank, shuffle=True,
+                                  seed=7)
+        made.set_epoch(3)
+        return made
+
+    order = list(sampler(1, 0))
+    for replicas, start in ((1, 10), (2, 10), (3, 12), (3, 13), (4, 36)):
+        shares = [list(RestOfEpoch(sampler(replicas, rank), start)) for rank in range(replicas)]
+        assert len({len(share) for share in shares}) == 1
+        assert set().union(*shares) == set(order[start:])
+        if (36 - start) % replicas == 0:
+            assert sorted(sum(shares, [])) == sorted(order[start:])
+    # From a position that is whole batches of the new ranks, the same as DistributedSampler's.
+    assert list(RestOfEpoch(sampler(3, 1), 12)) == list(sampler(3, 1))[4:]
