@@ -16,7 +16,6 @@ from hookloop.data import length_of
 from hookloop.modules import unwrap
 
 if TYPE_CHECKING:
-    from hookloop.position import Position
     from hookloop.state import LoopState
 
 __all__ = ["Geometry"]
@@ -43,7 +42,7 @@ class Geometry:
     #: "drop")`` sets False).
     partial_window_steps: bool
     state: LoopState
-    _position: Position
+    _position: Any  # the loop's `hookloop.position.Position`
 
     @property
     def unwrapped_model(self) -> nn.Module:

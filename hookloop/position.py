@@ -1,5 +1,5 @@
-"""Where the run is in its data: the batches of this epoch not trained on yet, and where
-the weights are."""
+"""Where the run is in its data: the batches (and samples of the epoch's global order) of
+this epoch not trained on yet, and where the weights are."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ from hookloop.errors import ConfigurationError
 from hookloop.resumable import (
     StampedBatches,
     data_source,
+    distributed_sampler,
+    epoch_order_key,
     global_batch,
+    rest_of_epoch,
     sampler_batches,
     saved_rng,
     stateful_batches,
@@ -25,7 +28,6 @@ from hookloop.resumable import (
     stateful_view,
 )
 from hookloop.rng import capture_rng, host_rng, loader_generators, restore_host_rng, restore_rng
-from hookloop.samplers import distributed_sampler, epoch_order_key, rest_of_epoch
 
 __all__ = ["Position", "EpochPass", "RunPosition"]
 
@@ -72,6 +74,12 @@ class Position:
     NumPy's generators repeat (draws the model itself made from them do not); a validation
     inside the epoch captures them in full once it ended (`host_mark`), and the replay puts
     them back there, since it does not validate again.
+
+    The position is also kept in samples of the epoch's global order (`epoch_samples`), so
+    it means the same on any number of ranks: a resume whose global batch differs (another
+    number of ranks) derives its batch from the samples and, where they are not a whole
+    number of the new batches, trains the rest of the epoch's order resharded (`attach`,
+    `start_epoch`); `step_offset` keeps the run's total steps right.
 
     An epoch that ``stop()`` cut short keeps its live iterator (`EpochPass` suspends it),
     so a later ``fit`` in this process continues it; after an exception (`rewind`) or a
@@ -127,7 +135,7 @@ class Position:
         self._base = (0, 0)
         #: After `load`, until `attach`: the saved global batch and epoch order key.
         self._loaded: tuple[int | None, str | None] | None = None
-        #: The key of the epoch order of the data (`hookloop.samplers.epoch_order_key`).
+        #: The key of the epoch order of the data (`hookloop.resumable.epoch_order_key`).
         self._order: str | None = None
 
     @property
@@ -150,8 +158,8 @@ class Position:
         sampler = distributed_sampler(data) if self.source == "sampler" else None
         self._order = None if sampler is None else epoch_order_key(sampler)
         loaded, self._loaded = self._loaded, None
-        if loaded is None or self._batch_samples is None or loaded[0] == self._batch_samples:
-            return
+        if loaded is None or loaded[0] is None or self._batch_samples in (None, loaded[0]):
+            return  # the same global batch: the position means the same batches
         total, done = length_of(data), self.batches_done
         if total is None:
             return
@@ -282,31 +290,20 @@ class Position:
         accumulation window is read one batch ahead, to know where the last window ends.
         A position whose samples are not a whole number of this data's batches (a resume
         on another number of ranks) continues with the samples of the epoch's order not
-        trained on yet, resharded (`hookloop.samplers.rest_of_epoch`); its windows count
+        trained on yet, resharded (`hookloop.resumable.rest_of_epoch`); its windows count
         from there.
         """
         generators = self.generators
         live, self._live = self._live, None
         skip = self.batches_done if self.epoch == epoch else 0
-        if not skip:
-            self._base = (0, 0)
-        phase = self._base[0] if self._resharded(skip) else 0
+        data, phase = self._resharded(data, skip)
         losses = LossSum(device, *((self._loss_total(), self.samples)
                                    if skip and self.loss_sum is not None else ()))
         replay, self._replay = self._replay, False
-        total = length_of(data)
-        if phase:
-            data = rest_of_epoch(data, self.epoch_samples)  # type: ignore[arg-type]
-            total = skip + (length_of(data) or 0)
+        total = length_of(data) if not phase else skip + (length_of(data) or 0)
         if live is not None and live[0] == epoch and skip and not replay:
             return EpochPass(self, epoch, live[1], skip, total, window, stop_due, losses, phase)
-        if replay and skip and self.epoch_rng is not None:
-            restore_rng(self.epoch_rng, generators)
-        elif replay and not skip and self.rng is not None:
-            restore_rng(self.rng, generators)
-        if not skip:
-            self.epoch_rng = capture_rng(generators)  # every generator, once an epoch
-            self.host_mark = None
+        self._epoch_generators(skip, replay)
         # skip == total still iterates: a sampler may draw from the loader's generator when
         # its iterator is exhausted (RandomSampler does, after an even last batch).
         if total is not None and skip > total:
@@ -323,12 +320,29 @@ class Position:
             restore_rng(self.rng, generators)
         return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses, phase)
 
-    def _resharded(self, skip: int) -> bool:
-        """The epoch resumes from a sample that does not start one of this data's batches:
-        the epoch's samples from there on are sharded over the ranks afresh."""
+    def _resharded(self, data: Any, skip: int) -> tuple[Any, int]:
+        """``(data, 0)``; or, where the epoch resumes from a sample that does not start one
+        of this data's batches, the epoch's samples from there on sharded over the ranks
+        afresh (`hookloop.resumable.rest_of_epoch`) and the batch its windows count from."""
+        if not skip:
+            self._base = (0, 0)
         samples, size = self.epoch_samples, self._batch_samples
-        return bool(skip) and self._order is not None and samples is not None and \
-            size is not None and samples != skip * size
+        if not skip or self._order is None or samples is None or size is None or \
+                samples == skip * size:
+            return data, 0
+        return rest_of_epoch(data, samples), self._base[0]
+
+    def _epoch_generators(self, skip: int, replay: bool) -> None:
+        """Put the generators back as the interrupted run had them when it created this
+        epoch's iterator (``replay``); at an epoch's start, record them all."""
+        generators = self.generators
+        if replay and skip and self.epoch_rng is not None:
+            restore_rng(self.epoch_rng, generators)
+        elif replay and not skip and self.rng is not None:
+            restore_rng(self.rng, generators)
+        if not skip:
+            self.epoch_rng = capture_rng(generators)  # every generator, once an epoch
+            self.host_mark = None
 
     def _lookahead(self, iterator: Iterator[Any], generators: Any) -> Lookahead:
         """A `Lookahead` whose snapshot, taken before each fetch, is what a boundary before

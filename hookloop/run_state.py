@@ -371,6 +371,7 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
                               "missing or not a mapping.")
     check_optimizer_fits(loop.optimizer, loop_part, payload["optimizer"], source)
     check_same_data(loop, loop_part, source)
+    check_new_world(loop, loop_part, payload.get("ranks") or [], source)
     _check_extra_state(loop, payload, source)
     # A file or a directory of shards, into a sharded model or not (hookloop.storage).
     load_weights(source, loop.unwrapped_model, loop.optimizer, payload)
@@ -386,25 +387,6 @@ def restore(loop: Loop, position: Position, end: RunEnd, payload: Mapping[str, A
             f"{saved_world} process(es), or after an exception); rank {rank} uses rank 0's, "
             "so its random draws differ from an uninterrupted run.", RuntimeWarning,
             stacklevel=4)
-    if saved_world != world and int(loop_part.get("batch_idx", 0)) and \
-            own.get("data_state") is not None:
-        raise CheckpointError(
-            f"{source}: the run was saved inside epoch {int(loop_part.get('epoch', 0)) + 1} by "
-            f"{saved_world} process(es), each with its own state of the training data "
-            f"({type(loop.train_data).__name__}.state_dict()), and this run has {world}: a "
-            "per-rank data state cannot be split or merged over another number of ranks. "
-            f"Relaunch on {saved_world} process(es), or resume from a checkpoint written at an "
-            "epoch end, or use a DataLoader over a map-style dataset (its position is kept in "
-            "samples).")
-    problem = reshard_problem(loop.train_data, loop_part) if saved_world != world and \
-        int(loop_part.get("batch_idx", 0)) else None
-    if problem is not None:
-        raise CheckpointError(
-            f"{source}: the run was saved inside epoch {int(loop_part.get('epoch', 0)) + 1} by "
-            f"{saved_world} process(es) and this run has {world}; the samples of the epoch "
-            f"not trained on yet can be resharded over the new ranks only when both "
-            f"launches draw the same order from a DistributedSampler, but {problem}. Relaunch "
-            f"on {saved_world} process(es), or resume from a checkpoint written at an epoch end.")
     if saved_world != world or (world > 1 and len(ranks) < world):
         own.update(train_loss_sum=None, train_samples=0)  # not this rank's own sums
     position.load(loop_part, own, loop.device)
@@ -493,6 +475,40 @@ def _load_extra_state(loop: Loop, payload: Mapping[str, Any], source: str) -> No
                       "state= does not name; it is ignored.", RuntimeWarning, stacklevel=5)
 
 
+def check_new_world(loop: Loop, loop_part: Mapping[str, Any], ranks: Sequence[Any],
+                    source: str) -> None:
+    """A checkpoint written inside an epoch by another number of ranks: its position, in
+    samples of the epoch's order, goes on over the new ranks where the data draws that
+    order from a ``DistributedSampler`` (`hookloop.resumable.reshard_problem`); a rank's
+    own state of the data (in ``ranks``, the saved ranks' parts), or another order, cannot
+    be split or merged: refused, before anything is loaded.
+
+    Raises:
+        CheckpointError: naming the data, both numbers of ranks and the fix.
+    """
+    saved_world, world = int(loop_part.get("world_size", 1)), distributed.world_size()
+    if saved_world == world or not int(loop_part.get("batch_idx", 0)):
+        return
+    epoch = int(loop_part.get("epoch", 0)) + 1
+    if any(isinstance(part, Mapping) and part.get("data_state") is not None for part in ranks):
+        raise CheckpointError(
+            f"{source}: the run was saved inside epoch {epoch} by "
+            f"{saved_world} process(es), each with its own state of the training data "
+            f"({type(loop.train_data).__name__}.state_dict()), and this run has {world}: a "
+            "per-rank data state cannot be split or merged over another number of ranks. "
+            f"Relaunch on {saved_world} process(es), or resume from a checkpoint written at an "
+            "epoch end, or use a DataLoader over a map-style dataset (its position is kept in "
+            "samples).")
+    problem = reshard_problem(loop.train_data, loop_part)
+    if problem is not None:
+        raise CheckpointError(
+            f"{source}: the run was saved inside epoch {epoch} by {saved_world} process(es) "
+            f"and this run has {world}; the samples of the epoch not trained on yet can be "
+            "resharded over the new ranks only when both launches draw the same order from "
+            f"a DistributedSampler, but {problem}. Relaunch on {saved_world} process(es), or "
+            "resume from a checkpoint written at an epoch end.")
+
+
 def check_same_data(loop: Loop, loop_part: Mapping[str, Any], source: str) -> None:
     """Another number of training batches per epoch (same world size): refused inside an
     epoch, where the position would skip batches of other data than those trained on; a
@@ -560,6 +576,20 @@ def _expect_int(path: str, where: str, value: Any, minimum: int = 0, *,
                  f"an int >= {minimum}" + (" or None" if optional else ""))
 
 
+def _check_sample_fields(path: str, loop: Mapping[str, Any]) -> None:
+    """Where present: ints ``epoch_samples`` and ``global_batch`` >= 0, an int
+    ``step_offset``, a str ``epoch_order`` (what the position in samples needs)."""
+    for field in ("epoch_samples", "global_batch"):
+        if field in loop:
+            _expect_int(path, f"loop.{field}", loop[field])
+    if "step_offset" in loop:
+        expect_field(path, "loop.step_offset", loop["step_offset"], _is_int(loop["step_offset"]),
+                     "an int")
+    if "epoch_order" in loop:
+        expect_field(path, "loop.epoch_order", loop["epoch_order"],
+                     isinstance(loop["epoch_order"], str), "a str (the sampler's order)")
+
+
 def _check_history(path: str, history: Any) -> None:
     """Each row: a dict of metric names to numbers, with int ``epoch`` and ``step``."""
     expect_field(path, "loop.history", history, isinstance(history, list), "a list of dicts")
@@ -619,15 +649,7 @@ def check_run_fields(path: str, payload: Mapping[str, Any]) -> None:
             raise CheckpointError(f"{path}: the checkpoint's field 'loop.{field}' is missing; "
                                   "it cannot be resumed.")
         _expect_int(path, f"loop.{field}", loop[field])
-    for field in ("epoch_samples", "global_batch"):
-        if field in loop:
-            _expect_int(path, f"loop.{field}", loop[field])
-    if "step_offset" in loop:
-        expect_field(path, "loop.step_offset", loop["step_offset"], _is_int(loop["step_offset"]),
-                     "an int")
-    if "epoch_order" in loop:
-        expect_field(path, "loop.epoch_order", loop["epoch_order"],
-                     isinstance(loop["epoch_order"], str), "a str (the sampler's order)")
+    _check_sample_fields(path, loop)
     if "validated" in loop:
         expect_field(path, "loop.validated", loop["validated"],
                      isinstance(loop["validated"], bool), "a bool")

@@ -8,7 +8,6 @@ metrics. A loader is rebuilt with every other setting as the user gave it.
 
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from collections.abc import Iterator
@@ -27,7 +26,6 @@ from torch.utils.data.distributed import DistributedSampler
 
 from hookloop import distributed
 from hookloop.checks import check_int
-from hookloop.compat import loader_view
 from hookloop.data import length_of
 from hookloop.errors import ConfigurationError, with_article
 
@@ -273,66 +271,3 @@ def set_epoch(loader: Any, epoch: int) -> None:
             candidate.set_epoch(epoch)
             return
 
-
-def distributed_sampler(data: Any) -> DistributedSampler | None:
-    """The torch ``DistributedSampler`` a ``DataLoader`` draws its indices from (directly,
-    or through a plain ``BatchSampler``), or None: the samplers whose epoch order hookloop
-    can reshard over another number of ranks."""
-    if not isinstance(data, DataLoader):
-        return None
-    batch_sampler = data.batch_sampler
-    sampler = data.sampler if batch_sampler is None else (
-        batch_sampler.sampler if type(batch_sampler) is BatchSampler else None)
-    return sampler if type(sampler) is DistributedSampler else None
-
-
-def epoch_order_key(sampler: DistributedSampler) -> str:
-    """What decides a ``DistributedSampler``'s order of an epoch over all ranks (its seed,
-    shuffle, dataset size and drop_last): the same key, the same order on any number of
-    ranks."""
-    return (f"DistributedSampler(seed={sampler.seed}, shuffle={sampler.shuffle}, "
-            f"size={len(sampler.dataset)}, drop_last={sampler.drop_last})")  # type: ignore[arg-type]
-
-
-class RestOfEpoch(Sampler[int]):
-    """This rank's share of an epoch's samples from position ``start`` of the epoch's global
-    order on (the samples not trained on yet), sharded as ``DistributedSampler`` shards a
-    whole epoch: rank ``r`` of ``R`` takes every ``R``-th sample from the ``r``-th, the
-    rest padded by repeating its first samples (or cut, with ``drop_last``) so that every
-    rank gets as many. The order is the sampler's own for its current epoch (torch's
-    ``DistributedSampler`` over one replica draws it), read when iterated.
-    """
-
-    def __init__(self, sampler: DistributedSampler, start: int) -> None:
-        self.sampler, self.start = sampler, start
-
-    def _size(self) -> int:
-        rest, replicas = max(0, len(self.sampler.dataset) - self.start), self.sampler.num_replicas  # type: ignore[arg-type]
-        return rest // replicas if self.sampler.drop_last else math.ceil(rest / replicas)
-
-    def __iter__(self) -> Iterator[int]:
-        whole = copy.copy(self.sampler)  # the same order, over one replica, unpadded
-        whole.num_replicas, whole.rank, whole.drop_last = 1, 0, False
-        whole.num_samples = whole.total_size = len(self.sampler.dataset)  # type: ignore[arg-type]
-        rest = list(whole)[self.start:]
-        replicas, size = self.sampler.num_replicas, self._size()
-        total = size * replicas
-        while rest and len(rest) < total:  # padded as DistributedSampler pads
-            rest += rest[:total - len(rest)]
-        return iter(rest[self.sampler.rank:total:replicas])
-
-    def __len__(self) -> int:
-        return self._size()
-
-
-def rest_of_epoch(loader: DataLoader, start: int) -> DataLoader:
-    """A view of ``loader`` (`hookloop.compat.loader_view`) whose epoch is the samples of
-    its ``DistributedSampler``'s order from ``start`` on, sharded over its ranks
-    (`RestOfEpoch`), batched as ``loader`` batches; ``loader`` is left as it is."""
-    sampler = distributed_sampler(loader)
-    assert sampler is not None
-    rest = RestOfEpoch(sampler, start)
-    batch_sampler = loader.batch_sampler
-    index = rest if batch_sampler is None else BatchSampler(
-        rest, batch_sampler.batch_size, batch_sampler.drop_last)  # type: ignore[attr-defined]
-    return loader_view(loader, index)

@@ -316,9 +316,18 @@ class LRScheduler(Callback):
             position = loop.position.epoch
             needed, unit = loop.state.epochs - position, "epochs"
             done = f"fit({loop.state.epochs}) minus {position} epochs already done"
+        name = type(self._scheduler).__name__
+        if needed < left and self._factory is None and self.interval == "step" and \
+                _geometry_changed(loop) and distributed.is_main():
+            warnings.warn(
+                f"LRScheduler: the run resumed on another number of ranks, whose global batch "
+                f"leaves {needed} optimizer steps, but the {name} built by hand has {left} "
+                f"left (total_steps={length}): it would not reach its end. Pass a factory, "
+                "LRScheduler(lambda opt, total: OneCycleLR(opt, max_lr, total_steps=total)), "
+                "whose schedule is rebuilt for the steps the run takes.", RuntimeWarning,
+                stacklevel=2)
         if needed <= left:
             return
-        name = type(self._scheduler).__name__
         if self._factory is not None:
             fix = ("Build the scheduler with the total the factory receives: "
                    "lambda opt, total: OneCycleLR(opt, max_lr, total_steps=total).")

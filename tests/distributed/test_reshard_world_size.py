@@ -1,12 +1,13 @@
 """A run stopped inside an epoch and resumed on another number of ranks (torchrun, gloo):
-2 ranks resumed on 1 and on 3, 1 rank resumed on 2. Over the launches every sample of the
+2 ranks resumed on 1 and on 3, 1 rank resumed on 2 (DDP), 2 ranks resumed on 1 (FSDP,
+sharded checkpoints). Over the launches every sample of the
 interrupted epoch is trained exactly once (the dataset records each index it reads), the
 next epoch once more, the step count ends where the run's geometry says, the warmup-cosine
 schedule built from ``loop.total_steps`` ends at the uninterrupted run's final learning
 rate, and nothing warns that the position is approximate.
 
-Four launches: 1 rank (the 1-rank run, stopped), 2 ranks (the 2-rank run, stopped; then
-the 1-rank run resumed), 1 rank and 3 ranks (each resuming a copy of the 2-rank run's
+Four launches: 1 rank (the 1-rank run, stopped), 2 ranks (the 2-rank runs, stopped; then
+the 1-rank run resumed), 1 rank and 3 ranks (each resuming a copy of the 2-rank runs'
 checkpoints).
 """
 
@@ -29,12 +30,14 @@ MIN_LR = 0.001  # the script's
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("reshard")
-    outputs = [run_ok(SCRIPT, str(out), "one:one:36:2:5:2", processes=1),
-               run_ok(SCRIPT, str(out), "two:two:36:3:1:2", "one-on-2:one:36:2:0:2")]
-    for copy in ("two-on-1", "two-on-3"):
-        shutil.copytree(out / "two", out / copy)
-    outputs.append(run_ok(SCRIPT, str(out), "two-on-1:two-on-1:36:3:0:2", processes=1))
-    outputs.append(run_ok(SCRIPT, str(out), "two-on-3:two-on-3:36:3:0:2", processes=3))
+    outputs = [run_ok(SCRIPT, str(out), "one:one:36:2:5:2:ddp", processes=1),
+               run_ok(SCRIPT, str(out), "two:two:36:3:1:2:ddp", "one-on-2:one:36:2:0:2:ddp",
+                      "fsdp:fsdp:36:3:1:2:fsdp")]
+    for source, copy in (("two", "two-on-1"), ("two", "two-on-3"), ("fsdp", "fsdp-on-1")):
+        shutil.copytree(out / source, out / copy)
+    outputs.append(run_ok(SCRIPT, str(out), "two-on-1:two-on-1:36:3:0:2:ddp",
+                          "fsdp-on-1:fsdp-on-1:36:3:0:2:fsdp", processes=1))
+    outputs.append(run_ok(SCRIPT, str(out), "two-on-3:two-on-3:36:3:0:2:ddp", processes=3))
     return out, "\n".join(outputs)
 
 
@@ -60,7 +63,8 @@ def _final_lr(total_steps: int) -> float:
 # epoch to start inside one of its batches).
 CASES = {"2 to 1": ("two", 2, 3, "two-on-1", 1, None),
          "2 to 3": ("two", 2, 3, "two-on-3", 3, 9),
-         "1 to 2": ("one", 1, 2, "one-on-2", 2, 4)}
+         "1 to 2": ("one", 1, 2, "one-on-2", 2, 4),
+         "FSDP 2 to 1": ("fsdp", 2, 3, "fsdp-on-1", 1, None)}
 
 
 def _batches(samples: int, ranks: int, batch: int) -> int:
@@ -91,7 +95,8 @@ def test_every_sample_once_and_the_schedule_ends_where_the_uninterrupted_one_doe
 
 def test_nothing_says_the_position_is_approximate(runs: tuple[Path, str]) -> None:
     out, output = runs
-    warned = [message for name, ranks in (("two-on-1", 1), ("two-on-3", 3), ("one-on-2", 2))
+    warned = [message for name, ranks in (("two-on-1", 1), ("two-on-3", 3), ("one-on-2", 2),
+                                          ("fsdp-on-1", 1))
               for rank in range(ranks) for message in read(out, name, rank)["warnings"]]
     for text in [output, *warned]:
         assert "carry over exactly" not in text and "approximate" not in text
