@@ -402,7 +402,9 @@ def reshard_problem(data: Any, saved: Any) -> str | None:
     if sampler is None:
         return (f"the training data ({type(data).__name__}) does not draw from a torch "
                 "DistributedSampler, whose order of the epoch is the same on any number of "
-                "ranks (DDP and FSDP give a DataLoader one)")
+                "ranks (DDP and FSDP give a DataLoader one; a run meant to change its number "
+                "of ranks starts with DDP or FSDP also on one process, under torchrun "
+                "--nproc_per_node=1)")
     if saved.get("epoch_samples") is None or saved.get("epoch_order") is None:
         return ("the checkpoint does not say which samples of the epoch's order were trained "
                 "on (its data was not sharded by a DistributedSampler, or an older hookloop "

@@ -4,7 +4,8 @@ sharded checkpoints). Over the launches every sample of the
 interrupted epoch is trained exactly once (the dataset records each index it reads), the
 next epoch once more, the step count ends where the run's geometry says, the warmup-cosine
 schedule built from ``loop.total_steps`` ends at the uninterrupted run's final learning
-rate, and nothing warns that the position is approximate.
+rate, the CSV log holds every step's row once, and nothing warns that the position is
+approximate.
 
 Four launches: 1 rank (the 1-rank run, stopped), 2 ranks (the 2-rank runs, stopped; then
 the 1-rank run resumed), 1 rank and 3 ranks (each resuming a copy of the 2-rank runs'
@@ -91,6 +92,11 @@ def test_every_sample_once_and_the_schedule_ends_where_the_uninterrupted_one_doe
         final = read(out, resumed, rank)
         assert final["step"] == final["total_steps"] == steps
         assert final["lr"] == _final_lr(2 * _batches(36, first_ranks, batch))
+    # The logger goes on in the file the first run began: every step's row once, in order.
+    directory = first if resumed == "one-on-2" else resumed  # it resumed the first run's own
+    rows = [line.split(",") for line in (out / directory / "log.csv").read_text().splitlines()]
+    logged = [int(row[2]) for row in rows[1:] if row[0] == "step"]
+    assert logged == list(range(1, steps + 1))
 
 
 def test_nothing_says_the_position_is_approximate(runs: tuple[Path, str]) -> None:

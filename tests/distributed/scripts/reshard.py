@@ -5,7 +5,8 @@ Usage: torchrun --nproc_per_node=N reshard.py OUT RUN [RUN...]
 Each RUN is ``NAME:DIR:SAMPLES:BATCH:STOP:EPOCHS:SHARDING``: a fit of EPOCHS epochs over
 SAMPLES samples (a shuffled DataLoader of batch size BATCH, which SHARDING, ``ddp`` or
 ``fsdp`` with sharded checkpoints, shards), with a warmup-cosine
-schedule built from ``loop.total_steps`` and ``Checkpoint(OUT/DIR, resume=True)``. STOP > 0
+schedule built from ``loop.total_steps``, ``CSVLogger(OUT/DIR/log.csv, every_n_steps=1)`` and
+``Checkpoint(OUT/DIR, resume=True)``. STOP > 0
 stops the run (resumably, on every rank) after that many optimizer steps; 0 trains to the
 end (resuming from OUT/DIR when it holds a checkpoint). Every rank writes
 ``NAME.rank<r>.json``: the ``[epoch, index]`` of every sample its dataset read in an
@@ -25,7 +26,7 @@ from torch.utils.data import Dataset
 
 from common import make_model, out_dir, regression_data, save, shuffled_loader
 from hookloop import Callback, Loop, Suspended
-from hookloop.callbacks import DDP, FSDP, Checkpoint, LRScheduler
+from hookloop.callbacks import DDP, FSDP, Checkpoint, CSVLogger, LRScheduler
 from hookloop.schedules import warmup_cosine
 
 MIN_LR = 0.001
@@ -76,6 +77,8 @@ def run(spec: str) -> None:
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.05),
                 shuffled_loader(dataset, int(batch), seed=3), loss_fn=nn.functional.mse_loss,
                 device="cpu", callbacks=[DDP() if sharding == "ddp" else FSDP(state_dict="sharded"), watch, LRScheduler(schedule),
+                                         CSVLogger(out_dir() / directory / "log.csv",
+                                                   every_n_steps=1),
                                          Checkpoint(out_dir() / directory, resume=True)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
