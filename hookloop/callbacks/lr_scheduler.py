@@ -276,8 +276,8 @@ class LRScheduler(Callback):
             change = f"the learning rate goes from {_listed(rates)} to {_listed(after)}"
         if ranks_changed:
             self._stretched = (
-                f"LRScheduler: the run resumed on another number of ranks, so its global batch "
-                f"changed and the rest of the run takes another number of optimizer steps: the "
+                f"LRScheduler: the run resumed with another global batch (another number of "
+                f"ranks), so the rest of the run takes another number of optimizer steps: the "
                 f"factory's schedule, built for {old_total} steps in all, is rebuilt for "
                 f"{self._built_total} (the {done} {unit} taken and those left at the new "
                 f"global batch) and continues at step {done}, so {change}; it ends where the "

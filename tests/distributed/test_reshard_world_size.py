@@ -106,4 +106,4 @@ def test_nothing_says_the_position_is_approximate(runs: tuple[Path, str]) -> Non
               for rank in range(ranks) for message in read(out, name, rank)["warnings"]]
     for text in [output, *warned]:
         assert "carry over exactly" not in text and "approximate" not in text
-    assert "resumed on another number of ranks" in output  # the schedule says how it goes on
+    assert "resumed with another global batch" in output  # the schedule says how it goes on
