@@ -270,4 +270,3 @@ def set_epoch(loader: Any, epoch: int) -> None:
         if callable(getattr(candidate, "set_epoch", None)):
             candidate.set_epoch(epoch)
             return
-
