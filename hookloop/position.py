@@ -4,7 +4,6 @@ this epoch not trained on yet, and where the weights are."""
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 

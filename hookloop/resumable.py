@@ -346,7 +346,8 @@ def epoch_order_key(sampler: DistributedSampler) -> str:
     shuffle, dataset size and drop_last): the same key, the same order on any number of
     ranks."""
     return (f"DistributedSampler(seed={sampler.seed}, shuffle={sampler.shuffle}, "
-            f"size={len(sampler.dataset)}, drop_last={sampler.drop_last})")  # type: ignore[arg-type]
+            f"size={len(sampler.dataset)}, "  # type: ignore[arg-type]
+            f"drop_last={sampler.drop_last})")
 
 
 class RestOfEpoch(Sampler[int]):
@@ -362,7 +363,8 @@ class RestOfEpoch(Sampler[int]):
         self.sampler, self.start = sampler, start
 
     def _size(self) -> int:
-        rest, replicas = max(0, len(self.sampler.dataset) - self.start), self.sampler.num_replicas  # type: ignore[arg-type]
+        size: int = len(self.sampler.dataset)  # type: ignore[arg-type]
+        rest, replicas = max(0, size - self.start), self.sampler.num_replicas
         return rest // replicas if self.sampler.drop_last else math.ceil(rest / replicas)
 
     def __iter__(self) -> Iterator[int]:

@@ -74,9 +74,10 @@ def run(spec: str) -> None:
     watch = Watch(dataset, int(stop))
     model = make_model(seed=1)
     schedule = functools.partial(warmup_cosine, warmup_steps=2, min_lr=MIN_LR)
+    sharder = DDP() if sharding == "ddp" else FSDP(state_dict="sharded")
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.05),
                 shuffled_loader(dataset, int(batch), seed=3), loss_fn=nn.functional.mse_loss,
-                device="cpu", callbacks=[DDP() if sharding == "ddp" else FSDP(state_dict="sharded"), watch, LRScheduler(schedule),
+                device="cpu", callbacks=[sharder, watch, LRScheduler(schedule),
                                          CSVLogger(out_dir() / directory / "log.csv",
                                                    every_n_steps=1),
                                          Checkpoint(out_dir() / directory, resume=True)])
