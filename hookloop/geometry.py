@@ -42,6 +42,7 @@ class Geometry:
     #: "drop")`` sets False).
     partial_window_steps: bool
     state: LoopState
+    _position: Any  # the loop's `hookloop.position.Position`
 
     @property
     def unwrapped_model(self) -> nn.Module:
@@ -71,7 +72,9 @@ class Geometry:
     def total_steps(self) -> int | None:
         """Optimizer steps the current fit makes in all, from its start (or None)."""
         per_epoch = self.steps_per_epoch
-        total = None if per_epoch is None else per_epoch * self.state.epochs
+        # Steps taken on another number of ranks count as taken (`Position.step_offset`).
+        total = None if per_epoch is None else \
+            per_epoch * self.state.epochs + self._position.step_offset
         if self.state.max_steps is not None:
             total = self.state.max_steps if total is None else min(total, self.state.max_steps)
         return total

@@ -462,10 +462,9 @@ class Loop(Geometry):
 
     # ------------------------------------------------------------------ inside
     def _parts(self) -> run_state.RunParts:  # the values the run's state is made of
-        return run_state.RunParts(
-            self.unwrapped_model, self.optimizer, self.callbacks, self.extra_state, self.state,
-            self._position, self._end, self.batches_per_epoch, self.device, self.train_data,
-            self.fitting)
+        return run_state.RunParts(self.unwrapped_model, self.optimizer, self.callbacks,
+            self.extra_state, self.state, self._position, self._end, self.batches_per_epoch,
+            self.device, self.train_data, self.fitting)
 
     @contextmanager
     def _alone(self, phase: Phase, data: Any) -> Iterator[tuple[Table, Any]]:
@@ -492,7 +491,7 @@ class Loop(Geometry):
         self._restore = run_state.apply(self._parts(), self._restore)
         self._table = Table(self.callbacks, self, self.handler_wrapper, main=distributed.is_main())
         self._stepper.prepare(self.state, self._rule, lambda: self.model, self.accumulation_steps)
-        self._position.attach(self.train_data)
+        self._position.attach(self.train_data, self.accumulation_steps, self.partial_window_steps)
         return self._table
 
     def _run_epoch(self, epoch: int, table: Table) -> None:
@@ -515,7 +514,8 @@ class Loop(Geometry):
         state = self.state
         self.model.train()
         state.training = True
-        batches = self._position.start_epoch(self, stop_due=self._end.due_at_boundary)
+        batches = self._position.start_epoch(state.epoch, self.train_data, self.accumulation_steps,
+                                             self.device, stop_due=self._end.due_at_boundary)
         if self._cadence.owed_on_resume(batches.start, state.step, self._position.validated):
             self._step_validation(batches)  # the run stopped during the one due at this step
         for batch_idx, batch, state.step_boundary in batches:

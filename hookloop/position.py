@@ -1,11 +1,11 @@
-"""Where the run is in its data: the batches of this epoch not trained on yet, and where
-the weights are."""
+"""Where the run is in its data: the batches (and samples of the epoch's global order) of
+this epoch not trained on yet, and where the weights are."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -16,17 +16,38 @@ from hookloop.errors import ConfigurationError
 from hookloop.resumable import (
     StampedBatches,
     data_source,
+    distributed_sampler,
+    epoch_order_key,
     global_batch,
+    rest_of_epoch,
     sampler_batches,
     saved_rng,
     stateful_batches,
     stateful_part,
     stateful_view,
 )
+from hookloop.run_file import (
+    BATCH_IDX,
+    DATA_STATE,
+    EPOCH,
+    EPOCH_ORDER,
+    EPOCH_RNG,
+    EPOCH_SAMPLES,
+    GLOBAL_BATCH,
+    MARK_BATCHES,
+    MARK_RNG,
+    PREFETCH_RNG,
+    RNG,
+    RNG_NUMPY,
+    RNG_PYTHON,
+    STEP,
+    STEP_OFFSET,
+    TRAIN_LOSS_SUM,
+    TRAIN_SAMPLES,
+    VALIDATED,
+    WORKERS_RNG,
+)
 from hookloop.rng import capture_rng, host_rng, loader_generators, restore_host_rng, restore_rng
-
-if TYPE_CHECKING:
-    from hookloop.loop import Loop
 
 __all__ = ["Position", "EpochPass", "RunPosition"]
 
@@ -74,6 +95,12 @@ class Position:
     inside the epoch captures them in full once it ended (`host_mark`), and the replay puts
     them back there, since it does not validate again.
 
+    The position is also kept in samples of the epoch's global order (`epoch_samples`), so
+    it means the same on any number of ranks: a resume whose global batch differs (another
+    number of ranks) derives its batch from the samples and, where they are not a whole
+    number of the new batches, trains the rest of the epoch's order resharded (`attach`,
+    `start_epoch`); `step_offset` keeps the run's total steps right.
+
     An epoch that ``stop()`` cut short keeps its live iterator (`EpochPass` suspends it),
     so a later ``fit`` in this process continues it; after an exception (`rewind`) or a
     restore (`load`) the epoch is replayed from the recorded generators instead.
@@ -82,7 +109,8 @@ class Position:
     __slots__ = ("epoch", "batches_done", "step", "loss_sum", "samples",
                  "rng", "epoch_rng", "prefetch_rng", "validated", "generators", "host_now",
                  "host_mark", "_replay", "_live", "source", "workers_rng", "data_state",
-                 "_stateful", "_batch_samples")
+                 "_stateful", "_batch_samples", "epoch_samples", "step_offset", "_base",
+                 "_loaded", "_order")
 
     def __init__(self) -> None:
         self.epoch = self.batches_done = self.step = self.samples = 0
@@ -116,17 +144,55 @@ class Position:
         #: Samples of the epoch's global order one batch of every rank takes (None: the
         #: data has no fixed batch size, or no order to count in).
         self._batch_samples: int | None = None
+        #: Samples of the epoch's global order trained on at the position (None: not
+        #: known, `_batch_samples` is None): what the position means on any number of ranks.
+        self.epoch_samples: int | None = 0
+        #: Optimizer steps the run takes beyond ``steps_per_epoch * epochs`` of the current
+        #: geometry: the steps taken on another number of ranks (`hookloop.geometry`).
+        self.step_offset = 0
+        #: ``(batches, samples)`` where this epoch's pass began counting batches from: the
+        #: position a resume on another number of ranks derived from ``epoch_samples``.
+        self._base = (0, 0)
+        #: After `load`, until `attach`: the saved global batch and epoch order key.
+        self._loaded: tuple[int | None, str | None] | None = None
+        #: The key of the epoch order of the data (`hookloop.resumable.epoch_order_key`).
+        self._order: str | None = None
 
     @property
     def public(self) -> RunPosition:
         return RunPosition(self.epoch, self.batches_done, self.step)
 
-    def attach(self, data: Any) -> None:
-        """At every setup: the training data (DDP may have rebuilt it) and its generators."""
+    def attach(self, data: Any, window: int = 1, partial_steps: bool = True) -> None:
+        """At every setup: the training data (DDP may have rebuilt it) and its generators.
+
+        After a `load` whose global batch differs from this data's (another number of
+        ranks), the position inside the epoch is derived from ``epoch_samples``: the
+        epoch's pass starts at the batch from which the samples not trained on yet fill
+        the rest of the epoch, and `step_offset` counts the run's steps in the new geometry
+        (``window`` batches a step, ``partial_steps``: an epoch's last, partial window
+        steps)."""
         self.generators = loader_generators(data)
         self.source = data_source(data)
         self._stateful = stateful_view(data) if self.source == "stateful" else None
         self._batch_samples = global_batch(data)
+        sampler = distributed_sampler(data) if self.source == "sampler" else None
+        self._order = None if sampler is None else epoch_order_key(sampler)
+        loaded, self._loaded = self._loaded, None
+        if loaded is None or loaded[0] is None or self._batch_samples in (None, loaded[0]):
+            return  # the same global batch: the position means the same batches
+        total, done = length_of(data), self.batches_done
+        if total is None:
+            return
+        start = 0
+        if done and self.epoch_samples is not None and sampler is not None:
+            rest = length_of(rest_of_epoch(data, self.epoch_samples)) or 0
+            start = self.batches_done = max(1, total - rest)
+            self._base = (start, self.epoch_samples)
+            total = start + rest
+        # The steps of the run: those taken, the rest of this epoch's, then whole epochs.
+        per_epoch = _steps(0, length_of(data) or 0, window, 0, partial_steps)
+        left = _steps(start, total, window, start, partial_steps) if done else per_epoch
+        self.step_offset = self.step + left - per_epoch * (self.epoch + 1)
 
     def record(self, epoch: int, batches_done: int, step: int,
                loss_sum: LossMark | torch.Tensor | None,
@@ -141,6 +207,9 @@ class Position:
             self.prefetch_rng, self.workers_rng = None, workers_rng
             data_state = stateful_part(stateful).state_dict() if stateful is not None else None
         self.data_state = data_state if stateful is not None and batches_done else None
+        size, (base_batches, base_samples) = self._batch_samples, self._base
+        self.epoch_samples = 0 if not batches_done else None if size is None else \
+            base_samples + (batches_done - base_batches) * size
         self.validated = self.validated and step == self.step  # still that step's
         self.epoch, self.batches_done, self.step = epoch, batches_done, step
         self.loss_sum, self.samples = loss_sum, samples
@@ -166,28 +235,32 @@ class Position:
     def parts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(shared, own)``: what every rank agrees on, and what is this rank's own
         (its generators and the loss sums of its shard). Tensors and plain values only."""
-        shared = {"epoch": self.epoch, "batch_idx": self.batches_done, "step": self.step,
-                  "validated": self.validated}
-        if self._batch_samples is not None:  # the same on any number of ranks
-            shared["epoch_samples"] = self.batches_done * self._batch_samples
+        shared = {EPOCH: self.epoch, BATCH_IDX: self.batches_done, STEP: self.step,
+                  VALIDATED: self.validated}
+        if self.epoch_samples is not None and self._batch_samples is not None:
+            shared.update({EPOCH_SAMPLES: self.epoch_samples, GLOBAL_BATCH: self._batch_samples})
+        if self._order is not None:
+            shared[EPOCH_ORDER] = self._order
+        if self.step_offset:
+            shared[STEP_OFFSET] = self.step_offset
         own: dict[str, Any] = {
-            "train_loss_sum": None if self.loss_sum is None else self._loss_total().detach().cpu(),
-            "train_samples": self.samples,
+            TRAIN_LOSS_SUM: None if self.loss_sum is None else self._loss_total().detach().cpu(),
+            TRAIN_SAMPLES: self.samples,
         }
         if self.rng is not None:
-            if "python" not in self.rng:
+            if RNG_PYTHON not in self.rng:
                 self._add_host_rng()
-            own["rng"] = self.rng
+            own[RNG] = self.rng
             if self.batches_done and self.epoch_rng is not None:
-                own["epoch_rng"] = self.epoch_rng
+                own[EPOCH_RNG] = self.epoch_rng
             if self.batches_done and self.prefetch_rng is not None:
-                own["prefetch_rng"] = self.prefetch_rng
-            if self.batches_done and self.host_mark is not None and "python" not in self.rng:
-                own["mark_batches"], own["mark_rng"] = self.host_mark
+                own[PREFETCH_RNG] = self.prefetch_rng
+            if self.batches_done and self.host_mark is not None and RNG_PYTHON not in self.rng:
+                own[MARK_BATCHES], own[MARK_RNG] = self.host_mark
             if self.batches_done and self.workers_rng is not None:
-                own["workers_rng"] = [saved_rng(state) for state in self.workers_rng]
+                own[WORKERS_RNG] = [saved_rng(state) for state in self.workers_rng]
         if self.batches_done and self.data_state is not None:
-            own["data_state"] = self.data_state
+            own[DATA_STATE] = self.data_state
         return shared, own
 
     def _add_host_rng(self) -> None:
@@ -199,26 +272,35 @@ class Position:
         if self.host_now:
             rng.update(host_rng())
         elif not self.batches_done and epoch_rng is not None:
-            rng.update({key: epoch_rng[key] for key in ("python", "numpy") if key in epoch_rng})
+            rng.update({key: epoch_rng[key] for key in (RNG_PYTHON, RNG_NUMPY) if key in epoch_rng})
 
     def load(self, shared: Mapping[str, Any], own: Mapping[str, Any], device: torch.device) -> None:
         """Continue from `parts` at the next epoch start."""
-        loss_sum = own.get("train_loss_sum")
-        self.epoch, self.batches_done = int(shared["epoch"]), int(shared["batch_idx"])
-        self.step, self.samples = int(shared["step"]), int(own.get("train_samples") or 0)
-        self.validated = bool(shared.get("validated", False))
+        loss_sum = own.get(TRAIN_LOSS_SUM)
+        self.epoch, self.batches_done = int(shared[EPOCH]), int(shared[BATCH_IDX])
+        self.step, self.samples = int(shared[STEP]), int(own.get(TRAIN_SAMPLES) or 0)
+        self.validated = bool(shared.get(VALIDATED, False))
         self.loss_sum = None if loss_sum is None else loss_sum.to(device)
-        self.rng, self.epoch_rng = own.get("rng"), own.get("epoch_rng")
-        self.prefetch_rng = own.get("prefetch_rng")
-        self.workers_rng, self.data_state = own.get("workers_rng"), own.get("data_state")
-        mark = own.get("mark_rng")
-        self.host_mark = None if mark is None else (int(own["mark_batches"]), mark)
+        self.rng, self.epoch_rng = own.get(RNG), own.get(EPOCH_RNG)
+        self.prefetch_rng = own.get(PREFETCH_RNG)
+        self.workers_rng, self.data_state = own.get(WORKERS_RNG), own.get(DATA_STATE)
+        mark = own.get(MARK_RNG)
+        self.host_mark = None if mark is None else (int(own[MARK_BATCHES]), mark)
+        samples, size = shared.get(EPOCH_SAMPLES), shared.get(GLOBAL_BATCH)
+        if size is None and samples is not None and self.batches_done:  # an older file
+            size = int(samples) // self.batches_done
+        self.epoch_samples = None if samples is None else int(samples)
+        self.step_offset = int(shared.get(STEP_OFFSET, 0))
+        self._loaded = (None if size is None else int(size), shared.get(EPOCH_ORDER))
+        self._base = (self.batches_done, self.epoch_samples or 0)
         self._replay = True
         self._live = None
 
-    def start_epoch(self, loop: Loop, stop_due: Callable[[], bool]) -> EpochPass:
-        """The training pass of the loop's current epoch: its batches past those already
-        trained on; ``stop_due()`` says at a step boundary whether to end it there.
+    def start_epoch(self, epoch: int, data: Any, window: int, device: Any,
+                    stop_due: Callable[[], bool]) -> EpochPass:
+        """The training pass of ``epoch`` over ``data`` (``window`` batches a step, the loss
+        summed on ``device``): its batches past those already trained on; ``stop_due()``
+        says at a step boundary whether to end it there.
 
         After `load` or `rewind`, the generators are put back as they were when the
         interrupted run created this epoch's iterator (same data order), the trained batches
@@ -226,29 +308,28 @@ class Position:
         dropout and augmentation draws). The live iterator of an epoch that ``stop`` cut
         short in this process is continued as it is. Data without a length and an
         accumulation window is read one batch ahead, to know where the last window ends.
+        A position whose samples are not a whole number of this data's batches (a resume
+        on another number of ranks) continues with the samples of the epoch's order not
+        trained on yet, resharded (`hookloop.resumable.rest_of_epoch`); its windows count
+        from there.
         """
-        epoch, data, window, device = (loop.state.epoch, loop.train_data,
-                                       loop.accumulation_steps, loop.device)
         generators = self.generators
         live, self._live = self._live, None
         skip = self.batches_done if self.epoch == epoch else 0
+        data, phase = self._resharded(data, skip)
         losses = LossSum(device, *((self._loss_total(), self.samples)
                                    if skip and self.loss_sum is not None else ()))
         replay, self._replay = self._replay, False
-        total = length_of(data)
+        total = length_of(data) if not phase else skip + (length_of(data) or 0)
         if live is not None and live[0] == epoch and skip and not replay:
-            return EpochPass(self, epoch, live[1], skip, total, window, stop_due, losses)
-        if replay and skip and self.epoch_rng is not None:
-            restore_rng(self.epoch_rng, generators)
-        elif replay and not skip and self.rng is not None:
-            restore_rng(self.rng, generators)
-        if not skip:
-            self.epoch_rng = capture_rng(generators)  # every generator, once an epoch
-            self.host_mark = None
+            return EpochPass(self, epoch, live[1], skip, total, window, stop_due, losses, phase)
+        self._epoch_generators(skip, replay)
         # skip == total still iterates: a sampler may draw from the loader's generator when
         # its iterator is exhausted (RandomSampler does, after an even last batch).
         if total is not None and skip > total:
             iterator: Iterator[Any] = iter(())
+        elif phase:
+            iterator = iter(data)  # the rest of the epoch: nothing of it was read
         else:
             iterator = self._batches(data, skip, replay)
         if total is None and window > 1:
@@ -257,7 +338,31 @@ class Position:
             iterator = self._lookahead(iterator, generators)
         if replay and skip and self.rng is not None:
             restore_rng(self.rng, generators)
-        return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses)
+        return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses, phase)
+
+    def _resharded(self, data: Any, skip: int) -> tuple[Any, int]:
+        """``(data, 0)``; or, where the epoch resumes from a sample that does not start one
+        of this data's batches, the epoch's samples from there on sharded over the ranks
+        afresh (`hookloop.resumable.rest_of_epoch`) and the batch its windows count from."""
+        if not skip:
+            self._base = (0, 0)
+        samples, size = self.epoch_samples, self._batch_samples
+        if not skip or self._order is None or samples is None or size is None or \
+                samples == skip * size:
+            return data, 0
+        return rest_of_epoch(data, samples), self._base[0]
+
+    def _epoch_generators(self, skip: int, replay: bool) -> None:
+        """Put the generators back as the interrupted run had them when it created this
+        epoch's iterator (``replay``); at an epoch's start, record them all."""
+        generators = self.generators
+        if replay and skip and self.epoch_rng is not None:
+            restore_rng(self.epoch_rng, generators)
+        elif replay and not skip and self.rng is not None:
+            restore_rng(self.rng, generators)
+        if not skip:
+            self.epoch_rng = capture_rng(generators)  # every generator, once an epoch
+            self.host_mark = None
 
     def _lookahead(self, iterator: Iterator[Any], generators: Any) -> Lookahead:
         """A `Lookahead` whose snapshot, taken before each fetch, is what a boundary before
@@ -278,7 +383,7 @@ class Position:
         advanced without reading a sample, data with a state loaded at it, else the batches
         fetched again. Python's and NumPy's generators unknown at the position (a save after
         something drew) make a DataLoader replay too: the data's draws then repeat."""
-        source, exact_host = self.source, "python" in (self.rng or {})
+        source, exact_host = self.source, RNG_PYTHON in (self.rng or {})
         if source == "sampler":
             if skip and exact_host:
                 return sampler_batches(data, skip, self.workers_rng)
@@ -296,6 +401,14 @@ class Position:
                 restore_host_rng(mark[1])
             next(iterator)
         return iterator
+
+
+def _steps(start: int, end: int, window: int, phase: int, partial: bool) -> int:
+    """Optimizer steps between ``start`` and ``end`` batches done of an epoch whose windows
+    of ``window`` batches count from batch ``phase``, the last, partial one stepping when
+    ``partial``."""
+    whole = (end - phase) // window - (start - phase) // window
+    return whole + int(partial and end > start and (end - phase) % window != 0)
 
 
 def _say_replay(data: Any, skip: int, source: str) -> None:
@@ -328,12 +441,13 @@ class EpochPass:
     """
 
     __slots__ = ("_position", "epoch", "_iterator", "start", "_total", "_window", "_stop_due",
-                 "losses", "batches_done", "completed", "_at_boundary")
+                 "losses", "batches_done", "completed", "_at_boundary", "_phase")
 
     def __init__(self, position: Position, epoch: int, iterator: Iterator[Any], start: int,
                  total: int | None, window: int, stop_due: Callable[[], bool],
-                 losses: LossSum) -> None:
+                 losses: LossSum, phase: int = 0) -> None:
         self._position, self.epoch, self._iterator = position, epoch, iterator
+        self._phase = phase  # the windows count from this batch (a resharded epoch's start)
         self.start, self._total, self._window, self._stop_due = start, total, window, stop_due
         #: The sample-weighted sum of this epoch's training losses, on the device.
         self.losses = losses
@@ -344,7 +458,7 @@ class EpochPass:
         self._at_boundary = True  # the weights match `batches_done`: a stop may end here
 
     def __iter__(self) -> Iterator[tuple[int, Any, bool]]:
-        iterator, total, window = self._iterator, self._total, self._window
+        iterator, total, window, phase = self._iterator, self._total, self._window, self._phase
         lookahead = iterator if isinstance(iterator, Lookahead) else None
         boundary, batch_idx = True, self.start - 1
         stop_due, position = self._stop_due, self._position
@@ -367,7 +481,7 @@ class EpochPass:
             batch_idx += 1
             # Every batch ends a step without accumulation; else every window-th batch
             # and the one that ends the data.
-            boundary = window == 1 or (batch_idx + 1) % window == 0 or (
+            boundary = window == 1 or (batch_idx + 1 - phase) % window == 0 or (
                 lookahead.exhausted if lookahead is not None
                 else total is not None and batch_idx == total - 1)
             self.batches_done = batch_idx + 1

@@ -15,21 +15,35 @@ what was trained on.
   over one with ``num_workers=0``): its state at the step boundary is saved and loaded.
 - ``"replay"``: anything else (a generator, a list, an iterable without state): the
   batches already trained on are fetched again and dropped.
+
+On another number of ranks (`reshard_problem`), a ``DataLoader`` drawing from a torch
+``DistributedSampler`` continues from a position in samples of the epoch's global order:
+`rest_of_epoch` shards the samples of that order not trained on yet over the new ranks.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import random
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+from torch.utils.data.distributed import DistributedSampler
 
 from hookloop.compat import loader_view, seed_worker_as
 from hookloop.rng import restore_rng
+from hookloop.run_file import (
+    EPOCH_ORDER,
+    EPOCH_SAMPLES,
+    RNG_GENERATORS,
+    RNG_NUMPY,
+    RNG_PYTHON,
+    RNG_TORCH,
+)
 
 try:  # numpy is optional
     import numpy as _numpy
@@ -156,12 +170,13 @@ def saved_rng(state: Any) -> dict[str, Any] | None:
     if state is None or isinstance(state, dict):
         return state
     torch_bytes, (version, words, gauss), numpy_state = state
-    saved: dict[str, Any] = {"torch": torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8),
-                             "generators": [], "python": [version, list(words), gauss]}
+    saved: dict[str, Any] = {
+        RNG_TORCH: torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8),
+        RNG_GENERATORS: [], RNG_PYTHON: [version, list(words), gauss]}
     if numpy_state is not None:
         kind, keys, position, has_gauss, cached = numpy_state
-        saved["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(position),
-                          int(has_gauss), float(cached)]
+        saved[RNG_NUMPY] = [kind, torch.from_numpy(keys.astype("int64")), int(position),
+                            int(has_gauss), float(cached)]
     return saved
 
 
@@ -321,3 +336,91 @@ def global_batch(data: Any) -> int | None:
         return None
     replicas = getattr(sampler, "num_replicas", 1)
     return size * replicas if isinstance(replicas, int) else None
+
+
+def distributed_sampler(data: Any) -> DistributedSampler | None:
+    """The torch ``DistributedSampler`` a ``DataLoader`` draws its indices from (directly,
+    or through a plain ``BatchSampler``), or None: the samplers whose epoch order hookloop
+    can reshard over another number of ranks."""
+    if not isinstance(data, DataLoader):
+        return None
+    batch_sampler = data.batch_sampler
+    sampler = data.sampler if batch_sampler is None else (
+        batch_sampler.sampler if type(batch_sampler) is BatchSampler else None)
+    return sampler if type(sampler) is DistributedSampler else None
+
+
+def epoch_order_key(sampler: DistributedSampler) -> str:
+    """What decides a ``DistributedSampler``'s order of an epoch over all ranks (its seed,
+    shuffle, dataset size and drop_last): the same key, the same order on any number of
+    ranks."""
+    return (f"DistributedSampler(seed={sampler.seed}, shuffle={sampler.shuffle}, "
+            f"size={len(sampler.dataset)}, "  # type: ignore[arg-type]
+            f"drop_last={sampler.drop_last})")
+
+
+class RestOfEpoch(Sampler[int]):
+    """This rank's share of an epoch's samples from position ``start`` of the epoch's global
+    order on (the samples not trained on yet), sharded as ``DistributedSampler`` shards a
+    whole epoch: rank ``r`` of ``R`` takes every ``R``-th sample from the ``r``-th, the
+    rest padded by repeating its first samples (or cut, with ``drop_last``) so that every
+    rank gets as many. The order is the sampler's own for its current epoch (torch's
+    ``DistributedSampler`` over one replica draws it), read when iterated.
+    """
+
+    def __init__(self, sampler: DistributedSampler, start: int) -> None:
+        self.sampler, self.start = sampler, start
+
+    def _size(self) -> int:
+        size: int = len(self.sampler.dataset)  # type: ignore[arg-type]
+        rest, replicas = max(0, size - self.start), self.sampler.num_replicas
+        return rest // replicas if self.sampler.drop_last else math.ceil(rest / replicas)
+
+    def __iter__(self) -> Iterator[int]:
+        whole = copy.copy(self.sampler)  # the same order, over one replica, unpadded
+        whole.num_replicas, whole.rank, whole.drop_last = 1, 0, False
+        whole.num_samples = whole.total_size = len(self.sampler.dataset)  # type: ignore[arg-type]
+        rest = list(whole)[self.start:]
+        replicas, size = self.sampler.num_replicas, self._size()
+        total = size * replicas
+        while rest and len(rest) < total:  # padded as DistributedSampler pads
+            rest += rest[:total - len(rest)]
+        return iter(rest[self.sampler.rank:total:replicas])
+
+    def __len__(self) -> int:
+        return self._size()
+
+
+def rest_of_epoch(loader: DataLoader, start: int) -> DataLoader:
+    """A view of ``loader`` (`hookloop.compat.loader_view`) whose epoch is the samples of
+    its ``DistributedSampler``'s order from ``start`` on, sharded over its ranks
+    (`RestOfEpoch`), batched as ``loader`` batches; ``loader`` is left as it is."""
+    sampler = distributed_sampler(loader)
+    assert sampler is not None
+    rest = RestOfEpoch(sampler, start)
+    batch_sampler = loader.batch_sampler
+    index = rest if batch_sampler is None else BatchSampler(
+        rest, batch_sampler.batch_size, batch_sampler.drop_last)  # type: ignore[attr-defined]
+    return loader_view(loader, index)
+
+
+def reshard_problem(data: Any, saved: Any) -> str | None:
+    """Why the position ``saved`` (a checkpoint's ``loop`` part, written inside an epoch by
+    another number of ranks) cannot continue over ``data``'s ranks, or None when it can:
+    ``data`` is a DataLoader drawing from a torch ``DistributedSampler`` whose epoch order
+    is the one the position counts samples of (same seed, shuffle, dataset size)."""
+    sampler = distributed_sampler(data)
+    if sampler is None:
+        return (f"the training data ({type(data).__name__}) does not draw from a torch "
+                "DistributedSampler, whose order of the epoch is the same on any number of "
+                "ranks (DDP and FSDP give a DataLoader one; a run meant to change its number "
+                "of ranks starts with DDP or FSDP also on one process, under torchrun "
+                "--nproc_per_node=1)")
+    if saved.get(EPOCH_SAMPLES) is None or saved.get(EPOCH_ORDER) is None:
+        return ("the checkpoint does not say which samples of the epoch's order were trained "
+                "on (its data was not sharded by a DistributedSampler, or an older hookloop "
+                "wrote it)")
+    if saved[EPOCH_ORDER] != epoch_order_key(sampler):
+        return (f"the epoch's order was that of {saved[EPOCH_ORDER]} and is now that of "
+                f"{epoch_order_key(sampler)}")
+    return None

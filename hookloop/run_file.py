@@ -67,6 +67,9 @@ RESUME, BEST = "resume", "best"  # the kinds
 PARAM_GROUPS, PARAMS = "param_groups", "params"
 # ``loop``.
 BATCH_IDX, VALIDATED, EPOCH_SAMPLES = "batch_idx", "validated", "epoch_samples"
+# The position in samples: the global batch it was counted in, the sampler's order (seed,
+# shuffle, size, drop_last) and the steps taken before the epoch's pass began on its ranks.
+GLOBAL_BATCH, EPOCH_ORDER, STEP_OFFSET = "global_batch", "epoch_order", "step_offset"
 BATCHES_PER_EPOCH, OPTIMIZER_CLASS = "batches_per_epoch", "optimizer_class"
 EPOCHS, MAX_STEPS, ENDED = "epochs", "max_steps", "ended"
 STOP_HELD, HISTORY = "stop_held", "history"
@@ -87,6 +90,7 @@ SHARD_MARK = "__hookloop_shard__"
 KEYS = (META, MODEL, OPTIMIZER, LOOP, RANKS, CALLBACKS, STATE, STATE_CLASSES, METRICS, EPOCH,
         STEP, SHARDS, FORMAT_FIELD, KIND, VERSION, WORLD_SIZE, MONITOR, VALUE, SAVE_ID, FILES,
         BYTES, SHA256, PARAM_GROUPS, PARAMS, BATCH_IDX, VALIDATED, EPOCH_SAMPLES,
+        GLOBAL_BATCH, EPOCH_ORDER, STEP_OFFSET,
         BATCHES_PER_EPOCH, OPTIMIZER_CLASS, EPOCHS, MAX_STEPS, ENDED, STOP_HELD, HISTORY, REASON,
         TRAIN_LOSS_SUM, TRAIN_SAMPLES, DATA_STATE, RNG, EPOCH_RNG, PREFETCH_RNG, MARK_RNG,
         MARK_BATCHES, WORKERS_RNG, RNG_TORCH, RNG_GENERATORS, RNG_CUDA, RNG_PYTHON, RNG_NUMPY,
@@ -370,9 +374,16 @@ def _check_loop_part(path: str, part: Any) -> None:
     for field in (EPOCH, BATCH_IDX, STEP):
         _expect_int(path, f"{LOOP}.{field}", _require(path, part, LOOP, field))
     for field, minimum, optional in ((EPOCH_SAMPLES, 0, False), (WORLD_SIZE, 1, False),
-                                     (EPOCHS, 0, False), (MAX_STEPS, 1, True)):
+                                     (EPOCHS, 0, False), (MAX_STEPS, 1, True),
+                                     (GLOBAL_BATCH, 0, False)):
         if field in part:
             _expect_int(path, f"{LOOP}.{field}", part[field], minimum, optional=optional)
+    if STEP_OFFSET in part:
+        expect_field(path, f"{LOOP}.{STEP_OFFSET}", part[STEP_OFFSET],
+                     _is_int(part[STEP_OFFSET]), "an int")
+    if EPOCH_ORDER in part:
+        expect_field(path, f"{LOOP}.{EPOCH_ORDER}", part[EPOCH_ORDER],
+                     isinstance(part[EPOCH_ORDER], str), "a str (the sampler's order)")
     if VALIDATED in part:
         expect_field(path, f"{LOOP}.{VALIDATED}", part[VALIDATED],
                      isinstance(part[VALIDATED], bool), "a bool")

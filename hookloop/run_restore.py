@@ -42,6 +42,7 @@ from hookloop.run_file import (
     TRAIN_SAMPLES,
     WORLD_SIZE,
 )
+from hookloop.resumable import reshard_problem
 from hookloop.state import is_learning_rate
 from hookloop.weights import load_model_weights, load_optimizer_state, load_weights
 
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from hookloop.callback import Callback
     from hookloop.run_parts import RunParts
 
-__all__ = ["restore", "check_optimizer_fits", "check_same_data"]
+__all__ = ["restore", "check_optimizer_fits", "check_same_data", "check_new_world"]
 
 _UNFIT = (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError)
 
@@ -65,6 +66,7 @@ def restore(parts: RunParts, payload: Mapping[str, Any], source: str) -> None:
                               "missing or not a mapping.")
     check_optimizer_fits(parts.optimizer, loop_part, payload[OPTIMIZER], source)
     check_same_data(parts.batches_per_epoch, loop_part, source)
+    check_new_world(parts.train_data, loop_part, payload.get(RANKS) or [], source)
     _check_extra_state(parts.extra_state, payload, source)
     # A file or a directory of shards, into a sharded model or not (hookloop.weights).
     load_weights(source, parts.model, parts.optimizer, payload)
@@ -79,8 +81,7 @@ def restore(parts: RunParts, payload: Mapping[str, Any], source: str) -> None:
 def _own_part(parts: RunParts, payload: Mapping[str, Any], loop_part: Mapping[str, Any],
               source: str) -> dict[str, Any]:
     """This rank's part of ``ranks``: its generators, and its loss sums where they are its
-    own (the same world size). A per-rank data state inside an epoch is refused when the
-    world size changed."""
+    own (the same world size)."""
     ranks = payload.get(RANKS) or [{}]
     rank, world = distributed.rank(), distributed.world_size()
     saved_world = int(loop_part.get(WORLD_SIZE, 1))
@@ -91,23 +92,8 @@ def _own_part(parts: RunParts, payload: Mapping[str, Any], loop_part: Mapping[st
             f"{saved_world} process(es), or after an exception); rank {rank} uses rank 0's, "
             "so its random draws differ from an uninterrupted run.", RuntimeWarning,
             stacklevel=5)
-    if saved_world != world and int(loop_part.get(BATCH_IDX, 0)) and \
-            own.get(DATA_STATE) is not None:
-        raise CheckpointError(
-            f"{source}: the run was saved inside epoch {int(loop_part.get(EPOCH, 0)) + 1} by "
-            f"{saved_world} process(es), each with its own state of the training data "
-            f"({type(parts.train_data).__name__}.state_dict()), and this run has {world}: a "
-            "per-rank data state cannot be split or merged over another number of ranks. "
-            f"Relaunch on {saved_world} process(es), or resume from a checkpoint written at an "
-            "epoch end, or use a DataLoader over a map-style dataset (its position is kept in "
-            "samples).")
     if saved_world != world or (world > 1 and len(ranks) < world):
         own.update({TRAIN_LOSS_SUM: None, TRAIN_SAMPLES: 0})  # not this rank's own sums
-    if saved_world != world and distributed.is_main():
-        warnings.warn(
-            f"{source} was written by {saved_world} process(es), this run has {world}: "
-            "the position in the epoch does not carry over exactly.", RuntimeWarning,
-            stacklevel=5)
     return own
 
 
@@ -203,6 +189,40 @@ def _load_extra_state(extra_state: Mapping[str, Any], payload: Mapping[str, Any]
     if saved and distributed.is_main():
         warnings.warn(f"{source} holds state for {', '.join(sorted(saved))}, which this loop's "
                       "state= does not name; it is ignored.", RuntimeWarning, stacklevel=5)
+
+
+def check_new_world(train_data: Any, loop_part: Mapping[str, Any], ranks: Sequence[Any],
+                    source: str) -> None:
+    """A checkpoint written inside an epoch by another number of ranks: its position, in
+    samples of the epoch's order, goes on over the new ranks where the data draws that
+    order from a ``DistributedSampler`` (`hookloop.resumable.reshard_problem`); a rank's
+    own state of the data (in ``ranks``, the saved ranks' parts), or another order, cannot
+    be split or merged: refused, before anything is loaded.
+
+    Raises:
+        CheckpointError: naming the data, both numbers of ranks and the fix.
+    """
+    saved_world, world = int(loop_part.get(WORLD_SIZE, 1)), distributed.world_size()
+    if saved_world == world or not int(loop_part.get(BATCH_IDX, 0)):
+        return
+    epoch = int(loop_part.get(EPOCH, 0)) + 1
+    if any(isinstance(part, Mapping) and part.get(DATA_STATE) is not None for part in ranks):
+        raise CheckpointError(
+            f"{source}: the run was saved inside epoch {epoch} by "
+            f"{saved_world} process(es), each with its own state of the training data "
+            f"({type(train_data).__name__}.state_dict()), and this run has {world}: a "
+            "per-rank data state cannot be split or merged over another number of ranks. "
+            f"Relaunch on {saved_world} process(es), or resume from a checkpoint written at an "
+            "epoch end, or use a DataLoader over a map-style dataset (its position is kept in "
+            "samples).")
+    problem = reshard_problem(train_data, loop_part)
+    if problem is not None:
+        raise CheckpointError(
+            f"{source}: the run was saved inside epoch {epoch} by {saved_world} process(es) "
+            f"and this run has {world}; the samples of the epoch not trained on yet can be "
+            "resharded over the new ranks only when both launches draw the same order from "
+            f"a DistributedSampler, but {problem}. Relaunch on {saved_world} process(es), or "
+            "resume from a checkpoint written at an epoch end.")
 
 
 def check_same_data(batches_per_epoch: int | None, loop_part: Mapping[str, Any],

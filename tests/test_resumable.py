@@ -215,3 +215,136 @@ def test_a_stateful_iterable_under_accumulation_resumes_at_its_boundary() -> Non
     assert seen.values == list(range(5, 21))
     for name, value in uninterrupted.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], value), name
+
+
+def _saved_by_two_ranks(tmp_path, train) -> tuple[dict, object]:
+    """A checkpoint of a run stopped inside its epoch (step 3), edited as if two ranks had
+    written it, and a fresh loop over ``train()`` to resume it on this one."""
+    from hookloop.callbacks import Checkpoint
+
+    from builders import StopAt
+
+    def run(callbacks):
+        return make_loop(callbacks, model=lambda: torch.nn.Linear(1, 1), train=train,
+                         sanity_val_batches=0)
+
+    with pytest.raises(SystemExit):
+        run([Checkpoint(tmp_path, every_n_steps=1), StopAt(3, resumable=True)]).fit(1)
+    (path,) = [p for p in tmp_path.glob("*.pt") if "step=00000003" in p.name]
+    state = torch.load(path, weights_only=True)
+    state["loop"]["world_size"] = 2
+    return state, run([])
+
+
+def test_a_stateful_loader_s_per_rank_state_on_another_number_of_ranks_is_refused(
+        tmp_path) -> None:
+    """torchdata's StatefulDataLoader on each rank holds that rank's own place in its shard:
+    it cannot be split over other ranks, so the resume names it and the fix."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from hookloop import CheckpointError
+
+    state, resumed = _saved_by_two_ranks(tmp_path, lambda: StatefulDataLoader(
+        _dataset(), 4, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    assert state["ranks"][0]["data_state"] is not None
+    resumed.load_state_dict(state)
+    with pytest.raises(CheckpointError, match=r"StatefulDataLoader\.state_dict\(\).*cannot be "
+                                              r"split or merged.*Relaunch on 2 process"):
+        resumed.fit(1)
+    assert resumed.state.step == 0  # refused before any training
+
+
+def test_another_number_of_ranks_inside_an_epoch_of_an_order_that_cannot_be_resharded_is_refused(
+        tmp_path) -> None:
+    """A RandomSampler's order is not a DistributedSampler's: the trained samples cannot be
+    told apart on the new ranks, so the resume refuses rather than approximate."""
+    from hookloop import CheckpointError
+
+    state, resumed = _saved_by_two_ranks(tmp_path, lambda: DataLoader(
+        _dataset(), 4, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    resumed.load_state_dict(state)
+    with pytest.raises(CheckpointError, match=r"inside epoch 1 by 2 process\(es\) and this run "
+                                              r"has 1.*DataLoader\) does not draw from a torch "
+                                              r"DistributedSampler.*Relaunch on 2"):
+        resumed.fit(1)
+
+
+def test_the_rest_of_an_epoch_is_its_order_s_samples_from_the_position_sharded() -> None:
+    """Over any number of ranks, the shares of the rest are the order's samples from the
+    position on, each once when they divide evenly, and every rank gets as many."""
+    from hookloop.resumable import RestOfEpoch
+
+    def sampler(replicas: int, rank: int) -> DistributedSampler:
+        made = DistributedSampler(range(36), num_replicas=replicas, rank=rank, shuffle=True,
+                                  seed=7)
+        made.set_epoch(3)
+        return made
+
+    order = list(sampler(1, 0))
+    for replicas, start in ((1, 10), (2, 10), (3, 12), (3, 13), (4, 36)):
+        shares = [list(RestOfEpoch(sampler(replicas, rank), start)) for rank in range(replicas)]
+        assert len({len(share) for share in shares}) == 1
+        assert set().union(*shares) == set(order[start:])
+        if (36 - start) % replicas == 0:
+            assert sorted(sum(shares, [])) == sorted(order[start:])
+    # From a position that is whole batches of the new ranks, the same as DistributedSampler's.
+    assert list(RestOfEpoch(sampler(3, 1), 12)) == list(sampler(3, 1))[4:]
+
+
+def test_a_position_at_another_global_batch_goes_on_with_the_rest_of_the_epoch_s_order(
+        tmp_path) -> None:
+    """A checkpoint edited as if a run of global batch 5 (another number of ranks) had
+    trained 10 samples of the epoch: a loader of batch 4 over the same DistributedSampler
+    order reads exactly the order's samples from the 11th on, in order (none before), then
+    whole epochs; `loop.total_steps` counts the steps taken, so a factory's schedule ends
+    at the run's last step (at its min_lr)."""
+    import functools
+
+    from hookloop import Callback
+    from hookloop.callbacks import Checkpoint, LRScheduler
+    from hookloop.schedules import warmup_cosine
+
+    from builders import StopAt
+
+    reads: list[tuple[int, int]] = []
+
+    class Counted(TensorDataset):
+        epoch: int | None = None
+
+        def __getitem__(self, index):
+            if self.epoch is not None:  # inside an epoch (not the loop's checks)
+                reads.append((self.epoch, int(index)))
+            return super().__getitem__(index)
+
+    dataset = Counted(*_dataset().tensors)
+
+    class Epochs(Callback):
+        def on_epoch_start(self, loop) -> None:
+            dataset.epoch = loop.state.epoch
+
+        def on_fit_start(self, loop) -> None:
+            self.total = loop.total_steps
+
+    def run(callbacks):
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
+        schedule = LRScheduler(functools.partial(warmup_cosine, warmup_steps=1, min_lr=0.01))
+        return make_loop([schedule, *callbacks], model=lambda: torch.nn.Linear(1, 1),
+                         train=DataLoader(dataset, 4, sampler=sampler), sanity_val_batches=0)
+
+    with pytest.raises(SystemExit):
+        run([Checkpoint(tmp_path, every_n_steps=1), StopAt(3, resumable=True)]).fit(2)
+    (path,) = [p for p in tmp_path.glob("*.pt") if "step=00000003" in p.name]
+    state = torch.load(path, weights_only=True)
+    assert (state["loop"]["epoch_samples"], state["loop"]["global_batch"]) == (12, 4)
+    state["loop"].update(batch_idx=2, epoch_samples=10, global_batch=5)
+    reads.clear()
+    epochs = Epochs()
+    resumed = run([epochs])
+    resumed.load_state_dict(state)
+    resumed.fit(2)
+    order = list(DistributedSampler(range(24), num_replicas=1, rank=0, shuffle=True, seed=3))
+    assert [index for epoch, index in reads if epoch == 0] == order[10:]
+    assert sorted(index for epoch, index in reads if epoch == 1) == list(range(24))
+    # 3 steps taken, 4 batches of the 14 left, then an epoch of 6.
+    assert resumed.state.step == epochs.total == 3 + 4 + 6
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.01, abs=1e-12)

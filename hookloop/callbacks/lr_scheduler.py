@@ -139,6 +139,7 @@ class LRScheduler(Callback):
         self._scheduler: Any = None
         self._built_total: int | None = None
         self._stretched: str | None = None  # said at on_fit_start
+        self._stretch_from: tuple[int, list[float]] | None = None  # the total and rates before
         if _is_scheduler(scheduler):
             self._scheduler = scheduler
             self._check_monitor(scheduler)
@@ -242,7 +243,7 @@ class LRScheduler(Callback):
         if total == 0:  # fit(0): no step will need a scheduler
             return
         if self._scheduler is None or (self._built_total != total and not self.is_plateau):
-            old_total, rates = self._built_total, _rates(loop.optimizer)
+            old_total, rates = self._stretch_from or (self._built_total, _rates(loop.optimizer))
             if self._scheduler is not None:
                 done = int(getattr(self._scheduler, "last_epoch", 0))
             else:  # where the run is: its steps (or whole epochs) so far
@@ -251,24 +252,37 @@ class LRScheduler(Callback):
             if not self.is_plateau:  # a plateau schedule has no position to advance to
                 self._advance(done)
                 if old_total is not None and done:
-                    self._note_stretch(old_total, rates, done)
+                    self._note_stretch(old_total, rates, done, _geometry_changed(loop))
 
     def _fit_start(self, loop: Loop) -> None:
         """Check that a fixed-length scheduler lasts for what is left of the run; on rank 0,
         say when a factory's schedule was stretched (nothing is said when nothing trains)."""
-        stretched, self._stretched = self._stretched, None
+        stretched, self._stretched, self._stretch_from = self._stretched, None, None
         if stretched is not None and not loop.stop_requested and distributed.is_main():
             print(stretched, flush=True)
         self._check_length(loop)
 
-    def _note_stretch(self, old_total: int, rates: list[float], done: int) -> None:
-        """Remember, for on_fit_start, that the factory's schedule now has another length."""
+    def _note_stretch(self, old_total: int, rates: list[float], done: int,
+                      ranks_changed: bool = False) -> None:
+        """Remember, for on_fit_start, that the factory's schedule now has another length
+        (``ranks_changed``: the run resumed on another number of ranks, whose global batch
+        makes the rest of the run another number of steps)."""
         unit = "steps" if self.interval == "step" else "epochs"
+        self._stretch_from = (old_total, rates)
         after = _rates(self._scheduler.optimizer)
         if rates == after:
             change = f"the learning rate stays {_listed(after)} here"
         else:
             change = f"the learning rate goes from {_listed(rates)} to {_listed(after)}"
+        if ranks_changed:
+            self._stretched = (
+                f"LRScheduler: the run resumed with another global batch (another number of "
+                f"ranks), so the rest of the run takes another number of optimizer steps: the "
+                f"factory's schedule, built for {old_total} steps in all, is rebuilt for "
+                f"{self._built_total} (the {done} {unit} taken and those left at the new "
+                f"global batch) and continues at step {done}, so {change}; it ends where the "
+                "run ends.")
+            return
         self._stretched = (
             f"LRScheduler: the factory's schedule was built for {old_total} optimizer steps in "
             f"all, and this fit's total is {self._built_total}: it is rebuilt for "
@@ -302,9 +316,18 @@ class LRScheduler(Callback):
             position = loop.position.epoch
             needed, unit = loop.state.epochs - position, "epochs"
             done = f"fit({loop.state.epochs}) minus {position} epochs already done"
+        name = type(self._scheduler).__name__
+        if needed < left and self._factory is None and self.interval == "step" and \
+                _geometry_changed(loop) and distributed.is_main():
+            warnings.warn(
+                f"LRScheduler: the run resumed on another number of ranks, whose global batch "
+                f"leaves {needed} optimizer steps, but the {name} built by hand has {left} "
+                f"left (total_steps={length}): it would not reach its end. Pass a factory, "
+                "LRScheduler(lambda opt, total: OneCycleLR(opt, max_lr, total_steps=total)), "
+                "whose schedule is rebuilt for the steps the run takes.", RuntimeWarning,
+                stacklevel=2)
         if needed <= left:
             return
-        name = type(self._scheduler).__name__
         if self._factory is not None:
             fix = ("Build the scheduler with the total the factory receives: "
                    "lambda opt, total: OneCycleLR(opt, max_lr, total_steps=total).")
@@ -368,7 +391,11 @@ class LRScheduler(Callback):
 
     def on_fit_start(self, loop: Loop) -> None:
         """The checks of `_fit_start`; a timm-protocol scheduler of a resumed run is told
-        where the run is (``step(epoch)``, then ``step_update(step)``)."""
+        where the run is (``step(epoch)``, then ``step_update(step)``). A factory's schedule
+        is rebuilt here when the restored position changed the run's total (a resume on
+        another number of ranks: `hookloop.Loop.total_steps` counts the steps taken there)."""
+        if self._factory is not None and self._scheduler is not None:
+            self._prepare(loop)
         self._fit_start(loop)
         if self.steps_by_count and loop.state.step:  # a resumed run: the rate of where it is
             self._scheduler.step(loop.position.epoch)
@@ -458,6 +485,13 @@ class LRScheduler(Callback):
 
 
 _TOTAL_KEY = "factory_total_steps"  # in state_dict: the total a factory's schedule was built for
+
+
+def _geometry_changed(loop: Loop) -> bool:
+    """The run's total counts steps taken at another global batch (another number of ranks)."""
+    per_epoch, total = loop.steps_per_epoch, loop.total_steps
+    return per_epoch is not None and loop.state.max_steps is None and \
+        total != per_epoch * loop.state.epochs
 
 
 def _rates(optimizer: torch.optim.Optimizer) -> list[float]:
