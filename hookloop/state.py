@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -10,7 +11,8 @@ from typing import Any
 import torch
 
 from hookloop.data import batch_size_of, move_to_device
-
+from hookloop.deprecation import REMOVED_IN
+from hookloop.errors import HookloopDeprecationWarning
 from hookloop.forward import ForwardRule
 
 __all__ = ["LoopState", "current_batch", "learning_rates", "is_learning_rate"]
@@ -115,8 +117,14 @@ class LoopState:
         """Move ``batch`` to ``loop.device`` and make it the current one, with its targets
         (by the loop's ``targets=`` rule) and its size; return it.
 
-        Kept for the public API: the loop itself calls `current_batch`, which is handed the
-        device and the forward rule instead of the loop."""
+        Deprecated (it warns `hookloop.errors.HookloopDeprecationWarning`; removed in
+        hookloop 0.3): the loop sets the current batch itself, through `current_batch`,
+        which is handed the device and the forward rule instead of the loop. It is the one
+        function below the loop still handed the loop (tests/test_architecture.py names
+        it), until its removal."""
+        warnings.warn("LoopState.set_batch is deprecated: the loop sets state.batch itself "
+                      f"(LoopState.set_batch will be removed in hookloop {REMOVED_IN}).",
+                      HookloopDeprecationWarning, stacklevel=2)
         return current_batch(self, batch, batch_idx, loop.device,
                              ForwardRule(loop, None, None, None, loop.targets))
 

@@ -30,6 +30,7 @@ one step later, on every rank alike.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -38,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from hookloop import distributed
+from hookloop.checks import check_number
 
-__all__ = ["Cause", "CAUSES", "SAVE_TICKETS", "SIGTERM", "SIGUSR1", "SIGINT", "REQUESTED",
+__all__ = ["TimedSaves", "Cause", "CAUSES", "SAVE_TICKETS", "SIGTERM", "SIGUSR1", "SIGINT", "REQUESTED",
            "Suspension",
            "Vote", "current", "published", "carry_on_gradients"]
 
@@ -261,3 +263,55 @@ def carry_on_gradients(process_group: dist.ProcessGroup | None, bucket: dist.Gra
 # DDP checks a hook's annotations against the objects themselves; here they are strings.
 carry_on_gradients.__annotations__.update(
     {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
+
+
+class TimedSaves:
+    """A save every ``every_n_seconds`` of wall time in ``fit`` (Lightning's
+    ``train_time_interval``), decided alike on every rank.
+
+    Only rank 0's clock counts: at a step boundary where ``every_n_seconds`` have passed
+    since the fit's start or the last save it triggered, rank 0 raises the fit's
+    `hookloop.suspension.Vote.save_request`. The ranks' vote at each step boundary carries
+    it (in the gradient all-reduce under DDP, or the vote's own all-reduce), so every rank
+    learns it at the same boundary and `due` is True there on all of them: no collective
+    and no host sync beyond the vote's. Alone (one process), the save comes at the
+    boundary after the one that found the time up.
+
+    Args:
+        every_n_seconds: The interval; None: never.
+        owner: Who asks (named in errors), e.g. ``"Checkpoint"``.
+
+    Example:
+        >>> TimedSaves(None, owner="Checkpoint").due()
+        False
+    """
+
+    __slots__ = ("every_n_seconds", "_since", "_acted")
+
+    def __init__(self, every_n_seconds: float | None, *, owner: str) -> None:
+        self.every_n_seconds = check_number(f"{owner} every_n_seconds", every_n_seconds,
+                                            above=0.0, optional=True)
+        self._since = time.monotonic()
+        self._acted = 0  # the vote's agreed_save this callback saved for last
+
+    def begin(self) -> None:
+        """At fit start: the clock counts from now; no request is in flight."""
+        self._since, self._acted = time.monotonic(), 0
+
+    def due(self) -> bool:
+        """At a step boundary (after the loop recorded it): save now? The same on every rank."""
+        vote = current()
+        if self.every_n_seconds is None or vote is None:
+            return False
+        if vote.agreed_save != self._acted:  # every rank learnt it at this boundary
+            self._acted, self._since = vote.agreed_save, time.monotonic()
+            return True
+        if distributed.is_main() and time.monotonic() - self._since >= self.every_n_seconds:
+            vote.ask_save()  # agreed at a coming boundary (a second ask waits for it)
+        return False
+
+    def at_boundary(self, step: int, every_n_steps: int | None) -> bool:
+        """At a step boundary: save now, because the time is up (`due`, asked at every
+        boundary since it reads the vote) or every ``every_n_steps`` optimizer steps?"""
+        timed = self.due()
+        return timed or bool(every_n_steps is not None and step and step % every_n_steps == 0)

@@ -94,9 +94,9 @@ def _accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _standard_stack(directory: str) -> list[Callback]:
     from hookloop.callbacks import GradClip, LRScheduler, Metrics
-    from hookloop.schedules import warmup_cosine
 
-    return [GradClip(1.0), LRScheduler(lambda optimizer, total: warmup_cosine(optimizer, total, 0.2)),
+    return [GradClip(1.0), LRScheduler(lambda optimizer, total: torch.optim.lr_scheduler.OneCycleLR(
+                optimizer, max_lr=optimizer.param_groups[0]["lr"], total_steps=total)),
             Metrics(acc=_accuracy)]
 
 

@@ -91,3 +91,20 @@ def test_the_alias_read_from_the_class_does_not_warn() -> None:
         warnings.simplefilter("error")
         alias = Checkpoint.best_epoch  # help(), dir() and the API listing read it so
     assert "top_k[0]['epoch']" in alias.__doc__
+
+
+def test_loop_state_set_batch_warns_and_still_sets_the_batch() -> None:
+    import torch
+
+    from hookloop import Loop, LoopState
+
+    model = torch.nn.Linear(3, 1)
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                [(torch.ones(2, 3), torch.zeros(2, 1))], loss_fn=torch.nn.functional.mse_loss,
+                device="cpu")
+    state = LoopState()
+    batch = (torch.ones(2, 3), torch.zeros(2, 1))
+    with pytest.warns(HookloopDeprecationWarning, match=r"set_batch is deprecated.*0\.3"):
+        returned = state.set_batch(batch, 4, loop)
+    assert state.batch_idx == 4 and state.batch_size == 2
+    assert torch.equal(returned[0], batch[0]) and torch.equal(state.targets, batch[1])
