@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookloop import Callback, Loop
-from hookloop import background_save, checkpoint_files
+from hookloop.runfile import background_save, checkpoint_files
 from hookloop.callbacks import Checkpoint
 
 

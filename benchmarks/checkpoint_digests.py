@@ -26,8 +26,8 @@ from typing import Any, Iterator
 
 import torch
 
-from hookloop import integrity, shard_files
-from hookloop.checkpoint_files import CheckpointFiles, file_meta
+from hookloop.runfile import integrity, shard_files
+from hookloop.runfile.checkpoint_files import CheckpointFiles, file_meta
 
 
 @contextmanager

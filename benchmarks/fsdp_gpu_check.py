@@ -47,7 +47,7 @@ from torch import nn  # noqa: E402
 
 from hookloop import Loop, distributed  # noqa: E402
 from hookloop.callbacks import AMP, DDP, FSDP, ActivationCheckpointing, TensorParallel  # noqa: E402
-from hookloop.mesh import Mesh  # noqa: E402
+from hookloop.parallel.mesh import Mesh  # noqa: E402
 
 LAYOUTS = ("DDP", "FSDP", "HSDP", "TP", "FSDP+AC")
 

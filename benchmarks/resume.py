@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from hookloop import Callback, Loop
 from hookloop.callbacks import Checkpoint
-from hookloop.resumable import WorkerStamp
+from hookloop.engine.resumable import WorkerStamp
 
 
 class Slow(Dataset):

@@ -33,7 +33,7 @@ from hookloop.callbacks import (
     GradClip,
     TensorParallel,
 )
-from hookloop.mesh import Mesh
+from hookloop.parallel.mesh import Mesh
 
 VOCABULARY, LENGTH = 32, 12
 

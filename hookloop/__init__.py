@@ -11,7 +11,7 @@ import warnings
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.describe import describe
+from hookloop.engine.describe import describe
 from hookloop.errors import (
     CallbackOrderError,
     CheckpointError,
@@ -24,12 +24,12 @@ from hookloop.errors import (
     Suspended,
     Terminated,
 )
-from hookloop.events import Event
+from hookloop.base.events import Event
 from hookloop.loop import Loop
 from hookloop.lr_find import LRFindResult, lr_find
-from hookloop.phase import Phase
-from hookloop.state import LoopState
-from hookloop.loading import load_checkpoint
+from hookloop.base.phase import Phase
+from hookloop.engine.state import LoopState
+from hookloop.runfile.loading import load_checkpoint
 
 __version__ = "0.1.0"
 

@@ -41,7 +41,7 @@ class Callback:
     A checkpoint describes the last step boundary: when such a callback also acts between
     boundaries (``on_batch_start``, ``after_forward``, ``after_backward``, ``before_step``,
     ``on_batch_end``), the loop copies its ``state_dict()`` at every boundary and loads the
-    copy back when an exception ends the fit (`hookloop.boundary`).
+    copy back when an exception ends the fit (`hookloop.engine.boundary`).
     ``state_at_boundaries = True`` says the copy is not needed: the state does not change
     between boundaries, or the callback keeps its own copy of the boundary's.
 
@@ -64,7 +64,7 @@ class Callback:
     roles: ClassVar[tuple[str, ...]] = ()
     unique: ClassVar[bool] = False
     rank_zero_only: ClassVar[bool] = False
-    #: ``state_dict()`` always describes the last step boundary (see `hookloop.boundary`).
+    #: ``state_dict()`` always describes the last step boundary (see `hookloop.engine.boundary`).
     state_at_boundaries: ClassVar[bool] = False
 
     #: Overrides the state key; set it to tell two instances of one class apart.

@@ -59,7 +59,7 @@ def parse_assignment(text: str) -> tuple[str, Any]:
 
 
 def _print_presets() -> int:
-    from hookloop.registry import entries
+    from hookloop.presets.registry import entries
 
     usable, problems = entries()
     rows = [(entry.name, entry.package, entry.description + _range(entry))
@@ -99,7 +99,7 @@ def _range(entry: Any) -> str:
 
 def _describe(name: str, assignments: list[tuple[str, Any]]) -> int:
     from hookloop import presets
-    from hookloop.describe import describe
+    from hookloop.engine.describe import describe
 
     callbacks = presets.get(name, **dict(assignments))
     arguments = ", ".join(f"{key}={value!r}" for key, value in assignments)
@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"hookloop {hookloop.__version__} (torch {torch.__version__})")
     elif args.command == "events":
-        from hookloop.events import Event
+        from hookloop.base.events import Event
 
         print(Event.__doc__)
     return 0

@@ -101,7 +101,7 @@ _data_parallel: Any = None
 def set_data_parallel_group(group: Any) -> None:
     """Where `data_parallel_sum` sums: None (every rank: plain data parallelism),
     ``"alone"`` (no other rank read other data) or the process group of the ranks that
-    read different data (`hookloop.mesh.Mesh` sets it when tensor-parallel ranks read the
+    read different data (`hookloop.parallel.mesh.Mesh` sets it when tensor-parallel ranks read the
     same batches). Reset to None when the default group is destroyed."""
     global _data_parallel
     _data_parallel = group

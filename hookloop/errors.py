@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from hookloop.os_errors import describe_os_error
+from hookloop.base.os_errors import describe_os_error
 
 __all__ = ["HookloopError", "CallbackOrderError", "CheckpointError", "CheckpointWriteError",
            "LogWriteError",

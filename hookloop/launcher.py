@@ -2,7 +2,7 @@
 data sharded over the ranks, and tearing it down.
 
 `DDP` and `FSDP` both start through a `Launch`: the same rules (torchrun's ``RANK``,
-``WORLD_SIZE`` and ``LOCAL_RANK``, or the task SLURM's ``srun`` describes, `hookloop.slurm`;
+``WORLD_SIZE`` and ``LOCAL_RANK``, or the task SLURM's ``srun`` describes, `hookloop.parallel.slurm`;
 ``nccl`` on CUDA, ``gloo`` on CPU; ``cuda:LOCAL_RANK``), the same message when the script
 was launched by neither, the same SLURM requeue on SIGUSR1, the same sharding of the
 training and validation data, and the same teardown (only the group a launch created, only
@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hookloop import distributed, slurm, suspension
-from hookloop.mesh import Mesh
-from hookloop.samplers import check_equal_batches, set_epoch, shard_loader
+from hookloop import distributed
+from hookloop.parallel import slurm, suspension
+from hookloop.parallel.mesh import Mesh
+from hookloop.engine.samplers import check_equal_batches, set_epoch, shard_loader
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -77,7 +78,7 @@ class Launch:
     Args:
         owner: The callback's name (``"DDP"``, ``"FSDP"``), in messages.
         requeue: In a SLURM job, requeue it when SIGUSR1 ends the launch
-            (`hookloop.slurm.requeue_on_sigusr1`).
+            (`hookloop.parallel.slurm.requeue_on_sigusr1`).
 
     Example:
         >>> launch = Launch("DDP")

@@ -3,8 +3,8 @@
 Every question the loop asks has an owner it asks: `Position` (the batches of this epoch
 not trained on yet, and where the weights are), `Cadence` (is a validation due?),
 `OptimizerStep` (take the step; did the optimizer really step?), `RunEnd` (has the run
-ended, and why?), `hookloop.sanity` (the check before training) and `hookloop.dispatch`
-(emitting, the exception path). The docstring of `hookloop.events.Event` is this file in
+ended, and why?), `hookloop.engine.sanity` (the check before training) and `hookloop.engine.dispatch`
+(emitting, the exception path). The docstring of `hookloop.base.events.Event` is this file in
 pseudocode.
 """
 
@@ -18,23 +18,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookloop import arguments, dispatch, distributed, run_state, sanity
-from hookloop.boundary import BoundaryStates
-from hookloop.cadence import Cadence
+from hookloop import distributed
+from hookloop.engine import arguments, dispatch, run_state, sanity
+from hookloop.engine.boundary import BoundaryStates
+from hookloop.engine.cadence import Cadence
 from hookloop.callback import Callback
-from hookloop.data import LossSum
-from hookloop.describe import describe
-from hookloop.dispatch import Table, Wrapper
+from hookloop.engine.data import LossSum
+from hookloop.engine.describe import describe
+from hookloop.engine.dispatch import Table, Wrapper
 from hookloop.errors import ConfigurationError
-from hookloop.forward import ForwardRule, Selector, check_loss, predict_dtype
-from hookloop.geometry import Geometry
-from hookloop.ordering import check_callbacks
-from hookloop.phase import Phase, Phases
-from hookloop.position import EpochPass, Position, RunPosition
-from hookloop.run_end import RunEnd
-from hookloop.state import LoopState, current_batch
-from hookloop.stepper import OptimizerStep
-from hookloop.untouched import untouched
+from hookloop.engine.forward import ForwardRule, Selector, check_loss, predict_dtype
+from hookloop.engine.geometry import Geometry
+from hookloop.engine.ordering import check_callbacks
+from hookloop.base.phase import Phase, Phases
+from hookloop.engine.position import EpochPass, Position, RunPosition
+from hookloop.engine.run_end import RunEnd
+from hookloop.engine.state import LoopState, current_batch
+from hookloop.engine.stepper import OptimizerStep
+from hookloop.engine.untouched import untouched
 
 __all__ = ["Loop"]
 
@@ -43,7 +44,7 @@ class Loop(Geometry):
     """A training loop that emits events; every feature is a `Callback` in ``callbacks``.
 
     Its step geometry (``batches_per_epoch``, ``steps_per_epoch``, ``total_steps``) and
-    ``unwrapped_model`` come from `hookloop.geometry.Geometry`.
+    ``unwrapped_model`` come from `hookloop.engine.geometry.Geometry`.
 
     Args:
         model: The module to train. Moved to ``device`` when ``fit`` starts.

@@ -8,12 +8,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hookloop.checks import check_int, check_number
-from hookloop.data import move_to_device
+from hookloop.base.checks import check_int, check_number
+from hookloop.engine.data import move_to_device
 from hookloop.errors import ConfigurationError
-from hookloop.forward import ForwardRule, check_loss
-from hookloop.rng import loader_generators
-from hookloop.untouched import untouched
+from hookloop.engine.forward import ForwardRule, check_loss
+from hookloop.engine.rng import loader_generators
+from hookloop.engine.untouched import untouched
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

@@ -13,9 +13,9 @@ import warnings
 from typing import TYPE_CHECKING
 
 from hookloop import distributed
-from hookloop.checks import check_choice, check_number
+from hookloop.base.checks import check_choice, check_number
 from hookloop.errors import ConfigurationError
-from hookloop.phase import Phase
+from hookloop.base.phase import Phase
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

@@ -7,7 +7,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LRScheduler as _TorchScheduler
 
-from hookloop.checks import check_int, check_number
+from hookloop.base.checks import check_int, check_number
 from hookloop.errors import ConfigurationError
 
 __all__ = ["WarmupCosine", "WarmupLinear", "warmup_cosine", "warmup_linear", "resolve_warmup"]

@@ -59,10 +59,10 @@ from typing import Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.comparison import difference, without
-from hookloop.events import Event
-from hookloop.ordering import overrides
-from hookloop.run_file import CALLBACKS
+from hookloop.base.comparison import difference, without
+from hookloop.base.events import Event
+from hookloop.engine.ordering import overrides
+from hookloop.runfile.format import CALLBACKS
 
 __all__ = ["KitFailure", "check_callback", "check_declarations", "check_dispatch",
            "check_preset", "check_ranks", "check_resume", "check_state", "standard_loop"]
@@ -111,7 +111,7 @@ def _placed(callbacks: Sequence[Callback], stack: list[Callback], loop: Any) -> 
     """``callbacks`` inserted into ``stack`` at the first position the order rules accept
     (the checkpoint stays last)."""
     from hookloop.errors import CallbackOrderError
-    from hookloop.ordering import check_callbacks
+    from hookloop.engine.ordering import check_callbacks
 
     error: Exception | None = None
     for position in range(len(stack), -1, -1):
@@ -455,7 +455,7 @@ def check_dispatch(factory: Factory, directory: str | os.PathLike[str] | None = 
         KitFailure: an event method on the instance, or a table holding a method the class
             does not override.
     """
-    from hookloop.dispatch import Table
+    from hookloop.engine.dispatch import Table
 
     with _folder(directory) as root:
         callbacks = _as_list(_make(factory, root))

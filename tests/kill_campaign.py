@@ -22,8 +22,8 @@ from torch import nn
 
 from hookloop import Callback, Loop
 from hookloop.callbacks import Checkpoint
-from hookloop.directory_lock import LOCK_NAME
-from hookloop.run_file import read_payload
+from hookloop.runfile.directory_lock import LOCK_NAME
+from hookloop.runfile.format import read_payload
 
 from builders import adam, make_loop, regression_dataset, shuffled
 

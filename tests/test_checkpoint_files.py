@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hookloop.checkpoint_files import CheckpointFiles
+from hookloop.runfile.checkpoint_files import CheckpointFiles
 
 
 def touch_rotating(files: CheckpointFiles, epoch: int, step: int) -> str:

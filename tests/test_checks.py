@@ -4,7 +4,7 @@
 
 Each case builds one object with one bad value and compares the whole message with the
 form: the owner and argument as the user wrote them, the value exactly as ``repr`` shows
-it. (The validators themselves are in hookloop/checks.py, with doctests.)
+it. (The validators themselves are in hookloop/base/checks.py, with doctests.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Argument checks: each mistake is a ConfigurationError with the fix, before the first batch
-(hookloop/checks.py and the checks each constructor makes), and device=None's choice."""
+(hookloop/base/checks.py and the checks each constructor makes), and device=None's choice."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import hookloop
-import hookloop.checks
+import hookloop.base.checks
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import AMP, DDP, EMA, GradClip, Metrics, TerminateOnNaN
-from hookloop.checks import available_devices
+from hookloop.base.checks import available_devices
 
 from builders import MLP, BatchCounter, regression_dataset
 
@@ -188,7 +188,7 @@ def test_device_none_picks_cuda_then_mps_then_cpu(monkeypatch: pytest.MonkeyPatc
                                                   mps: bool, expected: str) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
-    assert hookloop.checks.default_device().type == expected
+    assert hookloop.base.checks.default_device().type == expected
     model = nn.Linear(2, 1)
     loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), [(torch.randn(1, 2),) * 2])
     assert loop.device.type == expected

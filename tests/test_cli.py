@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hookloop
-from hookloop.events import Event
+from hookloop.base.events import Event
 
 from conftest import console_script, subprocess_env
 

@@ -1,4 +1,4 @@
-"""hookloop.compat: the one module that touches private torch APIs, and its public fallbacks.
+"""hookloop.base.compat: the one module that touches private torch APIs, and its public fallbacks.
 
 The fallbacks are checked against the fused private calls and against hand computations,
 with the private name removed from torch for the test (monkeypatch). An ``ast`` scan
@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hookloop import Callback, Loop, compat
+from hookloop import Callback, Loop
+from hookloop.base import compat
 from hookloop.callbacks import AMP
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hookloop"
@@ -130,7 +131,7 @@ def test_no_module_but_compat_touches_a_private_torch_attribute() -> None:
         uses = private_torch_uses(path.read_text(encoding="utf-8"))
         if uses:
             offenders[path.relative_to(PACKAGE.parent).as_posix()] = uses
-    assert offenders == {}, f"use hookloop.compat for these: {offenders}"
+    assert offenders == {}, f"use hookloop.base.compat for these: {offenders}"
 
 
 # ------------------------------------------------------------------------- fallbacks

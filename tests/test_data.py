@@ -1,4 +1,4 @@
-"""Batch helpers (hookloop/data.py): moving nested batches to a device, and the batch size of
+"""Batch helpers (hookloop/engine/data.py): moving nested batches to a device, and the batch size of
 a batch whose samples sit in nested containers."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import collections
 import pytest
 import torch
 
-from hookloop.data import move_to_device
+from hookloop.engine.data import move_to_device
 
 
 def test_nested_batches_are_moved_with_their_containers() -> None:
@@ -28,6 +28,6 @@ def test_nested_batches_are_moved_with_their_containers() -> None:
     ((torch.zeros(6, 2), torch.zeros(6)), torch.zeros(6), 6),
 ])
 def test_batch_size_comes_from_the_samples_not_from_a_nested_sequence(batch, targets, size) -> None:
-    from hookloop.data import batch_size_of
+    from hookloop.engine.data import batch_size_of
 
     assert batch_size_of(batch, targets) == size

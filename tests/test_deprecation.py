@@ -1,4 +1,4 @@
-"""hookloop/deprecation.py: renamed public names keep working for one minor version, with a
+"""hookloop/base/deprecation.py: renamed public names keep working for one minor version, with a
 HookloopDeprecationWarning naming the new spelling (issue 25, item 14). The oracle of each
 alias is the new name read on the same object."""
 
@@ -15,7 +15,7 @@ import pytest
 import hookloop
 from hookloop import HookloopDeprecationWarning, Loop
 from hookloop.callbacks import Checkpoint
-from hookloop.deprecation import REMOVED_IN
+from hookloop.base.deprecation import REMOVED_IN
 
 from builders import ScriptedMetric, make_loop
 from conftest import subprocess_env

@@ -6,9 +6,10 @@ import re
 
 import pytest
 
-from hookloop import Callback, describe, presets
-from hookloop.events import HOOKS, Event
-from hookloop.ordering import overrides
+from hookloop import Callback, presets
+from hookloop import describe
+from hookloop.base.events import HOOKS, Event
+from hookloop.engine.ordering import overrides
 
 from builders import accuracy
 

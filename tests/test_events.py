@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hookloop import Callback, Event, Loop
-from hookloop.events import HOOKS
+from hookloop.base.events import HOOKS
 
 from builders import EventRecorder
 from builders import classification_batches, make_loop

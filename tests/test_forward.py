@@ -1,4 +1,4 @@
-"""How the loop gets outputs and a loss from a batch (hookloop/forward.py): the four rules,
+"""How the loop gets outputs and a loss from a batch (hookloop/engine/forward.py): the four rules,
 a custom forward, and the errors that say which rule a batch or a loss broke."""
 
 from __future__ import annotations

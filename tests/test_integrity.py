@@ -1,4 +1,4 @@
-"""hookloop.integrity: every storage path (one file, a directory of shards, async, rotating,
+"""hookloop.runfile.integrity: every storage path (one file, a directory of shards, async, rotating,
 top k, best, rollback) refuses a damaged, foreign or hostile file by name before anything
 of it is read, and no code from a checkpoint runs.
 
@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 import hookloop
 from hookloop import CheckpointError, Loop
 from hookloop.callbacks import FSDP, Checkpoint
-from hookloop.integrity import FILES_KEY, SAVE_ID_KEY, file_digest, read_metadata
+from hookloop.runfile.integrity import FILES_KEY, SAVE_ID_KEY, file_digest, read_metadata
 
 ROTATING = ("epoch=0000-step=00000006", "epoch=0001-step=00000012")
 
@@ -438,7 +438,7 @@ def test_a_dcp_write_failure_is_a_named_write_error_and_ctrl_c_stays_ctrl_c(
     import torch.distributed.checkpoint as dcp
 
     from hookloop import CheckpointWriteError
-    from hookloop.checkpoint_files import CheckpointFiles, file_meta
+    from hookloop.runfile.checkpoint_files import CheckpointFiles, file_meta
 
     failure, expected = WRITE_FAILURES[case]
 
@@ -482,8 +482,8 @@ def test_a_dcp_read_failure_is_a_named_checkpoint_error(
 def test_a_shards_non_tensor_entry_loads_only_as_weights_only_allows(tmp_path: Path) -> None:
     """DCP reads a shard's non-tensor entries with torch.load(weights_only=False); through
     hookloop an int comes back as it was and a pickle that would run code is refused."""
-    from hookloop.checkpoint_files import CheckpointFiles, file_meta
-    from hookloop.shard_files import Shards
+    from hookloop.runfile.checkpoint_files import CheckpointFiles, file_meta
+    from hookloop.runfile.shard_files import Shards
 
     marker = tmp_path / "pwned"
     payload = {"hookloop": file_meta("resume"), "model": {"w": torch.ones(2)},

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop.callbacks import AMP, GradAccumulation, Metrics
-from hookloop.data import move_to_device
+from hookloop.engine.data import move_to_device
 
 from builders import MLP, classification_dataset, make_loop, shuffled, shuffled_run, two_layers
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hookloop import Callback, CallbackOrderError, ConfigurationError, Loop, describe
+from hookloop import Callback, CallbackOrderError, ConfigurationError, Loop
+from hookloop import describe
 
 from builders import BatchCounter, classification_batches, make_loop
 

@@ -25,7 +25,7 @@ from hookloop.callbacks import (
     Metrics,
     TerminateOnNaN,
 )
-from hookloop.ordering import check_callbacks
+from hookloop.engine.ordering import check_callbacks
 from hookloop.presets import DetectAnomaly, ShortRun
 from hookloop.schedules import WarmupCosine, WarmupLinear
 

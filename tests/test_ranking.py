@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hookloop.ranking import TopK
+from hookloop.runfile.ranking import TopK
 
 
 def higher(value: float, other: float) -> bool:

@@ -1,4 +1,4 @@
-"""hookloop.registry: a package's module is imported only when its preset is asked for.
+"""hookloop.presets.registry: a package's module is imported only when its preset is asked for.
 
 Every package here is a real installed distribution (a ``*.dist-info`` with an
 ``entry_points.txt`` next to its module, in a directory put on ``sys.path``), found by
@@ -171,7 +171,7 @@ def test_the_presets_command_lists_a_package_that_exits_at_import(tmp_path: Path
 
 
 def test_the_registry_is_what_presets_re_exports() -> None:
-    from hookloop import registry
+    from hookloop.presets import registry
 
     assert presets.get is registry.get and presets.available is registry.available
     assert presets.ENTRY_POINT_GROUP == registry.ENTRY_POINT_GROUP == "hookloop.presets"
@@ -266,7 +266,7 @@ def test_a_preset_outside_its_hookloop_range_is_refused_naming_both_versions(
     ("0.1.0", "!=0.1.0", False), ("0.1.0", ">=0.1, <0.3, !=0.2.*", True),
     ("0.10.0", "<0.9", False), ("1.0rc1", ">=1.0", True)])
 def test_version_ranges_read_as_pep_440_says(version: str, spec: str, inside: bool) -> None:
-    from hookloop.versions import satisfies
+    from hookloop.base.versions import satisfies
 
     assert satisfies(version, spec) is inside
 

@@ -1,4 +1,4 @@
-"""hookloop.resumable: which data resumes how, the skipping index sampler, and the
+"""hookloop.engine.resumable: which data resumes how, the skipping index sampler, and the
 position in samples of the epoch's global order."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from hookloop.resumable import SkipBatches, data_source, global_batch, sampler_batches
+from hookloop.engine.resumable import SkipBatches, data_source, global_batch, sampler_batches
 
 from builders import make_loop
 
@@ -272,7 +272,7 @@ def test_another_number_of_ranks_inside_an_epoch_of_an_order_that_cannot_be_resh
 def test_the_rest_of_an_epoch_is_its_order_s_samples_from_the_position_sharded() -> None:
     """Over any number of ranks, the shares of the rest are the order's samples from the
     position on, each once when they divide evenly, and every rank gets as many."""
-    from hookloop.resumable import RestOfEpoch
+    from hookloop.engine.resumable import RestOfEpoch
 
     def sampler(replicas: int, rank: int) -> DistributedSampler:
         made = DistributedSampler(range(36), num_replicas=replicas, rank=rank, shuffle=True,

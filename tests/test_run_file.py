@@ -1,67 +1,21 @@
-"""The run file has one owner (hookloop/run_file.py): every key a real save writes is one of
-its `KEYS`, and no other module of the package spells a key of the format as a string of
-its own (issue 23, item 2)."""
+"""The run file has one owner (hookloop/runfile/format.py): every key a real save writes is
+one of its `KEYS` (issue 23, item 2). That no other module spells a key of the format is
+tests/test_architecture.py's check."""
 
 from __future__ import annotations
 
-import ast
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hookloop import Loop, run_file
+from hookloop import Loop
+from hookloop.runfile import format as run_file
 from hookloop.callbacks import Checkpoint
-from hookloop.checkpoint_files import CheckpointFiles
-from hookloop.shard_files import PLAIN_FILE
-
-PACKAGE = Path(run_file.__file__).parent
-#: The modules of the run file and its storage: they name no key at all but through the
-#: constants of run_file.
-RUN_FILE_LAYER = {
-    "background_save.py", "checkpoint_files.py", "checkpoint_io.py", "directory_lock.py",
-    "integrity.py", "loading.py", "os_errors.py", "ranking.py", "retirement.py", "rng.py",
-    "run_end.py", "run_parts.py", "run_restore.py", "run_state.py", "shard_files.py",
-    "sharded.py", "storage.py", "suspension.py", "weights.py", "callbacks/checkpoint.py",
-    "callbacks/time_limit.py",
-}
-#: Modules being changed on other branches (issue 23 item 3) that still spell their keys;
-#: they switch to run_file's constants (RNG, EPOCH_RNG, TRAIN_LOSS_SUM, ...) at the merge.
-PENDING = {"position.py"}
-
-
-def _key_strings(path: Path) -> Iterator[tuple[int, str]]:
-    """Each string constant of ``path`` (docstrings left out) that is a key of the format."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    docstrings = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            first = node.body[0] if node.body else None
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                docstrings.add(id(first.value))
-    keys = set(run_file.KEYS)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
-                and id(node) not in docstrings and node.value in keys:
-            yield node.lineno, node.value
-
-
-def test_no_module_but_run_file_spells_a_key_of_the_format() -> None:
-    """In the run file's layer no key at all; elsewhere only the keys that are also ordinary
-    words (`run_file.SHARED_WORDS`: a device type "cuda", a log column "step")."""
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        name = path.relative_to(PACKAGE).as_posix()
-        if name == "run_file.py" or name in PENDING:
-            continue
-        for line, key in _key_strings(path):
-            if name in RUN_FILE_LAYER or key not in run_file.SHARED_WORDS:
-                found.append(f"hookloop/{name}:{line}: {key!r}")
-    assert not found, "keys of the run file spelled outside hookloop/run_file.py (use its " \
-                      "constants):\n" + "\n".join(found)
-
+from hookloop.runfile.checkpoint_files import CheckpointFiles
+from hookloop.runfile.shard_files import PLAIN_FILE
 
 def test_the_keys_are_one_constant_each() -> None:
     assert len(set(run_file.KEYS)) == len(run_file.KEYS)

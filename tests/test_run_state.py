@@ -1,4 +1,4 @@
-"""The run's state (hookloop/run_state.py): what users change between launches, checked
+"""The run's state (hookloop/engine/run_state.py): what users change between launches, checked
 against an uninterrupted run.
 
 The resume cases run tests/scripts/run_state.py in fresh processes, as a user relaunches a

@@ -1,4 +1,4 @@
-"""hookloop.samplers: the data of a multi-process run sharded over the ranks (every sample
+"""hookloop.engine.samplers: the data of a multi-process run sharded over the ranks (every sample
 once in validation, the loader's settings kept, loaders that cannot be sharded reported or
 left alone). Moved here with the code from the DDP callback's tests."""
 
@@ -14,8 +14,9 @@ from conftest import ROOT
 from torch.utils.data import DataLoader, RandomSampler, WeightedRandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from hookloop import ConfigurationError, distributed, samplers
-from hookloop.samplers import UnpaddedDistributedSampler
+from hookloop import ConfigurationError, distributed
+from hookloop.engine import samplers
+from hookloop.engine.samplers import UnpaddedDistributedSampler
 
 sys.path.insert(0, str(ROOT / "tests" / "distributed" / "scripts"))
 import common

@@ -1,6 +1,6 @@
-"""hookloop.shard_files: what a sharded checkpoint directory holds where, and that a
+"""hookloop.runfile.shard_files: what a sharded checkpoint directory holds where, and that a
 directory is complete or absent whatever a kill interrupts (a replacement, a deletion, a
-save); and hookloop.sharded's promise that ``import hookloop`` imports none of torch's
+save); and hookloop.runfile.sharded's promise that ``import hookloop`` imports none of torch's
 distributed tensor, FSDP or checkpoint packages."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from conftest import subprocess_env
 
-from hookloop import shard_files
-from hookloop.checkpoint_files import CheckpointFiles
+from hookloop.runfile import shard_files
+from hookloop.runfile.checkpoint_files import CheckpointFiles
 
 
 def _complete(path: Path, label: str) -> Path:

@@ -1,4 +1,4 @@
-"""SIGTERM (hookloop/signals.py): inside fit it asks to end the launch at the next step
+"""SIGTERM (hookloop/parallel/signals.py): inside fit it asks to end the launch at the next step
 boundary, where the checkpoint is written, and the process exits with status 143; the
 program's own handler is left alone; and a Terminated raised while another exception is
 being handled."""
@@ -17,8 +17,8 @@ import torch
 
 from hookloop import Callback, Loop
 from hookloop.callbacks import Checkpoint
-from hookloop.signals import handled
-from hookloop.suspension import Vote, published
+from hookloop.parallel.signals import handled
+from hookloop.parallel.suspension import Vote, published
 
 from builders import RaiseAtBatch, shuffled_run
 from conftest import subprocess_env

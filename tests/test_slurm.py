@@ -1,4 +1,4 @@
-"""hookloop/slurm.py: SLURM's host lists, the task srun describes, the port every task of a
+"""hookloop/parallel/slurm.py: SLURM's host lists, the task srun describes, the port every task of a
 job derives, and the requeue (a stand-in scontrol on PATH records what it was asked)."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hookloop import ConfigurationError, slurm
-from hookloop.slurm import (
+from hookloop import ConfigurationError
+from hookloop.parallel import slurm
+from hookloop.parallel.slurm import (
     SlurmTask,
     adopt_srun_task,
     check_scontrol,

@@ -105,7 +105,7 @@ def test_a_closure_optimizer_where_the_closure_cannot_be_right_is_refused_before
     callbacks = {"amp": [AMP(torch.bfloat16)], "accumulation": [GradAccumulation(2)],
                  "two processes": []}[case]
     if case == "two processes":
-        monkeypatch.setattr("hookloop.stepper.world_size", lambda: 2)
+        monkeypatch.setattr("hookloop.engine.stepper.world_size", lambda: 2)
     inputs, targets = waves()
     loop = Loop(model, optimizer, [(inputs, targets)] * 2, loss_fn=nn.functional.mse_loss,
                 device="cpu", callbacks=callbacks)

@@ -1,4 +1,4 @@
-"""Checkpoint files (hookloop/storage.py): writes that fail, damaged or wrong files, links,
+"""Checkpoint files (hookloop/runfile/storage.py): writes that fail, damaged or wrong files, links,
 directories that cannot be used, and load_checkpoint.
 
 Faults are simulated (monkeypatched writes, a path that is a file, a failing probe), so the
@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from hookloop import CheckpointError, ConfigurationError, Loop, load_checkpoint, run_file, storage
+from hookloop import CheckpointError, ConfigurationError, Loop, load_checkpoint
+from hookloop.runfile import format as run_file, storage
 from hookloop.callbacks import Checkpoint
 from hookloop.errors import CheckpointWriteError
 

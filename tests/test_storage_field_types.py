@@ -19,7 +19,7 @@ from torch import nn
 import hookloop
 from hookloop import CheckpointError, Loop
 from hookloop.callbacks import Checkpoint
-from hookloop.run_file import read_payload
+from hookloop.runfile.format import read_payload
 
 RESUME_FILE = "epoch=0001-step=00000004.pt"
 

@@ -1,4 +1,4 @@
-"""Ending a launch while the run goes on (hookloop/suspension.py, RunEnd): in one process a
+"""Ending a launch while the run goes on (hookloop/parallel/suspension.py, RunEnd): in one process a
 resumable stop, a signal or a vote ends training at the next step boundary, Checkpoint
 saves that step, on_fit_end runs, fit raises Suspended with the cause's status, and the
 relaunch ends with the weights of an uninterrupted run (torch.equal)."""
@@ -15,7 +15,7 @@ import torch
 
 from hookloop import Callback, Loop, Suspended, Terminated
 from hookloop.callbacks import Checkpoint, GradAccumulation
-from hookloop.suspension import REQUESTED, SIGTERM, SIGUSR1, Suspension, Vote
+from hookloop.parallel.suspension import REQUESTED, SIGTERM, SIGUSR1, Suspension, Vote
 
 from builders import EventRecorder, Signal, StopAt, dropout_loop, same_weights, weights
 
@@ -175,7 +175,7 @@ def test_a_save_ticket_rides_on_the_flags_and_a_duplicate_is_the_same_save() -> 
     """Issue 28, item 6: rank 0 sends its ticket until it sees it agreed, then zeros (made
     on the device, no host copy); a ticket delivered twice (late, or carried again) leaves
     ``agreed_save`` where it was, so a consumer saves once."""
-    from hookloop.suspension import CAUSES
+    from hookloop.parallel.suspension import CAUSES
 
     zero, one = Vote(), Vote()
     for vote in (zero, one):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from hookloop.blocks import check_wrap, chosen_blocks
+from hookloop.parallel.blocks import check_wrap, chosen_blocks
 from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
 
@@ -106,7 +106,7 @@ class ActivationCheckpointing(Callback):
         wrap: The blocks to checkpoint, chosen as `FSDP`'s ``wrap``: a set of module
             classes, or a callable ``module -> bool`` asked for every submodule; None:
             every direct child holding at least 2% of the parameters
-            (`hookloop.blocks.default_blocks`). A block inside another chosen one is left
+            (`hookloop.parallel.blocks.default_blocks`). A block inside another chosen one is left
             to its parent's checkpoint.
         policy: None (full), a list of aten ops to save, or a policy function
             ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``.

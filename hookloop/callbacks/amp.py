@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.checks import check_flag, check_int, check_name, check_number
-from hookloop.compat import generic_grad_scaler_step
+from hookloop.base.checks import check_flag, check_int, check_name, check_number
+from hookloop.base.compat import generic_grad_scaler_step
 from hookloop.errors import ConfigurationError
-from hookloop.sharded import grad_scaler
+from hookloop.runfile.sharded import grad_scaler
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

@@ -1,7 +1,7 @@
 """`Checkpoint`: when to save the run, what to keep, and which file to resume.
 
 The loop gathers and restores the run; the files, their integrity and the ranking sit below,
-reached through `hookloop.checkpoint_io`. The details: docs/callbacks/checkpoint.md.
+reached through `hookloop.runfile.checkpoint_io`. The details: docs/callbacks/checkpoint.md.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.checkpoint_io import (MODEL, VALUE, CheckpointFiles, RotatingWrites, TimedSaves,
+from hookloop.runfile.checkpoint_io import (MODEL, VALUE, CheckpointFiles, RotatingWrites, TimedSaves,
                                     TopK, all_finite, load_checkpoint, model_state)
-from hookloop.checks import check_choice, check_name, check_number, check_optional_int, check_path
-from hookloop.deprecation import CheckpointAliases
+from hookloop.base.checks import check_choice, check_name, check_number, check_optional_int, check_path
+from hookloop.base.deprecation import CheckpointAliases
 from hookloop.errors import ConfigurationError
-from hookloop.grads import non_finite_weights_advice
+from hookloop.engine.grads import non_finite_weights_advice
 from hookloop.monitor import MODES, Monitor
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
-    from hookloop.position import RunPosition
+    from hookloop.engine.position import RunPosition
 
 __all__ = ["Checkpoint", "load_checkpoint"]
 

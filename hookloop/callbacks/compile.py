@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from hookloop.callback import Callback
-from hookloop.checks import check_flag
-from hookloop.compat import compiled_original, forget_compiled
+from hookloop.base.checks import check_flag
+from hookloop.base.compat import compiled_original, forget_compiled
 from hookloop.errors import ConfigurationError
-from hookloop.modules import unwrap
+from hookloop.base.modules import unwrap
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

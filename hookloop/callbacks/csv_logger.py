@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.checks import check_optional_int, check_path
+from hookloop.base.checks import check_optional_int, check_path
 from hookloop.errors import LogWriteError
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.checks import check_flag
+from hookloop.base.checks import check_flag
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

@@ -10,13 +10,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hookloop import distributed, slurm
+from hookloop import distributed
+from hookloop.parallel import slurm
 from hookloop.callback import Callback
-from hookloop.checks import check_flag, check_name
+from hookloop.base.checks import check_flag, check_name
 from hookloop.errors import ConfigurationError
 from hookloop.launcher import Launch, launched_by_torchrun
-from hookloop.samplers import UnpaddedDistributedSampler, check_equal_batches
-from hookloop.suspension import carry_on_gradients
+from hookloop.engine.samplers import UnpaddedDistributedSampler, check_equal_batches
+from hookloop.parallel.suspension import carry_on_gradients
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -53,7 +54,7 @@ def sync_batchnorm(module: nn.Module) -> nn.Module:
 
 def _carry_vote(model: DistributedDataParallel) -> None:
     """Let the gradient all-reduce carry the ranks' vote on ending the launch
-    (`hookloop.suspension.carry_on_gradients`), unless the program registered a
+    (`hookloop.parallel.suspension.carry_on_gradients`), unless the program registered a
     communication hook of its own (DDP takes one only): the vote then runs an all-reduce
     of its own at each step boundary."""
     try:
@@ -96,10 +97,10 @@ class DDP(Callback):
 
     Started by SLURM's ``srun`` without torchrun (one task per process), it reads the
     rank, world size and local rank from SLURM's variables, the group's address from the
-    first node of the host list and its port from the job id (`hookloop.slurm`), and starts
+    first node of the host list and its port from the job id (`hookloop.parallel.slurm`), and starts
     the same way; rank 0 says which launcher it found (``launcher``). The step's gradient
     all-reduce carries the ranks' vote on ending the launch
-    (`hookloop.suspension.carry_on_gradients`), unless the program registers a
+    (`hookloop.parallel.suspension.carry_on_gradients`), unless the program registers a
     communication hook of its own.
 
     Outside torchrun and srun it does nothing and says so once, so one script runs both

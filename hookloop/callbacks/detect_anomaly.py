@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hookloop.callback import Callback
-from hookloop.checks import check_int
+from hookloop.base.checks import check_int
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

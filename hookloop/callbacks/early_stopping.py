@@ -10,7 +10,7 @@ import torch
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.checks import check_flag, check_int, check_name, check_number
+from hookloop.base.checks import check_flag, check_int, check_name, check_number
 from hookloop.monitor import Monitor
 
 if TYPE_CHECKING:

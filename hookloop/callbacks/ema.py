@@ -11,17 +11,17 @@ import torch
 from torch import nn
 
 from hookloop.callback import Callback
-from hookloop.checks import (
+from hookloop.base.checks import (
     check_choice,
     check_flag,
     check_int,
     check_name,
     check_number,
 )
-from hookloop.compat import foreach_copy_, foreach_lerp_
+from hookloop.base.compat import foreach_copy_, foreach_lerp_
 from hookloop.errors import ConfigurationError
-from hookloop.modules import unwrap
-from hookloop.sharded import is_sharded_tensor, place_like, regather
+from hookloop.base.modules import unwrap
+from hookloop.runfile.sharded import is_sharded_tensor, place_like, regather
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -47,7 +47,7 @@ class EMA(Callback):
     At the first fit start the shadow is the model's weights (``ema = theta_0``); after
     every ``every_n_steps``-th real optimizer step (counted on ``loop.state.step``, so
     steps skipped by the GradScaler or cancelled never count) it becomes
-    ``ema = decay_t * ema + (1 - decay_t) * theta``, computed as one fused lerp (`hookloop.compat.foreach_lerp_`)
+    ``ema = decay_t * ema + (1 - decay_t) * theta``, computed as one fused lerp (`hookloop.base.compat.foreach_lerp_`)
     on the device: no host sync (``torch.optim.swa_utils.AveragedModel`` syncs once per
     update). The decay of the ``t``-th averaging update (``t = 0, 1, ...``, counted in
     ``updates`` and checkpointed) is::
@@ -183,6 +183,13 @@ class EMA(Callback):
             by_tensor[id(tensor)] = shadow[name] = placed
         self._shadow = shadow
         self._model = model
+        self._group(model, entries, shadow)
+
+    def _group(self, model: nn.Module, entries: dict[str, torch.Tensor],
+               shadow: dict[str, torch.Tensor]) -> None:
+        """Sort each tensor once (tied ones share a shadow) into the update it gets: a
+        float32 lerp, a lerp through a float32 copy, or a plain copy (integer buffers, and
+        float buffers with ``buffers="copy"``)."""
         lerp_shadows, lerp_sources, casts, copy_shadows, copy_sources = [], [], [], [], []
         params = {id(param) for param in model.parameters()}
         seen: set[int] = set()

@@ -12,19 +12,20 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from hookloop import distributed, sharded
-from hookloop.blocks import MIN_SHARE, check_wrap, chosen_blocks, default_blocks
+from hookloop import distributed
+from hookloop.runfile import sharded
+from hookloop.parallel.blocks import MIN_SHARE, check_wrap, chosen_blocks, default_blocks
 from hookloop.callback import Callback
-from hookloop.checks import check_choice, check_flag, check_name, check_that
-from hookloop.data import length_of
+from hookloop.base.checks import check_choice, check_flag, check_name, check_that
+from hookloop.engine.data import length_of
 from hookloop.errors import ConfigurationError
 from hookloop.launcher import Launch, destroy_at_exit
-from hookloop.mesh import Mesh
+from hookloop.parallel.mesh import Mesh
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["FSDP", "MIN_SHARE", "default_blocks"]  # the last two: hookloop.blocks
+__all__ = ["FSDP", "MIN_SHARE", "default_blocks"]  # the last two: hookloop.parallel.blocks
 
 _MIXED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -93,7 +94,7 @@ class FSDP(Callback):
         backend: Process group backend; None means ``nccl`` on CUDA, else ``gloo``.
         requeue: In a SLURM job, requeue it with ``scontrol`` when SIGUSR1 ends the launch,
             as ``DDP(requeue=True)`` does.
-        mesh: None (shard over all ranks, a 1-D mesh), or a `hookloop.mesh.Mesh`: FSDP
+        mesh: None (shard over all ranks, a 1-D mesh), or a `hookloop.parallel.mesh.Mesh`: FSDP
             shards over its ``dp_shard`` ranks, and with ``dp_replicate`` > 1 replicates
             across them (HSDP: a 2-D ``(replicate, shard)`` mesh; gradients reduce-scattered
             within a replica, all-reduced across replicas); with ``tp`` > 1, pass the same
@@ -154,7 +155,7 @@ class FSDP(Callback):
                                        "nccl on CUDA, gloo on CPU.")
         self.requeue = check_flag("FSDP requeue", requeue)
         self.mesh = check_that("FSDP mesh", mesh, mesh is None or isinstance(mesh, Mesh),
-                               "None or a hookloop.mesh.Mesh",
+                               "None or a hookloop.parallel.mesh.Mesh",
                                hint="For example Mesh(dp_replicate=2, dp_shard='auto') (HSDP).")
         self._launch = Launch("FSDP", requeue=self.requeue)
         self._syncing = True  # gradients reduce-scattered at the coming backward
@@ -210,7 +211,7 @@ class FSDP(Callback):
             raise ConfigurationError(
                 "FSDP: the model holds DTensor parameters (split by TensorParallel) but FSDP "
                 "was given no mesh, so it would shard over a mesh of its own that the "
-                "tensor-parallel one is not part of. Pass the same hookloop.mesh.Mesh to both: "
+                "tensor-parallel one is not part of. Pass the same hookloop.parallel.mesh.Mesh to both: "
                 "mesh = Mesh(dp_shard='auto', tp=2); [TensorParallel(plan, mesh=mesh), "
                 "FSDP(mesh=mesh)].")
         else:

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from hookloop.callback import Callback
-from hookloop.checks import check_choice, check_int
-from hookloop.compat import foreach_mul_
+from hookloop.base.checks import check_choice, check_int
+from hookloop.base.compat import foreach_mul_
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from hookloop.callback import Callback
-from hookloop.checks import check_number
+from hookloop.base.checks import check_number
 from hookloop.errors import ConfigurationError
-from hookloop.grads import clip_grad_norm, parameters_in_model_order, total_norm, unclippable
+from hookloop.engine.grads import clip_grad_norm, parameters_in_model_order, total_norm, unclippable
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

@@ -13,7 +13,7 @@ import torch
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.checks import check_flag, check_name
+from hookloop.base.checks import check_flag, check_name
 from hookloop.errors import ConfigurationError, with_article
 
 if TYPE_CHECKING:

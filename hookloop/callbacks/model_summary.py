@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop.callback import Callback
-from hookloop.checks import check_console, check_flag, check_int
+from hookloop.base.checks import check_console, check_flag, check_int
 from hookloop.errors import ConfigurationError
-from hookloop.forward import ForwardRule
-from hookloop.untouched import untouched
+from hookloop.engine.forward import ForwardRule
+from hookloop.engine.untouched import untouched
 
 if TYPE_CHECKING:
     from rich.console import Console

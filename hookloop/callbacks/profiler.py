@@ -10,7 +10,7 @@ import torch
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.checks import check_console, check_flag
+from hookloop.base.checks import check_console, check_flag
 
 if TYPE_CHECKING:
     from rich.console import Console

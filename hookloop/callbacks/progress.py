@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.checks import check_console, check_flag, check_number
-from hookloop.data import length_of
-from hookloop.phase import Phase
-from hookloop.state import is_learning_rate
+from hookloop.base.checks import check_console, check_flag, check_number
+from hookloop.engine.data import length_of
+from hookloop.base.phase import Phase
+from hookloop.engine.state import is_learning_rate
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hookloop.callback import Callback
-from hookloop.checks import check_int
+from hookloop.base.checks import check_int
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

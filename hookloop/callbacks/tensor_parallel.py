@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
-from hookloop import sharded
+from hookloop.runfile import sharded
 from hookloop.callback import Callback
-from hookloop.checks import check_choice, check_name, check_that
+from hookloop.base.checks import check_choice, check_name, check_that
 from hookloop.errors import ConfigurationError
 from hookloop.launcher import Launch, destroy_at_exit
-from hookloop.mesh import Mesh
+from hookloop.parallel.mesh import Mesh
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -35,7 +35,7 @@ class TensorParallel(Callback):
     (torch's ``parallelize_module``), launched with ``torchrun``.
 
     Under torchrun (or srun), ``setup`` starts the process group as `DDP` and `FSDP` do,
-    builds the mesh (`hookloop.mesh.Mesh`; the whole world is one tensor-parallel group
+    builds the mesh (`hookloop.parallel.mesh.Mesh`; the whole world is one tensor-parallel group
     when none is given), then:
 
     * applies the plan on the mesh's ``tp`` dimension: a dict of submodule names (as
@@ -67,7 +67,7 @@ class TensorParallel(Callback):
     Args:
         plan: A dict ``{submodule name: ParallelStyle}`` or a callable
             ``plan(model, tp_mesh)``.
-        mesh: The `hookloop.mesh.Mesh` (the same one as `FSDP`'s); None: all ranks in one
+        mesh: The `hookloop.parallel.mesh.Mesh` (the same one as `FSDP`'s); None: all ranks in one
             tensor-parallel group.
         state_dict: ``"full"`` or ``"sharded"``: the checkpoint layout without `FSDP`
             (with it, FSDP's ``state_dict`` decides).
@@ -112,7 +112,7 @@ class TensorParallel(Callback):
             "plan(model, tp_mesh)",
             hint="For example {'up': ColwiseParallel(), 'down': RowwiseParallel()}.")
         self.mesh = check_that("TensorParallel mesh", mesh, mesh is None or isinstance(mesh, Mesh),
-                               "None or a hookloop.mesh.Mesh",
+                               "None or a hookloop.parallel.mesh.Mesh",
                                hint="For example Mesh(dp_shard='auto', tp=2).")
         self.state_dict_layout = check_choice(
             "TensorParallel state_dict", state_dict, sharded.LAYOUTS,

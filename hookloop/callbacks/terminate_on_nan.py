@@ -8,10 +8,10 @@ import torch
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.checks import check_flag
-from hookloop.compat import foreach_copy_
+from hookloop.base.checks import check_flag
+from hookloop.base.compat import foreach_copy_
 from hookloop.errors import ConfigurationError, NonFiniteError
-from hookloop.grads import total_norm
+from hookloop.engine.grads import total_norm
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

@@ -14,10 +14,10 @@ import torch
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.checks import check_choice, check_int, check_number
-from hookloop.data import batch_size_of
+from hookloop.base.checks import check_choice, check_int, check_number
+from hookloop.engine.data import batch_size_of
 from hookloop.errors import ConfigurationError
-from hookloop.phase import Phase
+from hookloop.base.phase import Phase
 
 if TYPE_CHECKING:
     from torch.utils.flop_counter import FlopCounterMode

@@ -7,11 +7,11 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from hookloop import slurm
+from hookloop.parallel import slurm
 from hookloop.callback import Callback
 from hookloop.callbacks.checkpoint import Checkpoint
-from hookloop.checks import check_choice, check_duration, check_number
-from hookloop.clock import process_start
+from hookloop.base.checks import check_choice, check_duration, check_number
+from hookloop.base.clock import process_start
 from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -26,8 +26,8 @@ class TimeLimit(Callback):
     For jobs with a wall-time limit (SLURM's ``--time``, a reservation, a CI slot). The
     budget counts from the start of this process, as the scheduler's clock does: the
     interpreter's start, torch's import and a slow setup before this callback was created
-    count too (`hookloop.clock.process_start`). Under SLURM, ``TimeLimit()`` with no
-    duration reads the job's end time (`hookloop.slurm.job_end_time`: ``SLURM_JOB_END_TIME``,
+    count too (`hookloop.base.clock.process_start`). Under SLURM, ``TimeLimit()`` with no
+    duration reads the job's end time (`hookloop.parallel.slurm.job_end_time`: ``SLURM_JOB_END_TIME``,
     else ``squeue``, else ``scontrol``), so the budget is what is left of the job's
     ``--time``. At every step boundary the launch is ended with
     ``loop.stop(reason, resumable=True)`` when the time left is less than the reserve:

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from hookloop.callback import Callback
-from hookloop.phase import Phase
+from hookloop.base.phase import Phase
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

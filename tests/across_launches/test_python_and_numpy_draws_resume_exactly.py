@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-import hookloop.rng
+import hookloop.engine.rng
 from hookloop.callbacks import Checkpoint
 
 from builders import Crash, RaiseAtBatch, net_loop, same_weights, weights
@@ -91,7 +91,7 @@ def test_fit_again_after_an_exception_ends_on_the_uninterrupted_weights(
 def test_python_and_numpy_generators_are_not_copied_at_every_step(tmp_path, monkeypatch) -> None:
     calls = []
     real = random.getstate
-    monkeypatch.setattr(hookloop.rng.random, "getstate", lambda: calls.append(1) or real())
+    monkeypatch.setattr(hookloop.engine.rng.random, "getstate", lambda: calls.append(1) or real())
     seed_host(0)
     loop = net_loop([Checkpoint(tmp_path)], train=data(), sanity_val_batches=0)
     loop.fit(EPOCHS)

@@ -27,7 +27,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from hookloop import Callback, Loop
 from hookloop.callbacks import Checkpoint, GradAccumulation
-from hookloop.samplers import UnpaddedDistributedSampler
+from hookloop.engine.samplers import UnpaddedDistributedSampler
 
 from builders import net_loop, same_weights
 

@@ -13,7 +13,7 @@ from torch import nn
 import hookloop
 from hookloop import CallbackOrderError, Callback, CheckpointError, ConfigurationError, Loop
 from hookloop.callbacks import Checkpoint, EarlyStopping, Metrics
-from hookloop import storage
+from hookloop.runfile import storage
 
 from builders import ScriptedMetric, adam, regression_batches, two_layers
 from builders import make_loop as build_loop

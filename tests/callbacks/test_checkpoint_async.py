@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from hookloop import Callback, CheckpointWriteError, Loop
-from hookloop import checkpoint_files as checkpoint_module  # where Checkpoint's writes go
+from hookloop.runfile import checkpoint_files as checkpoint_module  # where Checkpoint's writes go
 from hookloop.callbacks import Checkpoint
-from hookloop.run_file import read_payload
+from hookloop.runfile.format import read_payload
 
 from builders import dropout_loop
 from kill_campaign import campaign

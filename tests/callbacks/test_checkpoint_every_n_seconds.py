@@ -1,6 +1,6 @@
 """``Checkpoint(every_n_seconds=...)`` (issue 28, item 6; Lightning's ``train_time_interval``).
 
-The clock is the callback's own (``hookloop.suspension.time.monotonic``), replaced here by a
+The clock is the callback's own (``hookloop.parallel.suspension.time.monotonic``), replaced here by a
 clock that a callback advances by 10 s at every training batch, so which steps save is
 exact: with ``every_n_seconds=15`` the time is up at step 2 (20 s), the save comes at the
 next agreed step boundary (step 3), the clock counts from there, and so on. No wall time
@@ -36,7 +36,7 @@ class FakeClock(Callback):
 @pytest.fixture()
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     clock = FakeClock()
-    monkeypatch.setattr("hookloop.suspension.time.monotonic", clock)
+    monkeypatch.setattr("hookloop.parallel.suspension.time.monotonic", clock)
     return clock
 
 

@@ -16,8 +16,8 @@ from torch import nn
 import hookloop
 from hookloop import Callback, Loop
 from hookloop.callbacks import Checkpoint
-from hookloop import checkpoint_files as checkpoint_module  # where Checkpoint's writes go
-from hookloop import storage
+from hookloop.runfile import checkpoint_files as checkpoint_module  # where Checkpoint's writes go
+from hookloop.runfile import storage
 
 from builders import EventRecorder, adam, regression_batches
 from builders import make_loop as build_loop

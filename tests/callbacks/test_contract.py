@@ -15,8 +15,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader
 
 import hookloop.callbacks as builtins
-from hookloop import Callback, ConfigurationError, Loop, describe
-from hookloop.ordering import overrides
+from hookloop import Callback, ConfigurationError, Loop
+from hookloop import describe
+from hookloop.engine.ordering import overrides
 from hookloop.callbacks import (
     AMP,
     ActivationCheckpointing,

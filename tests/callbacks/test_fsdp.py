@@ -23,7 +23,7 @@ from hookloop import CallbackOrderError, ConfigurationError, Loop, load_checkpoi
 from hookloop.callbacks import DDP, EMA, FSDP, Checkpoint, GradClip
 from hookloop.callbacks.fsdp import default_blocks
 from hookloop.errors import CheckpointWriteError
-from hookloop.sharded import is_sharded_module, is_sharded_tensor
+from hookloop.runfile.sharded import is_sharded_module, is_sharded_tensor
 
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 

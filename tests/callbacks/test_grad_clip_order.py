@@ -12,7 +12,7 @@ from torch import nn
 
 from hookloop import Callback, Loop
 from hookloop.callbacks import GradClip
-from hookloop.grads import parameters_in_model_order
+from hookloop.engine.grads import parameters_in_model_order
 
 MAX_NORM = 0.1
 

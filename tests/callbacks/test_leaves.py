@@ -44,8 +44,8 @@ import hookloop.callbacks.tensorboard
 def later():
     from hookloop.callbacks.probe import untouched
 from hookloop import distributed
-from hookloop.grads import total_norm
-import hookloop.checks
+from hookloop.engine.grads import total_norm
+import hookloop.base.checks
 """
     assert [entry.split(":")[0] for entry in callback_imports(source)] == [
         "2", "3", "4", "5", "6", "7", "9"]

@@ -15,8 +15,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hookloop import CallbackOrderError, ConfigurationError
 from hookloop.callbacks import DDP, FSDP, ActivationCheckpointing, Compile, TensorParallel
-from hookloop.grads import total_norm, unclippable
-from hookloop.mesh import Mesh
+from hookloop.engine.grads import total_norm, unclippable
+from hookloop.parallel.mesh import Mesh
 
 PLAN = {"0": ColwiseParallel(), "2": RowwiseParallel()}  # not applied in one process
 
@@ -91,7 +91,7 @@ def test_total_norm_combines_norms_of_several_kinds_exactly_as_one_vector() -> N
 def test_fsdp_refuses_tensor_parallel_weights_without_a_mesh(monkeypatch) -> None:
     """A model already split by tensor parallel (DTensor parameters) sharded by FSDP on a
     mesh of its own would put them on two unrelated meshes: refused, naming the fix."""
-    from hookloop import sharded
+    from hookloop.runfile import sharded
     from hookloop.callbacks import fsdp
 
     model = two_layers(3, 8, 1)
@@ -99,6 +99,6 @@ def test_fsdp_refuses_tensor_parallel_weights_without_a_mesh(monkeypatch) -> Non
     loop = make_loop([], model=model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(ConfigurationError, match="Pass the same hookloop.mesh.Mesh to both"):
+        with pytest.raises(ConfigurationError, match="Pass the same hookloop.parallel.mesh.Mesh to both"):
             fsdp.FSDP()._shard(loop, model)
 

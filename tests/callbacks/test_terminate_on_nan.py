@@ -13,7 +13,7 @@ from torch import nn
 
 from hookloop import Callback, Loop
 from hookloop.callbacks import AMP, Checkpoint, GradAccumulation, TerminateOnNaN
-from hookloop.grads import non_finite_weights_advice
+from hookloop.engine.grads import non_finite_weights_advice
 
 from builders import EventRecorder, regression_batches, sgd
 from builders import make_loop as build_loop

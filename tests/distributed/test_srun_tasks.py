@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hookloop.slurm import port_for_job
+from hookloop.parallel.slurm import port_for_job
 
 from conftest import stand_in_scontrol, subprocess_env
 from launch import SCRIPTS, TIMEOUT

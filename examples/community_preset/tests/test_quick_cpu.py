@@ -6,7 +6,7 @@ from __future__ import annotations
 import hookloop
 from hookloop import presets
 from hookloop.testing import check_callback, check_preset
-from hookloop.versions import satisfies
+from hookloop.base.versions import satisfies
 
 from hookloop_quick_cpu import quick_cpu
 

@@ -65,10 +65,10 @@ def loop_with(callbacks: list[Callback], **options: object) -> Loop:
 
 
 def timed(out: Path) -> None:
-    import hookloop.suspension
+    import hookloop.parallel.suspension
 
     clock = Clock(10.0 if rank() == 0 else 0.0)
-    hookloop.suspension.time.monotonic = clock  # type: ignore[assignment]  # this process only
+    hookloop.parallel.suspension.time.monotonic = clock  # type: ignore[assignment]  # this process only
     directory = out / "timed"
     loop = loop_with([clock, Checkpoint(directory, every_n_epochs=None, keep_last=None,
                                         every_n_seconds=15)])

@@ -44,7 +44,7 @@ from hookloop.callbacks import (
     TensorParallel,
     ThroughputMonitor,
 )
-from hookloop.mesh import Mesh
+from hookloop.parallel.mesh import Mesh
 
 MAX_NORM = 0.1
 SAMPLES = 48

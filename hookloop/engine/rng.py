@@ -1,0 +1,93 @@
+"""Capture and restore every random number generator a training run draws from.
+
+States are stored as tensors, ints and lists only, so a checkpoint holding them loads with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from hookloop.runfile.format import (  # its keys; the check of a saved state is the run file's
+    RNG_CUDA,
+    RNG_GENERATORS,
+    RNG_NUMPY,
+    RNG_PYTHON,
+    RNG_TORCH,
+    rng_state_problem,
+)
+
+__all__ = ["capture_rng", "host_rng", "restore_rng", "restore_host_rng", "loader_generators",
+           "rng_state_problem"]
+
+try:  # numpy is optional
+    import numpy as _numpy
+except ImportError:  # pragma: no cover - numpy ships with most torch installs
+    _numpy = None
+
+
+def loader_generators(data: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a DataLoader (or its samplers) draws its order from."""
+    found: list[torch.Generator] = []
+    candidates = [
+        getattr(data, "generator", None),
+        getattr(getattr(data, "sampler", None), "generator", None),
+        getattr(getattr(getattr(data, "batch_sampler", None), "sampler", None), "generator", None),
+    ]
+    for candidate in candidates:
+        if isinstance(candidate, torch.Generator) and all(candidate is not g for g in found):
+            found.append(candidate)
+    return found
+
+
+def capture_rng(generators: Iterable[torch.Generator] = (), *, full: bool = True) -> dict[str, Any]:
+    """Snapshot the torch CPU and CUDA generators and ``generators`` (about 2 microseconds);
+    with ``full``, also Python's and NumPy's global generators (`host_rng`)."""
+    state: dict[str, Any] = {
+        RNG_TORCH: torch.default_generator.get_state(),  # torch.get_rng_state(), one call less
+        RNG_GENERATORS: [generator.get_state() for generator in generators] if generators else [],
+    }
+    # is_initialized first: it is a flag, is_available asks the driver (microseconds).
+    if torch.cuda.is_initialized() and torch.cuda.is_available():
+        state[RNG_CUDA] = torch.cuda.get_rng_state_all()
+    if full:
+        state.update(host_rng())
+    return state
+
+
+def host_rng() -> dict[str, Any]:
+    """Python's and NumPy's global generators: about 70 microseconds (NumPy's copy of its
+    624 words is most of it), so they are captured when a state is read, not at every step."""
+    python_version, python_state, python_gauss = random.getstate()
+    state: dict[str, Any] = {RNG_PYTHON: [python_version, list(python_state), python_gauss]}
+    if _numpy is not None:
+        kind, keys, position, has_gauss, cached = _numpy.random.get_state()
+        state[RNG_NUMPY] = [kind, torch.from_numpy(keys.astype("int64")), int(position),
+                          int(has_gauss), float(cached)]
+    return state
+
+
+def restore_rng(state: dict[str, Any], generators: Iterable[torch.Generator] = ()) -> None:
+    """Put back what `capture_rng` returned (generators in the same order)."""
+    restore_host_rng(state)
+    torch.set_rng_state(state[RNG_TORCH].cpu())
+    for generator, saved in zip(generators, state.get(RNG_GENERATORS, ())):
+        generator.set_state(saved.cpu())
+    if RNG_CUDA in state and torch.cuda.is_available():
+        cuda_states = [s.cpu() for s in state[RNG_CUDA]][: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all(cuda_states)
+
+
+def restore_host_rng(state: Mapping[str, Any]) -> None:
+    """Put back Python's and NumPy's generators of a state, where it holds them."""
+    if RNG_PYTHON in state:
+        version, python_state, gauss = state[RNG_PYTHON]
+        random.setstate((version, tuple(python_state), gauss))
+    if RNG_NUMPY in state and _numpy is not None:
+        kind, keys, position, has_gauss, cached = state[RNG_NUMPY]
+        _numpy.random.set_state((kind, keys.numpy().astype("uint32"), position, has_gauss, cached))
+

@@ -1,0 +1,240 @@
+"""Checkpoint writes in the background: the training step waits only for a copy of the
+state in host memory; the file is written by a thread, at most one at a time.
+
+`host_copy` copies every tensor of a payload into new host memory (pinned, from CUDA, and
+without waiting for each copy: one synchronization at the end), keeping the storages that
+tensors share shared, so the file written from the copy is the file a synchronous save
+writes. `BackgroundWriter` runs one write at a time in a thread: a second `submit` waits
+for the first; what completed is handed back in the main thread (`poll`, `wait`), where a
+failure is raised, named with its file, at the next step boundary. Writes stay atomic (a
+temporary file renamed once complete), so a kill during a background write leaves the
+earlier files and at most a temporary file, as a synchronous save does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from hookloop import distributed
+from hookloop.base.checks import check_flag
+from hookloop.runfile.shard_files import contains_shards
+from hookloop.runfile.sharded import is_sharded_tensor
+
+if TYPE_CHECKING:
+    from hookloop.runfile.checkpoint_files import CheckpointFiles
+
+__all__ = ["host_copy", "BackgroundWriter", "RotatingWrites"]
+
+
+def host_copy(payload: Any) -> Any:
+    """``payload`` with every tensor copied into new host memory (nested dicts, lists,
+    tuples); other values are kept. Tensors that share a storage share its copy.
+
+    Example:
+        >>> weight = torch.ones(4)
+        >>> copied = host_copy({"model": {"w": weight, "head": weight[:2]}, "step": 3})
+        >>> weight.add_(1.0)[0].item(), copied["model"]["w"][0].item(), copied["step"]
+        (2.0, 1.0, 3)
+        >>> copied["model"]["head"].untyped_storage().data_ptr() == \\
+        ...     copied["model"]["w"].untyped_storage().data_ptr()
+        True
+    """
+    storages: dict[tuple[str, int], torch.Tensor] = {}
+    copied = _copy(payload, storages)
+    if torch.cuda.is_available() and any(host.is_pinned() for host in storages.values()):
+        torch.cuda.synchronize()  # the non-blocking copies are complete
+    return copied
+
+
+def _copy(value: Any, storages: dict[tuple[str, int], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _copy_tensor(value, storages)
+    if isinstance(value, dict):
+        return type(value)((key, _copy(item, storages)) for key, item in value.items())
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_copy(item, storages) for item in value)
+    return value
+
+
+def _copy_tensor(tensor: torch.Tensor, storages: dict[tuple[str, int], torch.Tensor]
+                 ) -> torch.Tensor:
+    if is_sharded_tensor(tensor):  # a shard stays a DTensor, its local part on the host
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        return BlockingAsyncStager().stage({"shard": tensor})["shard"]
+    tensor = tensor.detach()
+    if tensor.layout is not torch.strided or tensor.is_quantized or tensor.is_meta:
+        return tensor.cpu().clone()  # sparse and other layouts: a plain copy, unshared
+    storage = tensor.untyped_storage()
+    key = (tensor.device.type, storage.data_ptr())
+    host = storages.get(key)
+    if host is None:
+        pinned = tensor.is_cuda
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pinned)
+        host.untyped_storage().copy_(storage, non_blocking=pinned)
+        storages[key] = host
+    view = torch.empty(0, dtype=tensor.dtype)
+    return view.set_(host.untyped_storage(), tensor.storage_offset(), tensor.size(),
+                     tensor.stride())
+
+
+class BackgroundWriter:
+    """One write at a time in a thread; its outcome handed back in the main thread.
+
+    Example:
+        >>> writer = BackgroundWriter()
+        >>> done = []
+        >>> writer.submit(lambda: "a.pt", on_done=done.append)
+        >>> writer.wait()
+        >>> done
+        ['a.pt']
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._outcome: tuple[Any, BaseException | None] | None = None
+        self._on_done: Callable[[Any], None] | None = None
+        self._on_failure: Callable[[BaseException], None] | None = None
+
+    def submit(self, write: Callable[[], Any], *, on_done: Callable[[Any], None] | None = None,
+               on_failure: Callable[[BaseException], None] | None = None) -> None:
+        """Run ``write()`` in a thread, after the write in flight (if any) has finished and
+        been handed back. ``on_done(result)`` or ``on_failure(error)`` run later, in the
+        main thread, from `poll` or `wait`; the error is raised there too."""
+        self.wait()
+        self._on_done, self._on_failure = on_done, on_failure
+
+        def run() -> None:
+            try:
+                self._outcome = (write(), None)
+            except BaseException as error:  # handed to the main thread, raised there
+                self._outcome = (None, error)
+
+        self._thread = threading.Thread(target=run, name="hookloop-checkpoint-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def poll(self) -> None:
+        """Hand back a write that finished (without waiting for one that did not)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self._finish()
+
+    def wait(self) -> None:
+        """Wait for the write in flight, then hand it back."""
+        if self._thread is not None:
+            self._thread.join()
+            self._finish()
+
+    def _finish(self) -> None:
+        assert self._thread is not None and self._outcome is not None
+        self._thread.join()
+        (result, error), self._outcome, self._thread = self._outcome, None, None
+        on_done, on_failure, self._on_done, self._on_failure = (
+            self._on_done, self._on_failure, None, None)
+        if error is not None:
+            if on_failure is not None:
+                on_failure(error)
+            raise error
+        if on_done is not None:
+            on_done(result)
+
+
+class RotatingWrites:
+    """How one `Checkpoint` writes its rotating files (`CheckpointFiles.write_resume`): now,
+    or with ``background=True`` from a host copy in a thread, one at a time. Once a file is
+    complete (in the main thread: `poll`, `wait`) it is `last_path` and the older files
+    beyond ``keep_last`` are pruned; a failed write calls its ``failed()`` and is raised.
+
+    Args:
+        files: The checkpoint's files.
+        keep_last: How many rotating files to keep (None: all).
+        background: Write in a thread (``Checkpoint(async_save=True)``).
+    """
+
+    def __init__(self, files: CheckpointFiles, keep_last: int | None, *, background: bool
+                 ) -> None:
+        self.files, self.keep_last = files, keep_last
+        self._writer = BackgroundWriter() if check_flag("Checkpoint async_save",
+                                                        background) else None
+        self._side: tuple[Any, Any] | None = None  # (default group, its gloo twin)
+        self._collective = False  # the write in flight is every rank's (a directory of shards)
+        #: Path of the newest complete rotating checkpoint written (or resumed from).
+        self.last_path: str | None = None
+
+    def save(self, run: dict[str, Any], epoch: int, step: int, metrics: dict[str, float], *,
+             failed: Callable[[], None], now: bool = False) -> None:
+        """Write ``run`` (`Loop.state_dict`) as the file of ``epoch`` and ``step``; every rank
+        calls it (rank 0 writes a file; every rank its shards of a directory). In the
+        background unless ``now`` (the exception path) or on a rank that writes nothing. A
+        directory of shards is written by every rank's thread together, over a gloo group
+        of its own (`side_group`), so its collectives never meet the training's. A write
+        in flight is waited for first."""
+        metrics = dict(metrics)
+        shards = contains_shards(run)
+        if self._writer is None or now or not (shards or distributed.is_main()):
+            self.wait()
+            try:
+                path = self.files.write_resume(run, epoch, step, metrics, shards=shards)
+            except BaseException:
+                failed()
+                raise
+            if path is not None:
+                self._written(path)
+            return
+        group = self._side_group() if shards and distributed.is_initialized() else None
+        self.wait()
+        self._collective = group is not None and distributed.world_size() > 1
+        copied = host_copy(run)  # what the training step waits for
+
+        def write() -> str | None:
+            return self.files.write_resume(copied, epoch, step, metrics, group=group,
+                                           shards=shards)
+
+        self._writer.submit(write, on_failure=lambda error: failed(),
+                            on_done=lambda path: None if path is None else self._written(path))
+
+    def _side_group(self) -> Any:
+        """A gloo group over every rank, made once per default group (every rank makes it
+        at the same save: `new_group` is a collective)."""
+        world = dist.group.WORLD
+        if self._side is None or self._side[0] is not world:
+            self._side = (world, dist.new_group(backend="gloo"))
+        return self._side[1]
+
+    def _written(self, path: str) -> None:
+        self.last_path = path
+        self.files.prune_rotating(path, self.keep_last)  # only now that the new one is complete
+
+    def poll(self) -> None:
+        """At a step boundary: finish a write that completed; raise one that failed.
+
+        Not for a directory of shards on several ranks: each rank's thread may end before
+        or after its own step boundary, so ranks would raise at different steps (and the
+        others wait in a collective for one that left). Its outcome is handed back at the
+        next save or the epoch's end (`wait`), where every rank is at the same step."""
+        if self._writer is not None and not self._collective:
+            self._writer.poll()
+
+    def wait(self, *, raising: bool = True) -> None:
+        """Wait for the write in flight; ``raising=False`` drops its failure (the exception
+        path saves that position again)."""
+        if self._writer is not None:
+            try:
+                self._writer.wait()
+            except Exception:
+                if raising:
+                    raise
+
+    def close(self, *, release: bool) -> None:
+        """At fit end: wait for the write in flight, then (``release``: rank 0) give the
+        directory back, also when that write failed."""
+        try:
+            self.wait()
+        finally:
+            if release:
+                self.files.release()

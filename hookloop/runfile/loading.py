@@ -1,0 +1,100 @@
+"""Reading a checkpoint, a file or a directory of shards: `load_checkpoint` for users,
+`read_checkpoint` for the `Checkpoint` callback's resume."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.base.modules import unwrap
+from hookloop.runfile.format import OPTIMIZER, SHARDS, read_payload
+from hookloop.runfile.shard_files import read_directory
+from hookloop.runfile.sharded import is_distributed_module
+from hookloop.runfile.weights import load_weights
+
+__all__ = ["load_checkpoint", "read_checkpoint"]
+
+
+def read_checkpoint(path: str, map_location: Any) -> dict[str, Any]:
+    """A checkpoint file (`hookloop.runfile.format.read_payload`) or directory of shards
+    (`hookloop.runfile.shard_files.read_directory`: its tensors are read when the run is restored).
+    """
+    if os.path.isdir(path):
+        return read_directory(path, map_location)
+    return read_payload(path, map_location)
+
+
+def _default_location(model: nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+
+def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, *,
+                    map_location: Any = None, strict: bool = True) -> dict[str, Any]:
+    """Load the weights of a hookloop checkpoint into ``model`` (inference, fine-tuning).
+
+    Reads rotating checkpoints and ``best.pt`` alike, with ``torch.load(weights_only=True)``
+    (never an unsafe fallback). Tensors go to ``map_location``, by default the device the
+    model is on, never the device recorded in the file.
+
+    Args:
+        path: The checkpoint file, or a sharded checkpoint directory (``.dcp``).
+        model: The module to load into (unwrapped from DDP and compile wrappers), sharded
+            by FSDP or not: a file written by ``FSDP(state_dict="full")`` loads into an
+            unsharded model for inference, and a directory of shards into either.
+        optimizer: Also restore this optimizer (rotating checkpoints only).
+        map_location: Where to put the loaded tensors; default: the model's device.
+        strict: False loads into a changed model (fine-tuning with another head): the
+            tensors whose names and shapes match are loaded, the others keep their values,
+            and a ``RuntimeWarning`` names them. A file into an unsharded model only.
+
+    Returns:
+        The checkpoint's contents (``metrics``, ``loop`` counters, ``callbacks`` states...).
+
+    Raises:
+        CheckpointError: the file is missing, empty, truncated, damaged (a CRC-32 fails),
+            not a hookloop checkpoint, or does not fit the model (wrong architecture) or
+            the optimizer; a directory's file is missing, added, truncated, flipped or of
+            another save (its save id and SHA-256 digests), or its ``.metadata`` holds
+            more than DCP's metadata classes (`hookloop.runfile.integrity`).
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> import hookloop
+        >>> from hookloop import Loop
+        >>> from hookloop.callbacks import Checkpoint
+        >>> directory = tempfile.mkdtemp()
+        >>> model = torch.nn.Linear(3, 1)
+        >>> data = [(torch.randn(4, 3), torch.randn(4, 1))]
+        >>> loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+        ...             loss_fn=torch.nn.functional.mse_loss, device="cpu",
+        ...             callbacks=[Checkpoint(directory)])
+        >>> _ = loop.fit(1)
+        hookloop: training ended at epoch 1/1, step 1: its 1 epoch is done.
+        >>> fresh = torch.nn.Linear(3, 1)
+        >>> contents = hookloop.load_checkpoint(os.path.join(directory, "epoch=0000-step=00000001.pt"), fresh)
+        >>> torch.equal(fresh.weight, model.weight)
+        True
+    """
+    model = unwrap(model)
+    path = os.fspath(path)
+    location = _default_location(model) if map_location is None else map_location
+    payload = read_checkpoint(path, location)
+    if optimizer is not None and OPTIMIZER not in payload:
+        raise CheckpointError(
+            f"{path}: holds no optimizer state (best.pt keeps only the validated weights); "
+            "load a rotating checkpoint to restore the optimizer.")
+    if not strict and (payload.get(SHARDS) is not None or is_distributed_module(model)):
+        raise ConfigurationError(
+            f"load_checkpoint(strict=False) loads a checkpoint file into an unsharded model; "
+            f"{path} is sharded or the model is: load it strictly, or write the run with "
+            "FSDP(state_dict='full') and load that file into an unsharded model.")
+    load_weights(path, model, optimizer, payload, strict=strict)
+    return payload

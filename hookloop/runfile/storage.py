@@ -1,0 +1,377 @@
+"""Checkpoint files on disk: atomic writes, links, the directory's probe and listing, and the
+archive's CRCs.
+
+`Checkpoint` decides when to save and what to keep; `hookloop.runfile.format` lays out, checks and
+reads what a file holds; this module does the file work under both.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+import zipfile
+from collections.abc import Iterable, Mapping
+from contextlib import suppress
+from typing import Any
+
+import torch
+
+from hookloop.errors import CheckpointError, CheckpointWriteError, ConfigurationError
+from hookloop.base.os_errors import describe_os_error
+
+__all__ = ["TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "write_atomic",
+           "write_text_atomic", "link_atomic", "fsync_directory", "describe_os_error",
+           "prepare_directory", "regular_checkpoint_files", "verify_archive"]
+
+TEMP_PREFIX = ".tmp-"
+TEMP_SUFFIX = ".part"
+
+
+def is_temporary(file_name: str) -> bool:
+    """True for the name of a temporary file a save in progress (or killed) left."""
+    return file_name.startswith(TEMP_PREFIX) and file_name.endswith(TEMP_SUFFIX)
+
+def fsync_directory(directory: str) -> None:
+    """Make the renames in ``directory`` durable (POSIX); a no-op where it cannot be opened.
+
+    Example:
+        >>> import tempfile
+        >>> fsync_directory(tempfile.gettempdir())
+    """
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - Windows
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:  # pragma: no cover - file systems without directory fsync
+        pass
+    finally:
+        os.close(descriptor)
+
+
+
+def _file_mode() -> int:
+    """The mode ``open(path, "w")`` would give a new file: 0o666 less the process umask."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # the only portable way to read it is to set it
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+class _RecordingWriter:
+    """Passes writes to ``handle`` and keeps the first `OSError`.
+
+    torch.save turns a failed write into a RuntimeError ("[enforce fail at
+    inline_container.cc] unexpected pos ..."); the OSError kept here says why it failed.
+    """
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._handle.write(data)
+        except OSError as error:
+            if self.error is None:
+                self.error = error
+            raise
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+
+def _write_error(path: str, error: BaseException, doing: str) -> CheckpointWriteError:
+    cause = describe_os_error(error) if isinstance(error, OSError) else (
+        f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
+    failure = CheckpointWriteError(
+        f"Cannot write the checkpoint {path}: {doing} failed: {cause}. Nothing was written "
+        "under that name; the earlier checkpoint files are intact and no temporary file is "
+        "left. Fix the cause (free space, permissions, the directory) and run again; "
+        "Checkpoint(..., resume=True) continues from the newest file.")
+    failure.errno = getattr(error, "errno", None)
+    return failure
+
+
+def write_atomic(payload: Mapping[str, Any], path: str) -> None:
+    """Write to a temporary file in the same directory, flush, fsync, then ``os.replace``.
+
+    Whatever interrupts the write (an exception, a second Ctrl-C, SIGKILL) leaves the final
+    name untouched: at worst a ``.tmp-*.part`` file, which is never taken for a checkpoint
+    (and is deleted here whenever Python still runs). The file gets the permissions a plain
+    ``torch.save`` gives (0o666 less the umask: 0o644 under the usual umask 022).
+
+    Raises:
+        CheckpointWriteError: any failure of the file system (a full disk, a deleted
+            directory, permissions), naming ``path`` and the cause in words; a
+            `CheckpointError` and an `OSError`. Other exceptions (a KeyboardInterrupt
+            during the write) propagate as they are.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> path = os.path.join(tempfile.mkdtemp(), "weights.pt")
+        >>> write_atomic({"w": torch.ones(2)}, path)
+        >>> torch.load(path, weights_only=True)["w"]
+        tensor([1., 1.])
+    """
+    directory = os.path.dirname(path) or "."
+    try:
+        descriptor, temporary = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX,
+                                                 dir=directory)
+    except OSError as error:
+        raise _write_error(path, error, f"creating a temporary file in {directory}") from error
+    doing = "writing"
+    writer: _RecordingWriter | None = None
+    try:
+        with suppress(OSError):  # file systems without modes (some network mounts)
+            os.fchmod(descriptor, _file_mode())
+        with os.fdopen(descriptor, "wb") as handle:
+            writer = _RecordingWriter(handle)
+            torch.save(payload, writer)
+            doing = "flushing"
+            handle.flush()
+            doing = "syncing to disk (fsync)"
+            os.fsync(handle.fileno())
+            doing = "closing"
+        doing = f"renaming {os.path.basename(temporary)} to it"
+        os.replace(temporary, path)
+    except BaseException as error:
+        with suppress(OSError):
+            os.unlink(temporary)
+        recorded = writer.error if writer is not None else None
+        if recorded is not None:
+            raise _write_error(path, recorded, "writing") from recorded
+        if isinstance(error, OSError):
+            raise _write_error(path, error, doing) from error
+        if isinstance(error, RuntimeError) and "inline_container" in str(error):
+            raise _write_error(path, error, "writing") from error
+        raise
+    fsync_directory(directory)
+
+
+def write_text_atomic(text: str, path: str) -> None:
+    """Write a small text file the way `write_atomic` writes a checkpoint: complete or absent.
+
+    Raises:
+        CheckpointWriteError: naming ``path`` and the cause.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "note.json")
+        >>> write_text_atomic("{}", path)
+        >>> open(path).read()
+        '{}'
+    """
+    directory = os.path.dirname(path) or "."
+    try:
+        descriptor, temporary = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX,
+                                                 dir=directory)
+    except OSError as error:
+        raise _write_error(path, error, f"creating a temporary file in {directory}") from error
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException as error:
+        with suppress(OSError):
+            os.unlink(temporary)
+        if isinstance(error, OSError):
+            raise _write_error(path, error, "writing") from error
+        raise
+    fsync_directory(directory)
+
+
+def prepare_directory(path: str | os.PathLike[str]) -> str:
+    """Create the checkpoint directory if needed and prove it can be written, before training.
+
+    A path that is a file, a directory that cannot be created, and one where a file cannot
+    be written (a probe file is created, written, synced and deleted) are errors now rather
+    than after the first epoch.
+
+    Args:
+        path: The directory.
+
+    Returns:
+        The path, as a string.
+
+    Raises:
+        ConfigurationError: naming the directory, the cause and the fix.
+
+    Example:
+        >>> import os, tempfile
+        >>> directory = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> prepare_directory(directory) == directory and os.listdir(directory)
+        []
+    """
+    path = os.fspath(path)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        what = "a broken symbolic link" if os.path.islink(path) else "a file"
+        raise ConfigurationError(
+            f"Checkpoint directory {path} is {what}, not a directory. Give a directory path "
+            "(it is created when missing), or move that file away.")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise ConfigurationError(
+            f"Checkpoint directory {path} cannot be created: {describe_os_error(error)}. "
+            "Give a directory you can write to, or create it yourself.") from error
+    try:
+        descriptor, probe = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=path)
+    except OSError as error:
+        raise ConfigurationError(
+            f"Checkpoint directory {path} is not writable: creating a file in it failed: "
+            f"{describe_os_error(error)}. Fix its permissions or give another directory.") from error
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(b"hookloop write probe")
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        raise ConfigurationError(
+            f"Checkpoint directory {path} is not writable: writing a probe file failed: "
+            f"{describe_os_error(error)}. Free space or give another directory.") from error
+    finally:
+        with suppress(OSError):
+            os.unlink(probe)
+    return path
+
+
+def regular_checkpoint_files(dirpath: str | os.PathLike[str], names: Iterable[str]) -> list[str]:
+    """The paths of ``names`` (entries of ``dirpath``) that are regular files inside it.
+
+    What ``resume=True`` may pick from. A symbolic link whose target lies outside
+    ``dirpath`` (or is missing) is skipped with a `RuntimeWarning`: resuming must not read a
+    file that another run or user controls. Directories and other non-regular entries are
+    skipped silently. The order of ``names`` is kept.
+
+    Example:
+        >>> import os, tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> open(os.path.join(directory, "a.pt"), "wb").close()
+        >>> os.mkdir(os.path.join(directory, "b.pt"))
+        >>> [os.path.basename(p) for p in regular_checkpoint_files(directory, ["a.pt", "b.pt"])]
+        ['a.pt']
+    """
+    directory = os.fspath(dirpath)
+    root = os.path.realpath(directory)
+    found = []
+    for name in names:
+        path = os.path.join(directory, name)
+        if os.path.islink(path):
+            target = os.path.realpath(path)
+            if os.path.dirname(target) != root and not target.startswith(root + os.sep):
+                warnings.warn(
+                    f"Checkpoint: skipping {path}: it is a symbolic link to {target}, outside "
+                    f"{directory}; resume=True only reads files inside the checkpoint "
+                    "directory. Copy the file in, or pass Checkpoint(resume=path) to resume "
+                    "from it on purpose.", RuntimeWarning, stacklevel=2)
+                continue
+            if not os.path.isfile(target):
+                continue
+        elif not os.path.isfile(path):
+            continue
+        found.append(path)
+    return found
+
+def link_atomic(source: str, path: str) -> None:
+    """Make ``path`` the same complete file as ``source``, atomically (no second write).
+
+    A hard link under a temporary name, renamed over ``path`` with ``os.replace``; where the
+    file system has no hard links, a copy written the same atomic way. ``source`` stays.
+    """
+    directory = os.path.dirname(path) or "."
+    temporary = os.path.join(directory, f"{TEMP_PREFIX}{os.getpid()}-link{TEMP_SUFFIX}")
+    with suppress(FileNotFoundError):
+        os.unlink(temporary)
+    try:
+        try:
+            os.link(source, temporary)
+        except OSError:  # no hard links here (some network and FAT file systems): copy
+            with open(source, "rb") as reader, open(temporary, "wb") as writer:
+                while chunk := reader.read(1 << 20):
+                    writer.write(chunk)
+                writer.flush()
+                os.fsync(writer.fileno())
+        os.replace(temporary, path)
+    except BaseException as error:
+        with suppress(OSError):
+            os.unlink(temporary)
+        if isinstance(error, OSError):
+            raise _write_error(path, error, f"linking {os.path.basename(source)} to it") from error
+        raise
+    fsync_directory(directory)
+
+
+_COMPRESSION_NAMES = {zipfile.ZIP_DEFLATED: "deflate", zipfile.ZIP_BZIP2: "bzip2",
+                      zipfile.ZIP_LZMA: "lzma"}
+
+
+def verify_archive(path: str) -> None:
+    """Refuse a damaged checkpoint archive before ``torch.load`` reads it.
+
+    ``torch.save`` writes a zip archive of stored (uncompressed) records, each with a
+    CRC-32 of its bytes, but ``torch.load`` never checks those CRCs: a flipped byte in
+    tensor data loads silently as a wrong weight. This reads every record once and checks
+    its CRC (reading the file a second time: about as long as the load itself, from the
+    page cache). A compressed or encrypted record (which ``torch.save`` never writes) is
+    refused before anything is inflated, so a small crafted file cannot fill the memory.
+
+    Raises:
+        CheckpointError: naming the file, the record and what is wrong.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.pt")
+        >>> torch.save({"w": torch.ones(3)}, path)
+        >>> verify_archive(path)  # intact: returns None
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+            for info in records:
+                if info.flag_bits & 0x1:
+                    raise CheckpointError(
+                        f"{path}: record {info.filename!r} is encrypted; torch.save never "
+                        "writes encrypted records, so this is not a checkpoint. Refused.")
+                if info.compress_type != zipfile.ZIP_STORED:
+                    method = _COMPRESSION_NAMES.get(info.compress_type, f"method {info.compress_type}")
+                    raise CheckpointError(
+                        f"{path}: record {info.filename!r} is compressed ({method}, "
+                        f"{info.compress_size} bytes claiming {info.file_size}); torch.save "
+                        "never compresses records, so the file was repacked or crafted. "
+                        "Refused without inflating it; load it with torch.load yourself if "
+                        "you trust it.")
+                if info.compress_size != info.file_size:
+                    raise CheckpointError(
+                        f"{path}: record {info.filename!r} is damaged (its stored size "
+                        f"{info.compress_size} differs from its size {info.file_size}).")
+            for info in records:
+                with archive.open(info) as record:
+                    while record.read(1 << 22):
+                        pass
+    except CheckpointError:
+        raise
+    except zipfile.BadZipFile as error:
+        detail = str(error)
+        if "CRC" in detail:
+            raise CheckpointError(
+                f"{path}: the file is damaged: {detail} (the bytes of that record changed "
+                "after the file was written: a disk, memory or copy error). Delete it to "
+                "resume from an older checkpoint, or copy it again from its source.") from None
+        raise CheckpointError(f"{path}: the file is truncated or corrupt ({detail}).") from None
+    except (OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as error:
+        raise CheckpointError(
+            f"{path}: the file is truncated or corrupt ({type(error).__name__}: {error}).") from None

@@ -1,0 +1,209 @@
+"""Loading saved weights and optimizer states into a model and an optimizer, sharded or not,
+refusing what does not fit by name; and whether weights are finite before a save."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookloop import distributed
+from hookloop.errors import CheckpointError, with_article
+from hookloop.runfile.format import MODEL, OPTIMIZER, PARAM_GROUPS, SHARDS
+from hookloop.runfile.sharded import (
+    is_distributed_module,
+    is_sharded_tensor,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
+
+__all__ = ["check_weight_dtypes", "weight_differences", "load_model_weights",
+           "load_optimizer_state", "load_weights", "all_finite"]
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "floating-point" if dtype.is_floating_point else "integer"
+
+
+def check_weight_dtypes(path: str, model: nn.Module, weights: Mapping[str, Any]) -> None:
+    """Refuse saved weights of another kind than the model's; say when floats are converted.
+
+    ``load_state_dict`` copies whatever it is given into the model's tensors, converting
+    silently: int64 weights (an edited file) load into a float model as rounded values,
+    and a float ``num_batches_tracked`` into an int buffer. A saved tensor whose kind
+    (bool, integer, floating-point, complex) differs from the model's entry is refused.
+
+    Another floating-point dtype of the same entry (float64 or bfloat16 saved, a float32
+    model; float32 saved into a half model for inference) is converted, as torch does, with
+    a `RuntimeWarning` naming the entries: each value keeps its meaning and only its
+    precision changes, and loading full-precision weights into a half or bfloat16 model is
+    a common, deliberate use. A resumed run with converted weights does not continue bit
+    for bit, which the warning says.
+
+    Raises:
+        CheckpointError: naming ``path``, the field and both dtypes.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> check_weight_dtypes("x.pt", model, {"weight": torch.ones(1, 2, dtype=torch.int64)})
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.CheckpointError: x.pt: the checkpoint's field 'model.weight' holds torch.int64 values, but the model's weight is torch.float32: an integer tensor does not load into a floating-point one without changing what it holds (torch would convert it silently). The file was edited or written for another model; resume from another file.
+    """
+    entries = model.state_dict()
+    converted: list[str] = []
+    for name, saved in weights.items():
+        ours = entries.get(name)
+        if not isinstance(saved, torch.Tensor) or not isinstance(ours, torch.Tensor) \
+                or saved.dtype == ours.dtype:
+            continue
+        theirs, kind = _dtype_kind(saved.dtype), _dtype_kind(ours.dtype)
+        if theirs != kind:
+            raise CheckpointError(
+                f"{path}: the checkpoint's field 'model.{name}' holds {saved.dtype} values, but "
+                f"the model's {name} is {ours.dtype}: {with_article(theirs)} tensor does not "
+                f"load into {with_article(kind)} one without changing what it holds (torch "
+                "would convert it silently). The file was edited or written for another "
+                "model; resume from another file.")
+        converted.append(f"'model.{name}' ({saved.dtype} into {ours.dtype})")
+    if converted:
+        more = f" and {len(converted) - 3} more" if len(converted) > 3 else ""
+        warnings.warn(
+            f"{path}: {len(converted)} weight(s) were saved in another floating-point dtype than "
+            f"the model's and are converted to the model's: {', '.join(converted[:3])}{more}. "
+            "Values lose precision where the model's dtype is narrower, and a resumed run "
+            "does not continue bit for bit; cast the model to the saved dtype first to load "
+            "them as they are.", RuntimeWarning, stacklevel=3)
+
+
+def weight_differences(model: nn.Module, weights: Mapping[str, Any]) -> list[str]:
+    """Each tensor where ``weights`` and ``model`` differ, in the model's order, then the
+    file's: a shape, a name only one side has.
+
+    Example:
+        >>> weight_differences(nn.Linear(3, 8), nn.Linear(3, 4).state_dict())
+        ["'weight': saved (4, 3), the model's (8, 3)", "'bias': saved (4,), the model's (8,)"]
+    """
+    own = model.state_dict()
+    found = []
+    for name, tensor in own.items():
+        saved = weights.get(name)
+        if name not in weights:
+            found.append(f"{name!r}: in the model, not in the file")
+        elif isinstance(saved, torch.Tensor) and isinstance(tensor, torch.Tensor) and \
+                saved.shape != tensor.shape:
+            found.append(f"{name!r}: saved {tuple(saved.shape)}, the model's {tuple(tensor.shape)}")
+    found += [f"{name!r}: in the file, not in the model" for name in weights if name not in own]
+    return found
+
+
+def load_model_weights(path: str, model: nn.Module, weights: Mapping[str, Any], *,
+                       strict: bool = True) -> None:
+    """``model.load_state_dict(weights)``, refusing another kind of dtype
+    (`check_weight_dtypes`) and naming ``path``, the first tensor that differs and the way
+    to load anyway when the weights do not fit. ``strict=False`` loads the tensors whose
+    names and shapes match, and warns which it left as they were."""
+    check_weight_dtypes(path, model, weights)
+    if not strict:
+        own = model.state_dict()
+        fitting = {name: value for name, value in weights.items() if name in own and (
+            not isinstance(value, torch.Tensor) or value.shape == own[name].shape)}
+        skipped = weight_differences(model, weights)
+        model.load_state_dict(fitting, strict=False)
+        if skipped:
+            warnings.warn(f"{path}: loaded {len(fitting)} of the model's {len(own)} tensors "
+                          f"(strict=False); left as they were: {'; '.join(skipped[:5])}"
+                          f"{'...' if len(skipped) > 5 else ''}.", RuntimeWarning, stacklevel=3)
+        return
+    try:
+        model.load_state_dict(weights)
+    except (RuntimeError, KeyError, ValueError, TypeError) as error:
+        differences = weight_differences(model, weights)
+        if not differences:
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            raise CheckpointError(f"{path}: the weights do not fit the model (wrong "
+                                  f"architecture): {' '.join(lines)[:600]}") from None
+        others = f" ({len(differences) - 1} more differ)" if len(differences) > 1 else ""
+        raise CheckpointError(
+            f"{path}: the weights do not fit the model (wrong architecture): the first tensor "
+            f"that differs is {differences[0]}{others}. A run resumes only into the model "
+            "that saved it: build that model again. To start a new run from these weights "
+            "in the changed model (a new Checkpoint dirpath, or resume=False), load what fits "
+            "with hookloop.load_checkpoint(path, model, strict=False): it loads the tensors "
+            "whose names and shapes match and leaves the others as initialized.") from None
+
+
+def load_optimizer_state(path: str, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    try:
+        optimizer.load_state_dict(state)
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as error:
+        raise CheckpointError(
+            f"{path}: the optimizer state does not fit this optimizer ({error}). Create the "
+            "same optimizer over the same parameters as the run that saved it.") from None
+
+
+
+def load_weights(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 payload: Mapping[str, Any], *, strict: bool = True) -> None:
+    """Load the weights (and the optimizer's state) of a checkpoint's ``payload`` into
+    ``model``, whatever the pair: a file or a directory of shards, into a sharded (FSDP) or
+    an unsharded model.
+
+    A file's full tensors go into a sharded model each rank keeping its shards; a
+    directory's shards are read by DCP, re-sharded to this run's ranks (or read whole for
+    an unsharded model). A file into an unsharded model is ``load_state_dict``.
+
+    Raises:
+        CheckpointError: the weights or the optimizer state do not fit, naming ``path``.
+    """
+    shards = payload.get(SHARDS)
+    if shards is not None:
+        groups = payload[OPTIMIZER].get(PARAM_GROUPS) if optimizer is not None else None
+        shards.load(model, optimizer, groups)
+        return
+    if not is_distributed_module(model):
+        load_model_weights(path, model, payload[MODEL], strict=strict)
+        if optimizer is not None:
+            load_optimizer_state(path, optimizer, payload[OPTIMIZER])
+        return
+    try:
+        load_full_model_state(model, payload[MODEL])
+    except (RuntimeError, KeyError, ValueError, TypeError) as error:
+        detail = " ".join(str(error).split())[:600]
+        raise CheckpointError(
+            f"{path}: the weights do not fit the model (wrong architecture): {detail}") from None
+    if optimizer is not None:
+        try:
+            load_full_optimizer_state(model, optimizer, payload[OPTIMIZER])
+        except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as error:
+            raise CheckpointError(
+                f"{path}: the optimizer state does not fit this optimizer ({error}). Create "
+                "the same optimizer over the same parameters as the run that saved it.") from None
+
+
+def all_finite(weights: Mapping[str, Any], *, agree: bool = False) -> bool:
+    """True when every floating tensor of ``weights`` is finite.
+
+    Shards (FSDP's DTensors) are checked on this rank and the answer is agreed by every
+    rank, as it is with ``agree`` (a collective then: every rank must call it; rank 0 may
+    hold the gathered weights while the others hold none).
+
+    Example:
+        >>> all_finite({"w": torch.tensor([1.0, float("nan")])})
+        False
+    """
+    tensors = [value for value in weights.values() if isinstance(value, torch.Tensor)]
+    checks = [torch.isfinite(value.to_local() if is_sharded_tensor(value) else value).all()
+              for value in tensors if value.is_floating_point()]
+    finite = bool(torch.stack([check.cpu() for check in checks]).all()) if checks else True
+    if agree or any(is_sharded_tensor(value) for value in tensors):
+        finite = not distributed.any_true(not finite)
+    return finite

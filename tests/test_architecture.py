@@ -1,0 +1,345 @@
+"""The floors of the package, enforced on every change (issue 23, items 3 and 4).
+
+docs/architecture.md is the source: its table names every module of the package with
+its floor. This test reads that table and checks the code against it:
+
+- every module is named there, and every module named there exists;
+- a module imports only modules of its own floor or the floors below it, counting every
+  import: at the top of the module, inside functions, and type-only ones under
+  ``TYPE_CHECKING``. The one edge left out is the callback base's type-only import of
+  the loop (``Callback.on_fit_start(loop: Loop)``);
+- no import cycle at all: not through imports made inside functions, not between two
+  modules of one floor;
+- only the modules above the loop import ``hookloop.loop``, and no function below the
+  loop takes a ``loop`` parameter (helpers are handed values, not the loop);
+- no module over 400 logic lines; no module importing more than 10 of the package's
+  modules (loop.py and the two packages that only re-export, ``hookloop`` and
+  ``hookloop.callbacks``, are exempt); no function over 20 branches;
+- every key of the run file's format is spelled in one module, ``hookloop/runfile/format.py``
+  (its ``KEYS``): no other module holds one of those strings as a constant.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from test_size_budget import logic_lines
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "hookloop"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+#: The floors, lowest first. A module may import its own floor and the ones below.
+FLOORS = ("base", "parallel", "runfile", "engine", "loop", "above")
+FORMAT_MODULE = "hookloop.runfile.format"
+#: The edge the rules leave out: the callback base names the loop in its events' types.
+ALLOWED_UPWARD = {("hookloop.callback", "hookloop.loop")}
+#: Packages that only re-export their modules' public names.
+REEXPORTS = {"hookloop", "hookloop.callbacks"}
+MAX_LOGIC_LINES = 400
+MAX_PROJECT_IMPORTS = 10
+MAX_BRANCHES = 20
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+TREES = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in MODULES.items()}
+
+
+def floors_from_docs() -> dict[str, str]:
+    """``hookloop/x/y.py`` -> floor, from the table rows of docs/architecture.md."""
+    row = re.compile(r"^\|\s*`(hookloop/[\w/]+\.py)`\s*\|\s*(\w+)\s*\|")
+    found: dict[str, str] = {}
+    for line in ARCHITECTURE.read_text().splitlines():
+        match = row.match(line)
+        if match:
+            path, floor = match.groups()
+            found[module_name(ROOT / path)] = floor
+    return found
+
+
+FLOOR = floors_from_docs()
+
+
+def _resolve(node: ast.ImportFrom | ast.Import, current: str) -> Iterator[str]:
+    """The package's modules an import statement names."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            name = alias.name
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name:
+                yield name
+        return
+    if node.level:
+        base = current.split(".")
+        if not MODULES[current].name == "__init__.py":
+            base = base[:-1]
+        base = base[:len(base) - node.level + 1]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    for alias in node.names:
+        if f"{target}.{alias.name}" in MODULES:
+            yield f"{target}.{alias.name}"
+        elif target in MODULES:
+            yield target
+
+
+def imports(name: str) -> dict[str, bool]:
+    """The package's modules ``name`` imports -> whether only inside a function."""
+    found: dict[str, bool] = {}
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                for target in _resolve(child, name):
+                    if target != name:
+                        found[target] = found.get(target, True) and inner
+            visit(child, inner)
+
+    visit(TREES[name], False)
+    return found
+
+
+EDGES = {name: imports(name) for name in MODULES}
+
+
+def test_every_module_is_named_in_docs_architecture_md() -> None:
+    assert FLOOR, "docs/architecture.md has no table of modules"
+    missing = sorted(set(MODULES) - set(FLOOR))
+    assert not missing, f"modules not named in docs/architecture.md: {missing}"
+    gone = sorted(set(FLOOR) - set(MODULES))
+    assert not gone, f"docs/architecture.md names modules that do not exist: {gone}"
+    unknown = sorted(f"{name}: {floor}" for name, floor in FLOOR.items() if floor not in FLOORS)
+    assert not unknown, f"unknown floors (known: {FLOORS}): {unknown}"
+
+
+def test_docs_architecture_md_is_linked_first_from_the_index() -> None:
+    index = (ROOT / "docs" / "index.md").read_text()
+    links = re.findall(r"\]\(([^)#]+)", index)
+    assert links and links[0] == "architecture.md", links[:3]
+
+
+def test_no_module_imports_a_floor_above_its_own() -> None:
+    wrong = []
+    for name, targets in EDGES.items():
+        for target in targets:
+            if (name, target) in ALLOWED_UPWARD or name not in FLOOR or target not in FLOOR:
+                continue
+            if FLOORS.index(FLOOR[target]) > FLOORS.index(FLOOR[name]):
+                wrong.append(f"{name} ({FLOOR[name]}) imports {target} ({FLOOR[target]})")
+    assert not wrong, "\n".join(wrong)
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    graph = {name: [t for t in targets if (name, t) not in ALLOWED_UPWARD]
+             for name, targets in EDGES.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(graph[child])))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycle_counting_type_only_and_function_imports() -> None:
+    assert _cycles() == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    """The finder itself, on a made-up graph: the test above can fail."""
+    saved = dict(EDGES)
+    try:
+        EDGES["hookloop.errors"] = {**EDGES["hookloop.errors"], "hookloop.loop": True}
+        assert any("hookloop.errors" in c and "hookloop.loop" in c for c in _cycles())
+    finally:
+        EDGES.clear()
+        EDGES.update(saved)
+
+
+def test_only_modules_above_the_loop_import_it() -> None:
+    importers = sorted(name for name, targets in EDGES.items() if "hookloop.loop" in targets
+                       and FLOOR.get(name) != "above" and name != "hookloop.callback")
+    assert importers == []
+
+
+def _below_the_loop() -> list[str]:
+    """The floors' modules but the callback base: its events take the loop by contract
+    (it is what callbacks, above the loop, implement; the floors import it as a type)."""
+    return [name for name in MODULES if FLOOR.get(name) in ("base", "parallel", "runfile", "engine")
+            and name != "hookloop.callback"]
+
+
+#: Deprecated public methods below the loop that keep their ``loop`` parameter until
+#: their removal (the release is in their warning).
+DEPRECATED_LOOP_PARAMETERS = {"hookloop.engine.state.set_batch"}
+
+
+def test_no_function_below_the_loop_takes_a_loop_parameter() -> None:
+    found = []
+    for name in _below_the_loop():
+        for node in ast.walk(TREES[name]):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                if any(argument.arg == "loop" for argument in arguments):
+                    found.append(f"{name}.{getattr(node, 'name', '<lambda>')}")
+    assert sorted(set(found) - DEPRECATED_LOOP_PARAMETERS) == []
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_stays_within_400_logic_lines(name: str) -> None:
+    assert logic_lines(MODULES[name].read_text()) <= MAX_LOGIC_LINES
+
+
+def test_no_module_imports_more_than_10_of_the_package() -> None:
+    wide = {name: len(targets) for name, targets in EDGES.items()
+            if len(targets) > MAX_PROJECT_IMPORTS and name != "hookloop.loop"
+            and name not in REEXPORTS}
+    assert wide == {}
+
+
+def branches(function: ast.AST) -> int:
+    """Decision points of one function, its nested functions excluded."""
+    count = 0
+    todo = list(ast.iter_child_nodes(function))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(node, (ast.If, ast.For, ast.AsyncFor, ast.While, ast.ExceptHandler,
+                             ast.With, ast.AsyncWith, ast.IfExp, ast.match_case, ast.Assert)):
+            count += 1
+        elif isinstance(node, ast.BoolOp):
+            count += len(node.values) - 1
+        elif isinstance(node, ast.comprehension):
+            count += 1 + len(node.ifs)
+        todo.extend(ast.iter_child_nodes(node))
+    return count
+
+
+def test_the_branch_counter_counts() -> None:
+    source = ("def f(a, b):\n    if a and b:\n        pass\n    elif a:\n        pass\n"
+              "    for x in a:\n        try:\n            pass\n        except E:\n"
+              "            pass\n    return [y for y in b if y] or None\n")
+    function = ast.parse(source).body[0]
+    # if, and, elif, for, except, comprehension + its if, or
+    assert branches(function) == 8
+
+
+def test_no_function_over_20_branches() -> None:
+    found = []
+    for name, tree in TREES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                count = branches(node)
+                if count > MAX_BRANCHES:
+                    found.append(f"{name}.{node.name}: {count}")
+    assert found == []
+
+
+def _string_constants(tree: ast.AST) -> Iterator[ast.Constant]:
+    """Every string constant of ``tree`` but docstrings and ``__slots__``' attribute names."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                skipped.add(id(body[0].value))
+        if isinstance(node, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id == "__slots__"
+                for target in node.targets):
+            skipped.update(id(item) for item in ast.walk(node.value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in skipped:
+            yield node
+
+
+def _format_constant(name: str) -> frozenset[str]:
+    """A module-level tuple or set of the format module (``KEYS``, ``SHARED_WORDS``), read
+    from its source with the names it refers to resolved (nothing imported)."""
+    tree = TREES[FORMAT_MODULE]
+    strings: dict[str, str] = {}
+    for node in tree.body:  # NAME = "key" and A, B = "a", "b"
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+            pairs = (zip(target.elts, value.elts) if isinstance(target, ast.Tuple)
+                     and isinstance(value, ast.Tuple) else [(target, value)])
+            for left, right in pairs:
+                if isinstance(left, ast.Name) and isinstance(right, ast.Constant) \
+                        and isinstance(right.value, str):
+                    strings[left.id] = right.value
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AnnAssign) else [])
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            found = {strings[n.id] for n in ast.walk(node.value)
+                     if isinstance(n, ast.Name) and n.id in strings}
+            found |= {c.value for c in ast.walk(node.value)
+                      if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+            return frozenset(found)
+    raise AssertionError(f"{FORMAT_MODULE} defines no {name}")
+
+
+def test_every_file_format_key_is_spelled_in_the_format_module_only() -> None:
+    """No module spells a key of the format but the format module. The keys that are also
+    ordinary words (``SHARED_WORDS``: a device "cuda", a log column "step", torch's
+    "params") may appear for their other meaning, except on the run file's own floor, which
+    names every key through the format module's constants."""
+    keys, shared = _format_constant("KEYS"), _format_constant("SHARED_WORDS")
+    assert {"model", "optimizer", "save_id", "files", "epoch_samples"} <= keys
+    assert shared <= keys
+    found = []
+    for name, tree in TREES.items():
+        if name == FORMAT_MODULE:
+            continue
+        allowed = frozenset() if FLOOR.get(name) == "runfile" else shared
+        for constant in _string_constants(tree):
+            if constant.value in keys and constant.value not in allowed:
+                found.append(f"{name}:{constant.lineno}: {constant.value!r}")
+    assert found == []
