@@ -138,7 +138,7 @@ def standard_loop(callbacks: Sequence[Callback] | Callback, directory: str | os.
         >>> [type(callback).__name__ for callback in loop.callbacks]
         ['GradClip', 'LRScheduler', 'Metrics']
     """
-    from hookloop.loop import Loop
+    from hookloop import Loop  # the public API, as the kit's users write it
 
     if isinstance(callbacks, Callback):
         callbacks = [callbacks]

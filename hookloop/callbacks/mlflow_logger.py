@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from hookloop.errors import ConfigurationError
-from hookloop.callbacks.tracking import Row, Tracker
+from hookloop.tracking import Row, Tracker
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -52,7 +52,7 @@ class MLflowLogger(Tracker):
     steps MLflow already has.
 
     MLflow's failures (a server that is down, a crash inside mlflow) never stop training:
-    see `hookloop.callbacks.tracking.Tracker`. A remote server that hangs costs its HTTP timeout and
+    see `hookloop.tracking.Tracker`. A remote server that hangs costs its HTTP timeout and
     retries at every try; ``MLFLOW_HTTP_REQUEST_TIMEOUT`` and
     ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` bound them.
 
@@ -65,7 +65,7 @@ class MLflowLogger(Tracker):
         tags: More tags for a new run.
         run_id: Continue this MLflow run.
         every_n_steps: Step interval of the ``step/*`` values.
-        hparams: Settings to send; None gathers them (`hookloop.callbacks.scalars.gather_hparams`).
+        hparams: Settings to send; None gathers them (`hookloop.scalars.gather_hparams`).
 
     Example:
         >>> logger = MLflowLogger("my-experiment", tracking_uri="sqlite:///mlflow.db")

@@ -18,7 +18,7 @@ from hookloop.base.checks import check_flag, check_int, check_optional_int, chec
 from hookloop.base.compat import summary_file_writer, summary_writer_thread
 from hookloop.errors import ConfigurationError, LogWriteError
 from hookloop.engine.forward import model_inputs
-from hookloop.callbacks.scalars import MetricSteps, gather_hparams, read_values, step_due, step_values
+from hookloop.scalars import MetricSteps, gather_hparams, read_values, step_due, step_values
 from hookloop.runfile.sharded import is_sharded_tensor
 from hookloop.engine.untouched import untouched
 

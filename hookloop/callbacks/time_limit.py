@@ -5,11 +5,10 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hookloop.parallel import slurm
 from hookloop.callback import Callback
-from hookloop.callbacks.checkpoint import Checkpoint
 from hookloop.base.checks import check_choice, check_duration, check_number
 from hookloop.base.clock import process_start
 from hookloop.errors import ConfigurationError
@@ -36,7 +35,8 @@ class TimeLimit(Callback):
       run before every rank agrees; a validation or a save between two steps counts), plus
     * the save: ``margin`` seconds if given, else twice the duration of the last checkpoint
       save of this fit (each `Checkpoint` in the stack measures its own, from its start to a
-      complete file, `Checkpoint.last_save_seconds`; with several, their sum);
+      complete file, `Checkpoint.last_save_seconds`; with several, their sum; any
+      callback that offers ``last_save_seconds`` counts, so another package's saver can);
       before the first save that part is 0, so pass ``margin`` when the end of the launch
       may come before any periodic save.
 
@@ -95,7 +95,7 @@ class TimeLimit(Callback):
             self.duration = check_duration("TimeLimit duration", duration)
         self._longest = 0.0
         self._last = self.started
-        self._savers: list[Checkpoint] = []  # the stack's checkpoints, asked for their saves
+        self._savers: list[Any] = []  # the stack's savers, asked for their saves' durations
 
     def __repr__(self) -> str:
         start = "" if self.start == "process" else f", start={self.start!r}"
@@ -148,7 +148,10 @@ class TimeLimit(Callback):
 
     def on_fit_start(self, loop: Loop) -> None:
         self._last = time.monotonic()
-        self._savers = [callback for callback in loop.callbacks if isinstance(callback, Checkpoint)]
+        # The interface a saver offers (Checkpoint does; a callback of another package may):
+        # ``last_save_seconds``, its last save's duration or None. Callbacks stay leaves.
+        self._savers = [callback for callback in loop.callbacks
+                        if hasattr(type(callback), "last_save_seconds")]
 
     def on_batch_end(self, loop: Loop) -> None:
         if not loop.state.step_boundary:

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hookloop.errors import ConfigurationError
-from hookloop.callbacks.tracking import Row, Tracker
+from hookloop.tracking import Row, Tracker
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -51,7 +51,7 @@ class WandbLogger(Tracker):
 
     Offline (``mode="offline"`` or ``WANDB_MODE=offline``) the runs are files under
     ``dir``/wandb, which ``wandb sync`` uploads later and ``wandb leet inspect`` reads.
-    W&B's failures never stop training: see `hookloop.callbacks.tracking.Tracker`.
+    W&B's failures never stop training: see `hookloop.tracking.Tracker`.
 
     Args:
         project: The W&B project; None: W&B's default (``WANDB_PROJECT``...).
@@ -63,7 +63,7 @@ class WandbLogger(Tracker):
         tags: Tags of a new run.
         run_id: Continue this W&B run.
         every_n_steps: Step interval of the ``step/*`` values.
-        hparams: Settings to send; None gathers them (`hookloop.callbacks.scalars.gather_hparams`).
+        hparams: Settings to send; None gathers them (`hookloop.scalars.gather_hparams`).
 
     Example:
         >>> WandbLogger("my-project", mode="offline")

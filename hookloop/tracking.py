@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from hookloop.callback import Callback
 from hookloop.base.checks import check_int
 from hookloop.errors import ConfigurationError
-from hookloop.callbacks.scalars import MetricSteps, gather_hparams, read_values, step_due, step_values
+from hookloop.scalars import MetricSteps, gather_hparams, read_values, step_due, step_values
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -80,8 +80,8 @@ class Tracker(Callback):
     ``step/lr`` (``step/lr_group{i}``), ``step/grad_norm``, ``step/loss_scale`` (kept on the
     device and read in one go at that step: no host sync on the steps between); every
     metric as ``metrics/<name>`` at each validation end and at each epoch end (see
-    `hookloop.callbacks.scalars.MetricSteps`). The run's settings (``hparams``, else
-    `hookloop.callbacks.scalars.gather_hparams`) go to the tracker as settings once, when the tracker
+    `hookloop.scalars.MetricSteps`). The run's settings (``hparams``, else
+    `hookloop.scalars.gather_hparams`) go to the tracker as settings once, when the tracker
     run is created; the model summary (`model_metadata`) and, at fit end, the end-of-run
     reason (`end_reason`) as run metadata.
 
