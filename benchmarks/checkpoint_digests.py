@@ -28,6 +28,7 @@ import torch
 
 from hookloop.runfile import integrity, shard_files
 from hookloop.runfile.checkpoint_files import CheckpointFiles, file_meta
+from hookloop.runfile.format import SHARDS
 
 
 @contextmanager
@@ -51,7 +52,7 @@ def one_round(state: dict[str, torch.Tensor], directory: str) -> tuple[float, fl
     assert path is not None
     targets = {"model": {key: torch.empty_like(value) for key, value in state.items()}}
     started = time.perf_counter()
-    shard_files.read_directory(path, "cpu")[shard_files.SHARDS_KEY].read_into(targets)
+    shard_files.read_directory(path, "cpu")[SHARDS].read_into(targets)
     loaded = time.perf_counter() - started
     shutil.rmtree(path)
     return saved, loaded

@@ -19,23 +19,23 @@ import torch
 from torch import nn
 
 from hookloop import distributed
-from hookloop.engine import arguments, dispatch, run_state, sanity
+from hookloop.base.phase import Phase, Phases
+from hookloop.callback import Callback
+from hookloop.engine import arguments, dispatch, run_end, run_state, sanity
 from hookloop.engine.boundary import BoundaryStates
 from hookloop.engine.cadence import Cadence
-from hookloop.callback import Callback
 from hookloop.engine.data import LossSum
 from hookloop.engine.describe import describe
 from hookloop.engine.dispatch import Table, Wrapper
-from hookloop.errors import ConfigurationError
 from hookloop.engine.forward import ForwardRule, Selector, check_loss, predict_dtype
 from hookloop.engine.geometry import Geometry
 from hookloop.engine.ordering import check_callbacks
-from hookloop.base.phase import Phase, Phases
 from hookloop.engine.position import EpochPass, Position, RunPosition
-from hookloop.engine.run_end import RunEnd
 from hookloop.engine.state import LoopState, current_batch
 from hookloop.engine.stepper import OptimizerStep
 from hookloop.engine.untouched import untouched
+from hookloop.errors import ConfigurationError
+
 
 __all__ = ["Loop"]
 
@@ -148,7 +148,7 @@ class Loop(Geometry):
         self._position = Position()  # where the weights are, in data terms (see state_dict)
         # _boundary: the callbacks' states at the last step boundary
         self._cadence, self._stepper, self._boundary = Cadence(), OptimizerStep(), BoundaryStates()
-        self._end = RunEnd(self.state, self._position)
+        self._end = run_end.RunEnd(self.state, self._position)
         self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
 
     # ------------------------------------------------------------------ control
