@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookloop import Callback, Loop
-from hookloop.runfile import background_save, checkpoint_files
 from hookloop.callbacks import Checkpoint
+from hookloop.runfile import background_save, checkpoint_files
 
 
 class Probe(Callback):

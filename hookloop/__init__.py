@@ -25,10 +25,10 @@ from hookloop.errors import (
     Terminated,
 )
 from hookloop.base.events import Event
-from hookloop.loop import Loop
-from hookloop.lr_find import LRFindResult, lr_find
 from hookloop.base.phase import Phase
 from hookloop.engine.state import LoopState
+from hookloop.loop import Loop
+from hookloop.lr_find import LRFindResult, lr_find
 from hookloop.runfile.loading import load_checkpoint
 
 __version__ = "0.1.0"

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from hookloop import distributed
+from hookloop.engine.samplers import check_equal_batches, set_epoch, shard_loader
 from hookloop.parallel import slurm, suspension
 from hookloop.parallel.mesh import Mesh
-from hookloop.engine.samplers import check_equal_batches, set_epoch, shard_loader
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

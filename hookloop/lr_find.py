@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from hookloop.base.checks import check_int, check_number
 from hookloop.engine.data import move_to_device
-from hookloop.errors import ConfigurationError
 from hookloop.engine.forward import ForwardRule, check_loss
 from hookloop.engine.rng import loader_generators
 from hookloop.engine.untouched import untouched
+from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from hookloop import distributed
 from hookloop.base.checks import check_choice, check_number
-from hookloop.errors import ConfigurationError
 from hookloop.base.phase import Phase
+from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

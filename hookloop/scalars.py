@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop.callback import Callback
 from hookloop.base.compat import loss_scale
 from hookloop.base.phase import Phase
+from hookloop.callback import Callback
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

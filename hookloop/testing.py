@@ -58,9 +58,9 @@ from typing import Any
 
 import torch
 
-from hookloop.callback import Callback
 from hookloop.base.comparison import difference, without
 from hookloop.base.events import Event
+from hookloop.callback import Callback
 from hookloop.engine.ordering import overrides
 from hookloop.runfile.format import CALLBACKS
 
@@ -110,8 +110,8 @@ def _checkpoint(directory: str) -> Callback:
 def _placed(callbacks: Sequence[Callback], stack: list[Callback], loop: Any) -> list[Callback]:
     """``callbacks`` inserted into ``stack`` at the first position the order rules accept
     (the checkpoint stays last)."""
-    from hookloop.errors import CallbackOrderError
     from hookloop.engine.ordering import check_callbacks
+    from hookloop.errors import CallbackOrderError
 
     error: Exception | None = None
     for position in range(len(stack), -1, -1):

@@ -15,8 +15,8 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from hookloop.callback import Callback
 from hookloop.base.checks import check_int
+from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
 from hookloop.scalars import MetricSteps, gather_hparams, read_values, step_due, step_values
 

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import hookloop
-import hookloop.base.checks
 from hookloop import Callback, ConfigurationError, Loop
-from hookloop.callbacks import AMP, DDP, EMA, GradClip, Metrics, TerminateOnNaN
+import hookloop
 from hookloop.base.checks import available_devices
+import hookloop.base.checks
+from hookloop.callbacks import AMP, DDP, EMA, GradClip, Metrics, TerminateOnNaN
 
 from builders import MLP, BatchCounter, regression_dataset
 

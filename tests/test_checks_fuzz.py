@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import hookloop
 from hookloop import HookloopError, Loop
+import hookloop
 from hookloop.callbacks import (
     AMP,
     DDP,

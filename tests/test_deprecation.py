@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-import hookloop
 from hookloop import HookloopDeprecationWarning, Loop
-from hookloop.callbacks import Checkpoint
+import hookloop
 from hookloop.base.deprecation import REMOVED_IN
+from hookloop.callbacks import Checkpoint
 
 from builders import ScriptedMetric, make_loop
 from conftest import subprocess_env

@@ -28,8 +28,8 @@ from builders import regression_dataset
 from torch import nn
 from torch.utils.data import DataLoader
 
-import hookloop
 from hookloop import CheckpointError, Loop
+import hookloop
 from hookloop.callbacks import FSDP, Checkpoint
 from hookloop.runfile.integrity import FILES_KEY, SAVE_ID_KEY, file_digest, read_metadata
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import hookloop
 from hookloop import Callback, ConfigurationError, Loop
+import hookloop
 
 from builders import adam, shuffled, two_layers
 from builders import make_loop as build_loop

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import hookloop
 from hookloop import Loop
+import hookloop
 
 from builders import make_loop, regression_batches
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import ast
 import inspect
 
-import hookloop.callbacks
 from hookloop import Callback, presets
+import hookloop.callbacks
 
 from conftest import ROOT
 

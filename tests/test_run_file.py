@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from hookloop import Loop
-from hookloop.runfile import format as run_file
 from hookloop.callbacks import Checkpoint
+from hookloop.runfile import format as run_file
 from hookloop.runfile.checkpoint_files import CheckpointFiles
 from hookloop.runfile.shard_files import PLAIN_FILE
 

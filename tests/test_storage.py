@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from hookloop import CheckpointError, ConfigurationError, Loop, load_checkpoint
-from hookloop.runfile import format as run_file, storage
 from hookloop.callbacks import Checkpoint
 from hookloop.errors import CheckpointWriteError
+from hookloop.runfile import format as run_file, storage
 
 from builders import make_loop as build_loop
 from builders import regression_batches, shuffled_run, two_layers

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import hookloop
 from hookloop import CheckpointError, Loop
+import hookloop
 from hookloop.callbacks import Checkpoint
 from hookloop.runfile.format import read_payload
 

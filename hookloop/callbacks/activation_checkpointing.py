@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from hookloop.parallel.blocks import check_wrap, chosen_blocks
 from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
+from hookloop.parallel.blocks import check_wrap, chosen_blocks
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

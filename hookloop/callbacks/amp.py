@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop.callback import Callback
 from hookloop.base.checks import check_flag, check_int, check_name, check_number
 from hookloop.base.compat import generic_grad_scaler_step
+from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
 from hookloop.runfile.sharded import grad_scaler
 

@@ -18,13 +18,13 @@ from hookloop.runfile.checkpoint_io import (MODEL, VALUE, CheckpointFiles, Rotat
                                     TopK, all_finite, load_checkpoint, model_state)
 from hookloop.base.checks import check_choice, check_name, check_number, check_optional_int, check_path
 from hookloop.base.deprecation import CheckpointAliases
-from hookloop.errors import ConfigurationError
 from hookloop.engine.grads import non_finite_weights_advice
+from hookloop.errors import ConfigurationError
 from hookloop.monitor import MODES, Monitor
 
 if TYPE_CHECKING:
-    from hookloop.loop import Loop
     from hookloop.engine.position import RunPosition
+    from hookloop.loop import Loop
 
 __all__ = ["Checkpoint", "load_checkpoint"]
 

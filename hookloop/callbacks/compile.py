@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from hookloop.callback import Callback
 from hookloop.base.checks import check_flag
 from hookloop.base.compat import compiled_original, forget_compiled
-from hookloop.errors import ConfigurationError
 from hookloop.base.modules import unwrap
+from hookloop.callback import Callback
+from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

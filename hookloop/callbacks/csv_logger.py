@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop.callback import Callback
 from hookloop.base.checks import check_optional_int, check_path
+from hookloop.callback import Callback
 from hookloop.errors import LogWriteError
 
 if TYPE_CHECKING:

@@ -11,12 +11,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hookloop import distributed
-from hookloop.parallel import slurm
-from hookloop.callback import Callback
 from hookloop.base.checks import check_flag, check_name
+from hookloop.callback import Callback
+from hookloop.engine.samplers import UnpaddedDistributedSampler, check_equal_batches
 from hookloop.errors import ConfigurationError
 from hookloop.launcher import Launch, launched_by_torchrun
-from hookloop.engine.samplers import UnpaddedDistributedSampler, check_equal_batches
+from hookloop.parallel import slurm
 from hookloop.parallel.suspension import carry_on_gradients
 
 if TYPE_CHECKING:

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hookloop.callback import Callback
 from hookloop.base.checks import check_int
+from hookloop.callback import Callback
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop import distributed
-from hookloop.callback import Callback
 from hookloop.base.checks import check_flag, check_int, check_name, check_number
+from hookloop.callback import Callback
 from hookloop.monitor import Monitor
 
 if TYPE_CHECKING:

@@ -19,8 +19,8 @@ from hookloop.base.checks import (
     check_number,
 )
 from hookloop.base.compat import foreach_copy_, foreach_lerp_
-from hookloop.errors import ConfigurationError
 from hookloop.base.modules import unwrap
+from hookloop.errors import ConfigurationError
 from hookloop.runfile.sharded import is_sharded_tensor, place_like, regather
 
 if TYPE_CHECKING:

@@ -13,14 +13,14 @@ import torch
 from torch import nn
 
 from hookloop import distributed
-from hookloop.runfile import sharded
-from hookloop.parallel.blocks import MIN_SHARE, check_wrap, chosen_blocks, default_blocks
-from hookloop.callback import Callback
 from hookloop.base.checks import check_choice, check_flag, check_name, check_that
+from hookloop.callback import Callback
 from hookloop.engine.data import length_of
 from hookloop.errors import ConfigurationError
 from hookloop.launcher import Launch, destroy_at_exit
+from hookloop.parallel.blocks import MIN_SHARE, check_wrap, chosen_blocks, default_blocks
 from hookloop.parallel.mesh import Mesh
+from hookloop.runfile import sharded
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hookloop.callback import Callback
 from hookloop.base.checks import check_choice, check_int
 from hookloop.base.compat import foreach_mul_
+from hookloop.callback import Callback
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hookloop.callback import Callback
 from hookloop.base.checks import check_number
-from hookloop.errors import ConfigurationError
+from hookloop.callback import Callback
 from hookloop.engine.grads import clip_grad_norm, parameters_in_model_order, total_norm, unclippable
+from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

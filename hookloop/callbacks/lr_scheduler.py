@@ -11,8 +11,8 @@ from torch.optim.lr_scheduler import LRScheduler as TorchScheduler
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from hookloop import distributed
-from hookloop.callback import Callback
 from hookloop.base.checks import check_choice, check_flag, check_name
+from hookloop.callback import Callback
 from hookloop.errors import CallbackOrderError, ConfigurationError, with_article
 from hookloop.monitor import Monitor, infer_mode
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop import distributed
-from hookloop.callback import Callback
 from hookloop.base.checks import check_flag, check_name
+from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError, with_article
 
 if TYPE_CHECKING:

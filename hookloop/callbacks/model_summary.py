@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop.callback import Callback
 from hookloop.base.checks import check_console, check_flag, check_int
-from hookloop.errors import ConfigurationError
+from hookloop.callback import Callback
 from hookloop.engine.forward import ForwardRule
 from hookloop.engine.untouched import untouched
+from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop import distributed
-from hookloop.callback import Callback
 from hookloop.base.checks import check_console, check_flag
+from hookloop.callback import Callback
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -7,10 +7,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hookloop import distributed
-from hookloop.callback import Callback
 from hookloop.base.checks import check_console, check_flag, check_number
-from hookloop.engine.data import length_of
 from hookloop.base.phase import Phase
+from hookloop.callback import Callback
+from hookloop.engine.data import length_of
 from hookloop.engine.state import is_learning_rate
 
 if TYPE_CHECKING:

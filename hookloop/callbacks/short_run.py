@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hookloop.callback import Callback
 from hookloop.base.checks import check_int
+from hookloop.callback import Callback
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

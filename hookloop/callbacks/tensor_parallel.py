@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
-from hookloop.runfile import sharded
-from hookloop.callback import Callback
 from hookloop.base.checks import check_choice, check_name, check_that
+from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
 from hookloop.launcher import Launch, destroy_at_exit
 from hookloop.parallel.mesh import Mesh
+from hookloop.runfile import sharded
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

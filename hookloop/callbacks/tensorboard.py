@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookloop.callback import Callback
 from hookloop.base.checks import check_flag, check_int, check_optional_int, check_path
 from hookloop.base.compat import summary_file_writer, summary_writer_thread
-from hookloop.errors import ConfigurationError, LogWriteError
+from hookloop.callback import Callback
 from hookloop.engine.forward import model_inputs
-from hookloop.scalars import MetricSteps, gather_hparams, read_values, step_due, step_values
-from hookloop.runfile.sharded import is_sharded_tensor
 from hookloop.engine.untouched import untouched
+from hookloop.errors import ConfigurationError, LogWriteError
+from hookloop.runfile.sharded import is_sharded_tensor
+from hookloop.scalars import MetricSteps, gather_hparams, read_values, step_due, step_values
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop import distributed
-from hookloop.callback import Callback
 from hookloop.base.checks import check_flag
 from hookloop.base.compat import foreach_copy_
-from hookloop.errors import ConfigurationError, NonFiniteError
+from hookloop.callback import Callback
 from hookloop.engine.grads import total_norm
+from hookloop.errors import ConfigurationError, NonFiniteError
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop import distributed
-from hookloop.callback import Callback
 from hookloop.base.checks import check_choice, check_int, check_number
+from hookloop.base.phase import Phase
+from hookloop.callback import Callback
 from hookloop.engine.data import batch_size_of
 from hookloop.errors import ConfigurationError
-from hookloop.base.phase import Phase
 
 if TYPE_CHECKING:
     from torch.utils.flop_counter import FlopCounterMode

@@ -7,11 +7,11 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from hookloop.parallel import slurm
-from hookloop.callback import Callback
 from hookloop.base.checks import check_choice, check_duration, check_number
 from hookloop.base.clock import process_start
+from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
+from hookloop.parallel import slurm
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

@@ -6,8 +6,8 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from hookloop.callback import Callback
 from hookloop.base.phase import Phase
+from hookloop.callback import Callback
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop

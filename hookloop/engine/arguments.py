@@ -22,10 +22,10 @@ from hookloop.callback import Callback
 from hookloop.base.checks import (check_choice, check_flag, check_int, check_name,
                              check_optional_int, is_int, refusal, resolve_device)
 from hookloop.engine.data import find_targets, length_of
-from hookloop.errors import ConfigurationError, with_article
 from hookloop.engine.forward import check_batch_rule
 from hookloop.engine.ordering import check_callbacks
 from hookloop.engine.untouched import untouched
+from hookloop.errors import ConfigurationError, with_article
 
 __all__ = ["check_loop_arguments", "check_loss_reduction", "check_extra_state", "check_fit",
            "check_fit_arguments", "check_fit_data", "check_evaluation", "check_setup"]

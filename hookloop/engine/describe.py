@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 
-from hookloop.callback import Callback
 from hookloop.base.events import HOOKS, Event
+from hookloop.callback import Callback
 from hookloop.engine.ordering import overrides
 
 __all__ = ["describe"]

@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
-from hookloop.callback import Callback
-from hookloop.errors import ConfigurationError, Terminated
 from hookloop.base.events import Event
+from hookloop.callback import Callback
 from hookloop.engine.ordering import overrides
+from hookloop.errors import ConfigurationError, Terminated
 
 __all__ = ["Table", "Wrapper", "Handlers", "annotate", "bind"]
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from hookloop.engine.data import length_of
 from hookloop.base.modules import unwrap
+from hookloop.engine.data import length_of
 
 if TYPE_CHECKING:
     from hookloop.engine.state import LoopState

@@ -7,9 +7,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hookloop.base.events import HOOKS, Event
 from hookloop.callback import Callback
 from hookloop.errors import CallbackOrderError, ConfigurationError
-from hookloop.base.events import HOOKS, Event
 
 __all__ = ["overrides", "check_callbacks", "suggest_order", "LOOP_METRICS", "FOREIGN_EVENTS"]
 

@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 import torch
 
 from hookloop import distributed
-from hookloop.engine.data import Lookahead, LossMark, LossSum, length_of
 from hookloop.base.deprecation import deprecated_alias
+from hookloop.engine.data import Lookahead, LossMark, LossSum, length_of
 from hookloop.errors import ConfigurationError
 from hookloop.engine.resumable import (
     StampedBatches,

@@ -9,10 +9,10 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from hookloop import distributed
-from hookloop.parallel import signals
 from hookloop.errors import Suspended, Terminated
-from hookloop.runfile.format import EPOCHS, MAX_STEPS, REASON, ended_record
+from hookloop.parallel import signals
 from hookloop.parallel.suspension import REQUESTED, SIGTERM, Suspension, Vote, published
+from hookloop.runfile.format import EPOCHS, MAX_STEPS, REASON, ended_record
 
 if TYPE_CHECKING:
     from hookloop.engine.position import Position

@@ -16,8 +16,8 @@ import torch
 
 from hookloop import distributed
 from hookloop.engine.dispatch import annotate
-from hookloop.errors import CheckpointError, with_article
 from hookloop.engine.ordering import overrides
+from hookloop.errors import CheckpointError, with_article
 from hookloop.runfile.format import (
     BATCH_IDX,
     BATCHES_PER_EPOCH,

@@ -12,11 +12,11 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hookloop import distributed
-from hookloop.errors import CheckpointError, ConfigurationError, with_article
 from hookloop.engine.ordering import overrides
-from hookloop.runfile.format import TRAIN_LOSS_SUM, TRAIN_SAMPLES, find_unplain, run_payload
 from hookloop.engine.run_parts import RunParts
 from hookloop.engine.run_restore import restore
+from hookloop.errors import CheckpointError, ConfigurationError, with_article
+from hookloop.runfile.format import TRAIN_LOSS_SUM, TRAIN_SAMPLES, find_unplain, run_payload
 from hookloop.runfile.sharded import gather_for_rank_zero, layout_of, model_state, optimizer_state
 
 if TYPE_CHECKING:

@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from hookloop.callback import Callback
-from hookloop.base.compat import no_new_persistent_iterator
 from hookloop import distributed
+from hookloop.base.compat import no_new_persistent_iterator
+from hookloop.base.phase import Phase, Phases
+from hookloop.callback import Callback
 from hookloop.engine.dispatch import Table, annotate
 from hookloop.engine.ordering import overrides
-from hookloop.base.phase import Phase, Phases
 from hookloop.engine.untouched import untouched
 
 __all__ = ["check", "batches_to_check", "listeners"]

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from hookloop.engine.data import batch_size_of, move_to_device
 from hookloop.base.deprecation import REMOVED_IN
-from hookloop.errors import HookloopDeprecationWarning
+from hookloop.engine.data import batch_size_of, move_to_device
 from hookloop.engine.forward import ForwardRule
+from hookloop.errors import HookloopDeprecationWarning
 
 __all__ = ["LoopState", "current_batch", "learning_rates", "is_learning_rate"]
 

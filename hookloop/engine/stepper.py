@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from hookloop.distributed import world_size
-from hookloop.errors import ConfigurationError
 from hookloop.engine.forward import ForwardRule, check_loss
+from hookloop.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from hookloop.engine.dispatch import Table

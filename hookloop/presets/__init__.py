@@ -21,11 +21,11 @@ name: installing a package never changes a stack you did not ask it to build.
 
 from __future__ import annotations
 
-from hookloop.presets.builtin import debug, finetune, standard
 from hookloop.callback import Callback
 from hookloop.callbacks.detect_anomaly import DetectAnomaly
 from hookloop.callbacks.short_run import ShortRun
 from hookloop.errors import ConfigurationError
+from hookloop.presets.builtin import debug, finetune, standard
 from hookloop.presets.registry import ENTRY_POINT_GROUP, available, get, requires
 
 __all__ = [

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from hookloop.base.checks import check_int, check_number
 from hookloop.callback import Callback
 from hookloop.callbacks.detect_anomaly import DetectAnomaly
 from hookloop.callbacks.short_run import ShortRun
-from hookloop.base.checks import check_int, check_number
 from hookloop.errors import ConfigurationError
 from hookloop.monitor import Monitor
 

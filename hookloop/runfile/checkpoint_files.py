@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hookloop import distributed
-from hookloop.runfile.directory_lock import DirectoryLock
 from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.runfile.directory_lock import DirectoryLock
 from hookloop.runfile.loading import read_checkpoint
 from hookloop.runfile.retirement import RETIRED_PREFIX, Retirement
 from hookloop.runfile.format import (

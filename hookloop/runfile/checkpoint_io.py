@@ -11,13 +11,13 @@ and the integrity live below it, reached through this module only.
 
 from __future__ import annotations
 
+from hookloop.parallel.suspension import TimedSaves
 from hookloop.runfile.background_save import RotatingWrites
 from hookloop.runfile.checkpoint_files import CheckpointFiles
+from hookloop.runfile.format import MODEL, VALUE
 from hookloop.runfile.loading import load_checkpoint
 from hookloop.runfile.ranking import TopK
-from hookloop.runfile.format import MODEL, VALUE
 from hookloop.runfile.sharded import model_state
-from hookloop.parallel.suspension import TimedSaves
 from hookloop.runfile.weights import all_finite
 
 __all__ = ["CheckpointFiles", "MODEL", "RotatingWrites", "TimedSaves", "TopK", "VALUE",

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from hookloop import distributed
-from hookloop.errors import CheckpointError, with_article
 from hookloop.base.os_errors import describe_os_error
+from hookloop.errors import CheckpointError, with_article
 from hookloop.runfile.storage import verify_archive
 
 __all__ = ["FORMAT", "KEYS", "SHARED_WORDS", "SHARDS", "check_payload", "check_run_fields",

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from hookloop.errors import CheckpointError, CheckpointWriteError
 from hookloop.base.os_errors import describe_os_error
+from hookloop.errors import CheckpointError, CheckpointWriteError
 from hookloop.runfile.format import BYTES, FILES, SAVE_ID, SHA256
 
 __all__ = ["DIGEST", "FILES_KEY", "SAVE_ID_KEY", "cause_of", "check_files", "control_flow",
@@ -130,7 +130,7 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
             differ.append((name, f"is {size} bytes where the save wrote {entry[BYTES]} "
                                  f"({how})"))
         elif file_digest(path) != entry[DIGEST]:
-            differ.append((name, f"has other bytes than the save wrote (its SHA-256 differs "
+            differ.append((name, "has other bytes than the save wrote (its SHA-256 differs "
                                  "from the recorded one: flipped bits, or the file of another "
                                  "save)"))
     for name in sorted(present - set(record)):

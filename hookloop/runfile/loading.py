@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.base.modules import unwrap
+from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.runfile.format import OPTIMIZER, SHARDS, read_payload
 from hookloop.runfile.shard_files import read_directory
 from hookloop.runfile.sharded import is_distributed_module

@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from hookloop import distributed
-from hookloop.runfile import integrity
 from hookloop.errors import CheckpointError, CheckpointWriteError
+from hookloop.runfile import integrity
 from hookloop.runfile.sharded import is_sharded_tensor, load_sharded_state, sharded_targets
 from hookloop.runfile.format import (META, MODEL, OPTIMIZER, PARAM_GROUPS, SHARD_MARK, SHARDS, STATE,
                                find_unplain, read_payload)

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from hookloop.errors import CheckpointError, CheckpointWriteError, ConfigurationError
 from hookloop.base.os_errors import describe_os_error
+from hookloop.errors import CheckpointError, CheckpointWriteError, ConfigurationError
 
 __all__ = ["TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "write_atomic",
            "write_text_atomic", "link_atomic", "fsync_directory", "describe_os_error",

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-import hookloop.engine.rng
 from hookloop.callbacks import Checkpoint
+import hookloop.engine.rng
 
 from builders import Crash, RaiseAtBatch, net_loop, same_weights, weights
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-import hookloop
 from hookloop import CallbackOrderError, Callback, CheckpointError, ConfigurationError, Loop
+import hookloop
 from hookloop.callbacks import Checkpoint, EarlyStopping, Metrics
 from hookloop.runfile import storage
 

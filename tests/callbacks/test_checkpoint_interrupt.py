@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-import hookloop
 from hookloop import Callback, Loop
+import hookloop
 from hookloop.callbacks import Checkpoint
 from hookloop.runfile import checkpoint_files as checkpoint_module  # where Checkpoint's writes go
 from hookloop.runfile import storage

@@ -14,9 +14,9 @@ from rich.console import Console
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader
 
-import hookloop.callbacks as builtins
 from hookloop import Callback, ConfigurationError, Loop
 from hookloop import describe
+import hookloop.callbacks as builtins
 from hookloop.engine.ordering import overrides
 from hookloop.callbacks import (
     AMP,

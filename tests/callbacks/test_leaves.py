@@ -35,17 +35,17 @@ def callback_imports(source: str) -> list[str]:
 
 def test_the_scan_finds_each_kind_of_import() -> None:
     source = """
-from hookloop.callbacks.grad_clip import GradClip
-from hookloop.callbacks import AMP
 from hookloop import callbacks
+from hookloop.callbacks import AMP
+from hookloop.callbacks.grad_clip import GradClip
 from . import ema
 from .metrics import Metrics
 import hookloop.callbacks.tensorboard
 def later():
     from hookloop.callbacks.probe import untouched
 from hookloop import distributed
-from hookloop.engine.grads import total_norm
 import hookloop.base.checks
+from hookloop.engine.grads import total_norm
 """
     assert [entry.split(":")[0] for entry in callback_imports(source)] == [
         "2", "3", "4", "5", "6", "7", "9"]

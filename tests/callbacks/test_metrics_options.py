@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-import hookloop.distributed
 from hookloop import ConfigurationError, Loop
 from hookloop.callbacks import Metrics
 from hookloop.callbacks.metrics import synchronises_itself
+import hookloop.distributed
 
 from builders import accuracy
 

@@ -91,8 +91,8 @@ def test_total_norm_combines_norms_of_several_kinds_exactly_as_one_vector() -> N
 def test_fsdp_refuses_tensor_parallel_weights_without_a_mesh(monkeypatch) -> None:
     """A model already split by tensor parallel (DTensor parameters) sharded by FSDP on a
     mesh of its own would put them on two unrelated meshes: refused, naming the fix."""
-    from hookloop.runfile import sharded
     from hookloop.callbacks import fsdp
+    from hookloop.runfile import sharded
 
     model = two_layers(3, 8, 1)
     monkeypatch.setattr(sharded, "is_sharded_tensor", lambda value: isinstance(value, nn.Parameter))

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import hookloop.callbacks.throughput as throughput
 from hookloop import Callback, ConfigurationError, Loop
+import hookloop.callbacks.throughput as throughput
 from hookloop.callbacks import (
     CSVLogger,
     GradAccumulation,

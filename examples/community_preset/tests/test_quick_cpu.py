@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import hookloop
 from hookloop import presets
-from hookloop.testing import check_callback, check_preset
+import hookloop
 from hookloop.base.versions import satisfies
+from hookloop.testing import check_callback, check_preset
 
 from hookloop_quick_cpu import quick_cpu
 
