@@ -24,6 +24,7 @@ from hookloop.errors import (
     Suspended,
     Terminated,
 )
+from hookloop.base.deprecation import install_moved_modules
 from hookloop.base.events import Event
 from hookloop.base.phase import Phase
 from hookloop.engine.state import LoopState
@@ -32,6 +33,8 @@ from hookloop.lr_find import LRFindResult, lr_find
 from hookloop.runfile.loading import load_checkpoint
 
 __version__ = "0.1.0"
+
+install_moved_modules()  # the modules' paths before the floors (issue 23), until 0.3
 
 # A renamed name warns once per place, also from a published callback's module (Python
 # hides DeprecationWarnings outside __main__), unless -W or PYTHONWARNINGS say otherwise.

@@ -108,3 +108,28 @@ def test_loop_state_set_batch_warns_and_still_sets_the_batch() -> None:
         returned = state.set_batch(batch, 4, loop)
     assert state.batch_idx == 4 and state.batch_size == 2
     assert torch.equal(returned[0], batch[0]) and torch.equal(state.targets, batch[1])
+
+
+def test_the_modules_moved_into_floors_import_by_their_old_paths_with_a_warning() -> None:
+    """Issue 23 moved the flat modules into subpackages; published code that imported
+    `hookloop.mesh` or `hookloop.checkpoint_files` (the 0.1 docs showed both) keeps working
+    until 0.3, on the very module (a monkeypatch through the old path reaches the code)."""
+    script = textwrap.dedent("""
+        import importlib, sys, warnings
+        import hookloop
+        from hookloop.base.deprecation import MOVED_MODULES
+        for old, new in sorted(MOVED_MODULES.items()):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                module = importlib.import_module(old)
+            assert module is importlib.import_module(new), old
+            assert module.__spec__.name == new, old
+            assert [str(w.message).split(":")[0] for w in caught] == [f"{old} is deprecated"]
+        from hookloop.mesh import Mesh
+        assert Mesh is importlib.import_module("hookloop.parallel.mesh").Mesh
+        print(len(MOVED_MODULES), "moved")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "39 moved" in done.stdout

@@ -11,13 +11,18 @@ removal is always a decision.
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from hookloop.errors import HookloopDeprecationWarning
 
-__all__ = ["deprecated_alias", "CheckpointAliases", "REMOVED_IN"]
+__all__ = ["deprecated_alias", "CheckpointAliases", "REMOVED_IN", "MOVED_MODULES", "MovedModules",
+           "install_moved_modules"]
 
 #: The release that removes the aliases deprecated in this one (one minor version later).
 REMOVED_IN = "0.3"
@@ -78,3 +83,58 @@ class CheckpointAliases:
                                   old="Checkpoint.best_epoch")
     best_step = deprecated_alias("Checkpoint.top_k[0]['step']", _best("step"),
                                  old="Checkpoint.best_step")
+
+
+#: The modules the package's split into floors moved (issue 23), old path -> new one. The
+#: old paths still import, as the same module object (so a monkeypatch through either
+#: reaches the code), with a warning, until `REMOVED_IN`; each kept its name. Modules created
+#: since are not here.
+MOVED_MODULES = {f"hookloop.{new.rpartition('.')[2]}": f"hookloop.{new}" for new in (
+    "base.deprecation", "base.versions", "base.compat", "base.events", "base.phase",
+    "base.clock", "base.modules", "base.checks", "parallel.mesh", "parallel.slurm",
+    "parallel.signals", "parallel.suspension", "parallel.blocks", "runfile.sharded",
+    "runfile.integrity", "runfile.storage", "runfile.checkpoint_files", "runfile.shard_files",
+    "runfile.background_save", "runfile.directory_lock", "runfile.ranking", "engine.untouched",
+    "engine.dispatch", "engine.state", "engine.position", "engine.forward", "engine.stepper",
+    "engine.boundary", "engine.cadence", "engine.ordering", "engine.sanity", "engine.data",
+    "engine.geometry", "engine.resumable", "engine.samplers", "engine.grads", "engine.rng",
+    "engine.run_state", "presets.registry")}
+
+
+class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a moved module's old path (`MOVED_MODULES`) as its new module, warning
+    `hookloop.errors.HookloopDeprecationWarning` with the new path.
+
+    Example:
+        >>> import sys, warnings
+        >>> _ = sys.modules.pop("hookloop.mesh", None)  # as in a fresh process
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     from hookloop.mesh import Mesh
+        >>> Mesh.__module__
+        'hookloop.parallel.mesh'
+        >>> print(caught[0].message)  # doctest: +ELLIPSIS
+        hookloop.mesh is deprecated: import hookloop.parallel.mesh (hookloop.mesh will be removed in hookloop 0.3).
+    """
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in MOVED_MODULES:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        new = MOVED_MODULES[spec.name]
+        warnings.warn(f"{spec.name} is deprecated: import {new} ({spec.name} will be removed "
+                      f"in hookloop {REMOVED_IN}).", HookloopDeprecationWarning, stacklevel=2)
+        module = importlib.import_module(new)
+        self._spec = module.__spec__  # the import system sets the old spec on it: put it back
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__ = self._spec
+
+
+def install_moved_modules() -> None:
+    """Let the old paths of `MOVED_MODULES` import (once per process)."""
+    if not any(isinstance(finder, MovedModules) for finder in sys.meta_path):
+        sys.meta_path.append(MovedModules())
