@@ -129,10 +129,10 @@ class Loop(Geometry):
         self.sanity_val_batches, self.val_at_start = sanity_val_batches, val_at_start
         #: ``"mean"`` or ``"sum"``: how the epoch losses weigh a batch's loss (``loss_reduction``).
         self.loss_reduction = arguments.check_loss_reduction(loss_reduction, loss_fn)
-        self._loss_weight = 1 if self.loss_reduction == "sum" else None  # LossSum.add's
+        # _loss_weight: LossSum.add's, by the loss reduction
+        self.state, self._loss_weight = LoopState(), (1 if self.loss_reduction == "sum" else None)
         #: More objects saved and restored with the run (``state=``), by name.
         self.extra_state = arguments.check_extra_state(state, model, optimizer)
-        self.state = LoopState()
         #: Micro-batches per optimizer step; set by ``GradAccumulation`` in ``setup``.
         self.accumulation_steps = 1
         #: Whether an epoch's last, partial window of micro-batches makes a step (False:
@@ -420,7 +420,7 @@ class Loop(Geometry):
         with self._alone(Phase.PREDICT, data) as (table, data), \
                 table.entered(table.validation_context):
             self.model.eval()
-            return self._rule.predict_all(self.state, lambda: self.model, self.device, data,
+            return self._rule().predict_all(self.state, lambda: self.model, self.device, data,
                                           table, forward, dtype)
 
     def describe(self) -> str:
@@ -462,6 +462,9 @@ class Loop(Geometry):
                          source or "the state given to Loop.load_state_dict")
 
     # ------------------------------------------------------------------ inside
+    def _rule(self) -> ForwardRule:  # read at each use: a callback may swap loss_fn or forward
+        return ForwardRule(self, self.forward, self.loss_fn, self.inputs, self.targets)
+
     def _parts(self) -> run_state.RunParts:  # the values the run's state is made of
         return run_state.RunParts(self.unwrapped_model, self.optimizer, self.callbacks,
             self.extra_state, self.state, self._position, self._end, self.batches_per_epoch,
@@ -484,14 +487,13 @@ class Loop(Geometry):
         """Run the setup hooks, check the data, move the model, restore, build the table."""
         self.accumulation_steps, self.scaler, self.handler_wrapper = 1, None, None
         self.partial_window_steps = True
-        self._rule = ForwardRule(self, self.forward, self.loss_fn, self.inputs, self.targets)
         setups = Table(self.callbacks, self)  # the step geometry is read afresh at every fit
         setups.emit(setups.setup)
         arguments.check_setup(self.accumulation_steps, self.train_data, self.val_data)
         self.model.to(self.device)
         self._restore = run_state.apply(self._parts(), self._restore)
         self._table = Table(self.callbacks, self, self.handler_wrapper, main=distributed.is_main())
-        self._stepper.prepare(self.state, self._rule, lambda: self.model, self.accumulation_steps)
+        self._stepper.prepare(self.state, self._rule(), lambda: self.model, self.accumulation_steps)
         self._position.attach(self.train_data, self.accumulation_steps, self.partial_window_steps)
         return self._table
 
@@ -520,7 +522,7 @@ class Loop(Geometry):
         if self._cadence.owed_on_resume(batches.start, state.step, self._position.validated):
             self._step_validation(batches)  # the run stopped during the one due at this step
         for batch_idx, batch, state.step_boundary in batches:
-            batch = current_batch(state, batch, batch_idx, self.device, self._rule)
+            batch = current_batch(state, batch, batch_idx, self.device, self._rule())
             if table.on_batch_start:
                 table.emit(table.on_batch_start)
             with table.entered(table.train_step_context):
@@ -543,7 +545,7 @@ class Loop(Geometry):
         """Outputs and loss of a training batch; returns the loss to backpropagate."""
         state = self.state
         with table.entered(table.forward_context):
-            outputs, loss = self._rule.compute(self.model, batch)
+            outputs, loss = self._rule().compute(self.model, batch)
         check_loss(loss, training=True)
         state.outputs, state.loss = outputs, loss
         if table.after_forward:
@@ -596,11 +598,11 @@ class Loop(Geometry):
                 table.emit(table.on_validation_start)
                 with torch.no_grad():
                     for batch_idx, batch in enumerate(itertools.islice(data, limit)):
-                        batch = current_batch(state, batch, batch_idx, self.device, self._rule)
+                        batch = current_batch(state, batch, batch_idx, self.device, self._rule())
                         if table.on_validation_batch_start:
                             table.emit(table.on_validation_batch_start)
                         with contexts.entered(contexts.forward_context):
-                            state.outputs, state.loss = self._rule.compute(self.model, batch)
+                            state.outputs, state.loss = self._rule().compute(self.model, batch)
                         check_loss(state.loss, training=False)
                         losses.add(state.loss, state.batch_size, self._loss_weight)
                         if table.on_validation_batch_end:

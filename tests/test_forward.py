@@ -117,3 +117,37 @@ def test_a_replaced_loss_that_is_not_a_scalar_is_reported() -> None:
     _, loop = shuffled_run([Broken()])
     with pytest.raises(ConfigurationError, match="after_forward must be a scalar.*shape \\(3,\\)"):
         loop.fit(1)
+
+
+def test_a_loss_fn_a_callback_sets_in_setup_or_mid_fit_is_the_one_used() -> None:
+    """The forward rule reads the loop's loss_fn/forward at each use, as it did before the
+    helpers were handed values (found in review): a callback that sets ``loop.loss_fn`` in
+    ``setup``, or swaps it at an epoch's start (a curriculum), is obeyed."""
+    import torch
+
+    from hookloop import Callback, Loop
+
+    calls: list[str] = []
+
+    def first(outputs, targets):
+        calls.append("first")
+        return torch.nn.functional.mse_loss(outputs, targets)
+
+    def second(outputs, targets):
+        calls.append("second")
+        return torch.nn.functional.l1_loss(outputs, targets)
+
+    class Curriculum(Callback):
+        def setup(self, loop):
+            loop.loss_fn = first
+
+        def on_epoch_start(self, loop):
+            if loop.state.epoch == 1:
+                loop.loss_fn = second
+
+    model = torch.nn.Linear(3, 1)
+    data = [(torch.ones(2, 3), torch.zeros(2, 1)) for _ in range(3)]
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                loss_fn=torch.nn.functional.mse_loss, device="cpu", callbacks=[Curriculum()])
+    loop.fit(2)
+    assert calls == ["first"] * 3 + ["second"] * 3
