@@ -94,9 +94,9 @@ def _accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _standard_stack(directory: str) -> list[Callback]:
     from hookloop.callbacks import GradClip, LRScheduler, Metrics
+    from hookloop.schedules import warmup_cosine
 
-    return [GradClip(1.0), LRScheduler(lambda optimizer, total: torch.optim.lr_scheduler.OneCycleLR(
-                optimizer, max_lr=optimizer.param_groups[0]["lr"], total_steps=total)),
+    return [GradClip(1.0), LRScheduler(lambda optimizer, total: warmup_cosine(optimizer, total, 0.2)),
             Metrics(acc=_accuracy)]
 
 
@@ -111,7 +111,7 @@ def _placed(callbacks: Sequence[Callback], stack: list[Callback], loop: Any) -> 
     """``callbacks`` inserted into ``stack`` at the first position the order rules accept
     (the checkpoint stays last)."""
     from hookloop.engine.ordering import check_callbacks
-    from hookloop.errors import CallbackOrderError
+    from hookloop import CallbackOrderError  # the public name, as for Loop
 
     error: Exception | None = None
     for position in range(len(stack), -1, -1):

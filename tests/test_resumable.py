@@ -348,3 +348,61 @@ def test_a_position_at_another_global_batch_goes_on_with_the_rest_of_the_epoch_s
     # 3 steps taken, 4 batches of the 14 left, then an epoch of 6.
     assert resumed.state.step == epochs.total == 3 + 4 + 6
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.01, abs=1e-12)
+
+
+def test_a_position_at_another_global_batch_with_accumulation_counts_the_steps_it_takes(
+        tmp_path) -> None:
+    """Found in review: with GradAccumulation(2), a position that is a whole number of the
+    new batches (4 samples: one batch of 4) but not of windows made `total_steps` count the
+    windows from the resume batch while the epoch counted them from batch 0, so the run took
+    one step more than its schedule was built for (OneCycleLR raised at step 7 of 6). Hand
+    count: step 1 saved, then batches 1..4 of 5 step at 1, 3 and the last, partial window
+    (3), then an epoch of 3: 7."""
+    from hookloop import Callback
+    from hookloop.callbacks import Checkpoint, GradAccumulation, LRScheduler
+
+    from builders import StopAt
+
+    dataset = _dataset(20)
+    reads: list[int] = []
+
+    class Counted(TensorDataset):
+        counting = False
+
+        def __getitem__(self, index):
+            if self.counting:
+                reads.append(int(index))
+            return super().__getitem__(index)
+
+    counted = Counted(*dataset.tensors)
+
+    class Total(Callback):
+        def on_fit_start(self, loop) -> None:
+            self.total = loop.total_steps
+            counted.counting = True
+
+        def on_epoch_end(self, loop) -> None:
+            counted.counting = False
+
+    def run(callbacks):
+        sampler = DistributedSampler(counted, num_replicas=1, rank=0, shuffle=True, seed=3)
+        schedule = LRScheduler(lambda optimizer, total: torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=0.1, total_steps=total))
+        return make_loop([GradAccumulation(2), schedule, *callbacks],
+                         model=lambda: torch.nn.Linear(1, 1),
+                         train=DataLoader(counted, 4, sampler=sampler), sanity_val_batches=0)
+
+    with pytest.raises(SystemExit):
+        run([Checkpoint(tmp_path, every_n_steps=1), StopAt(1, resumable=True)]).fit(2)
+    (path,) = [p for p in tmp_path.glob("*.pt") if "step=00000001" in p.name]
+    state = torch.load(path, weights_only=True)
+    assert (state["loop"]["batch_idx"], state["loop"]["epoch_samples"]) == (2, 8)
+    state["loop"].update(epoch_samples=4, global_batch=2)  # as if 2 batches of 2 samples
+    reads.clear()
+    total = Total()
+    resumed = run([total])
+    resumed.load_state_dict(state)
+    resumed.fit(2)
+    order = list(DistributedSampler(range(20), num_replicas=1, rank=0, shuffle=True, seed=3))
+    assert reads == order[4:]  # the rest of the epoch, none of its first 4 samples
+    assert resumed.state.step == total.total == 1 + 3 + 3

@@ -183,15 +183,18 @@ class Position:
         total, done = length_of(data), self.batches_done
         if total is None:
             return
-        start = 0
+        start = phase = 0
         if done and self.epoch_samples is not None and sampler is not None:
             rest = length_of(rest_of_epoch(data, self.epoch_samples)) or 0
             start = self.batches_done = max(1, total - rest)
             self._base = (start, self.epoch_samples)
             total = start + rest
+            # The windows count from where `_resharded` has the epoch count them: the resume
+            # batch when the rest is resharded, batch 0 when the position is whole batches.
+            phase = 0 if self.epoch_samples == start * self._batch_samples else start
         # The steps of the run: those taken, the rest of this epoch's, then whole epochs.
         per_epoch = _steps(0, length_of(data) or 0, window, 0, partial_steps)
-        left = _steps(start, total, window, start, partial_steps) if done else per_epoch
+        left = _steps(start, total, window, phase, partial_steps) if done else per_epoch
         self.step_offset = self.step + left - per_epoch * (self.epoch + 1)
 
     def record(self, epoch: int, batches_done: int, step: int,
