@@ -291,18 +291,16 @@ def test_the_rest_of_an_epoch_is_its_order_s_samples_from_the_position_sharded()
     assert list(RestOfEpoch(sampler(3, 1), 12)) == list(sampler(3, 1))[4:]
 
 
-def test_a_position_at_another_global_batch_goes_on_with_the_rest_of_the_epoch_s_order(
-        tmp_path) -> None:
-    """A checkpoint edited as if a run of global batch 5 (another number of ranks) had
-    trained 10 samples of the epoch: a loader of batch 4 over the same DistributedSampler
-    order reads exactly the order's samples from the 11th on, in order (none before), then
-    whole epochs; `loop.total_steps` counts the steps taken, so a factory's schedule ends
-    at the run's last step (at its min_lr)."""
-    import functools
-
+def _resumed_at_another_global_batch(tmp_path, samples: int, stack, schedule, stop_step: int,
+                                     edit: dict) -> tuple:
+    """A run over a DistributedSampler's order (one rank, seed 3, batches of 4) stopped at
+    ``stop_step``; its checkpoint's loop part edited by ``edit`` as if a run of another
+    global batch (another number of ranks) had written it; a fresh loop resuming it for the
+    2 epochs. ``stack()`` and ``schedule()`` make the callbacks each run starts with. Returns ``(reads, total_steps, resumed, saved)``: the ``(epoch, index)`` the
+    dataset read inside the resumed epochs, ``loop.total_steps`` at its fit start, the
+    resumed loop, and the loop part as saved (before the edit)."""
     from hookloop import Callback
-    from hookloop.callbacks import Checkpoint, LRScheduler
-    from hookloop.schedules import warmup_cosine
+    from hookloop.callbacks import Checkpoint
 
     from builders import StopAt
 
@@ -316,7 +314,7 @@ def test_a_position_at_another_global_batch_goes_on_with_the_rest_of_the_epoch_s
                 reads.append((self.epoch, int(index)))
             return super().__getitem__(index)
 
-    dataset = Counted(*_dataset().tensors)
+    dataset = Counted(*_dataset(samples).tensors)
 
     class Epochs(Callback):
         def on_epoch_start(self, loop) -> None:
@@ -327,26 +325,46 @@ def test_a_position_at_another_global_batch_goes_on_with_the_rest_of_the_epoch_s
 
     def run(callbacks):
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
-        schedule = LRScheduler(functools.partial(warmup_cosine, warmup_steps=1, min_lr=0.01))
-        return make_loop([schedule, *callbacks], model=lambda: torch.nn.Linear(1, 1),
+        return make_loop([*stack(), schedule(), *callbacks], model=lambda: torch.nn.Linear(1, 1),
                          train=DataLoader(dataset, 4, sampler=sampler), sanity_val_batches=0)
 
     with pytest.raises(SystemExit):
-        run([Checkpoint(tmp_path, every_n_steps=1), StopAt(3, resumable=True)]).fit(2)
-    (path,) = [p for p in tmp_path.glob("*.pt") if "step=00000003" in p.name]
+        run([Checkpoint(tmp_path, every_n_steps=1), StopAt(stop_step, resumable=True)]).fit(2)
+    (path,) = [p for p in tmp_path.glob("*.pt") if f"step={stop_step:08d}" in p.name]
     state = torch.load(path, weights_only=True)
-    assert (state["loop"]["epoch_samples"], state["loop"]["global_batch"]) == (12, 4)
-    state["loop"].update(batch_idx=2, epoch_samples=10, global_batch=5)
+    saved = dict(state["loop"])
+    state["loop"].update(edit)
+    dataset.epoch = None
     reads.clear()
     epochs = Epochs()
     resumed = run([epochs])
     resumed.load_state_dict(state)
     resumed.fit(2)
+    return reads, epochs.total, resumed, saved
+
+
+def test_a_position_at_another_global_batch_goes_on_with_the_rest_of_the_epoch_s_order(
+        tmp_path) -> None:
+    """A checkpoint edited as if a run of global batch 5 (another number of ranks) had
+    trained 10 samples of the epoch: a loader of batch 4 over the same DistributedSampler
+    order reads exactly the order's samples from the 11th on, in order (none before), then
+    whole epochs; `loop.total_steps` counts the steps taken, so a factory's schedule ends
+    at the run's last step (at its min_lr)."""
+    import functools
+
+    from hookloop.callbacks import LRScheduler
+    from hookloop.schedules import warmup_cosine
+
+    reads, total, resumed, saved = _resumed_at_another_global_batch(
+        tmp_path, 24, lambda: [], lambda: LRScheduler(
+            functools.partial(warmup_cosine, warmup_steps=1, min_lr=0.01)),
+        3, dict(batch_idx=2, epoch_samples=10, global_batch=5))
+    assert (saved["epoch_samples"], saved["global_batch"]) == (12, 4)
     order = list(DistributedSampler(range(24), num_replicas=1, rank=0, shuffle=True, seed=3))
     assert [index for epoch, index in reads if epoch == 0] == order[10:]
     assert sorted(index for epoch, index in reads if epoch == 1) == list(range(24))
     # 3 steps taken, 4 batches of the 14 left, then an epoch of 6.
-    assert resumed.state.step == epochs.total == 3 + 4 + 6
+    assert resumed.state.step == total == 3 + 4 + 6
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.01, abs=1e-12)
 
 
@@ -358,51 +376,15 @@ def test_a_position_at_another_global_batch_with_accumulation_counts_the_steps_i
     one step more than its schedule was built for (OneCycleLR raised at step 7 of 6). Hand
     count: step 1 saved, then batches 1..4 of 5 step at 1, 3 and the last, partial window
     (3), then an epoch of 3: 7."""
-    from hookloop import Callback
-    from hookloop.callbacks import Checkpoint, GradAccumulation, LRScheduler
+    from hookloop.callbacks import GradAccumulation, LRScheduler
 
-    from builders import StopAt
-
-    dataset = _dataset(20)
-    reads: list[int] = []
-
-    class Counted(TensorDataset):
-        counting = False
-
-        def __getitem__(self, index):
-            if self.counting:
-                reads.append(int(index))
-            return super().__getitem__(index)
-
-    counted = Counted(*dataset.tensors)
-
-    class Total(Callback):
-        def on_fit_start(self, loop) -> None:
-            self.total = loop.total_steps
-            counted.counting = True
-
-        def on_epoch_end(self, loop) -> None:
-            counted.counting = False
-
-    def run(callbacks):
-        sampler = DistributedSampler(counted, num_replicas=1, rank=0, shuffle=True, seed=3)
-        schedule = LRScheduler(lambda optimizer, total: torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=0.1, total_steps=total))
-        return make_loop([GradAccumulation(2), schedule, *callbacks],
-                         model=lambda: torch.nn.Linear(1, 1),
-                         train=DataLoader(counted, 4, sampler=sampler), sanity_val_batches=0)
-
-    with pytest.raises(SystemExit):
-        run([Checkpoint(tmp_path, every_n_steps=1), StopAt(1, resumable=True)]).fit(2)
-    (path,) = [p for p in tmp_path.glob("*.pt") if "step=00000001" in p.name]
-    state = torch.load(path, weights_only=True)
-    assert (state["loop"]["batch_idx"], state["loop"]["epoch_samples"]) == (2, 8)
-    state["loop"].update(epoch_samples=4, global_batch=2)  # as if 2 batches of 2 samples
-    reads.clear()
-    total = Total()
-    resumed = run([total])
-    resumed.load_state_dict(state)
-    resumed.fit(2)
+    reads, total, resumed, saved = _resumed_at_another_global_batch(
+        tmp_path, 20, lambda: [GradAccumulation(2)], lambda: LRScheduler(
+            lambda optimizer, total: torch.optim.lr_scheduler.OneCycleLR(
+                optimizer, max_lr=0.1, total_steps=total)),
+        1, dict(epoch_samples=4, global_batch=2))  # as if 2 batches of 2 samples
+    assert (saved["batch_idx"], saved["epoch_samples"]) == (2, 8)
     order = list(DistributedSampler(range(20), num_replicas=1, rank=0, shuffle=True, seed=3))
-    assert reads == order[4:]  # the rest of the epoch, none of its first 4 samples
-    assert resumed.state.step == total.total == 1 + 3 + 3
+    # The rest of the epoch, none of its first 4 samples.
+    assert [index for epoch, index in reads if epoch == 0] == order[4:]
+    assert resumed.state.step == total == 1 + 3 + 3
