@@ -296,8 +296,9 @@ def _resumed_at_another_global_batch(tmp_path, samples: int, stack, schedule, st
     """A run over a DistributedSampler's order (one rank, seed 3, batches of 4) stopped at
     ``stop_step``; its checkpoint's loop part edited by ``edit`` as if a run of another
     global batch (another number of ranks) had written it; a fresh loop resuming it for the
-    2 epochs. ``stack()`` and ``schedule()`` make the callbacks each run starts with. Returns ``(reads, total_steps, resumed, saved)``: the ``(epoch, index)`` the
-    dataset read inside the resumed epochs, ``loop.total_steps`` at its fit start, the
+    2 epochs. ``stack()`` and ``schedule()`` make the callbacks each run starts with.
+    Returns ``(reads, total_steps, resumed, saved)``: the ``(epoch, index)`` the dataset
+    read inside the resumed epochs, ``loop.total_steps`` at its fit start, the
     resumed loop, and the loop part as saved (before the edit)."""
     from hookloop import Callback
     from hookloop.callbacks import Checkpoint
