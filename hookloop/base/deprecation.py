@@ -127,11 +127,11 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         warnings.warn(f"{spec.name} is deprecated: import {new} ({spec.name} will be removed "
                       f"in hookloop {REMOVED_IN}).", HookloopDeprecationWarning, stacklevel=2)
         module = importlib.import_module(new)
-        self._spec = module.__spec__  # the import system sets the old spec on it: put it back
+        spec.loader_state = module.__spec__  # the import system sets the old spec on it
         return module
 
     def exec_module(self, module: Any) -> None:
-        module.__spec__ = self._spec
+        module.__spec__ = module.__spec__.loader_state  # its own spec back
 
 
 def install_moved_modules() -> None:
