@@ -3,9 +3,9 @@
 Every question the loop asks has an owner it asks: `Position` (the batches of this epoch
 not trained on yet, and where the weights are), `Cadence` (is a validation due?),
 `OptimizerStep` (take the step; did the optimizer really step?), `RunEnd` (has the run
-ended, and why?), `hookloop.engine.sanity` (the check before training) and `hookloop.engine.dispatch`
-(emitting, the exception path). The docstring of `hookloop.base.events.Event` is this file in
-pseudocode.
+ended, and why?), `hookloop.engine.sanity` (the check before training) and
+`hookloop.engine.dispatch` (emitting, the exception path). The docstring of
+`hookloop.base.events.Event` is this file in pseudocode.
 """
 
 from __future__ import annotations
@@ -493,7 +493,7 @@ class Loop(Geometry):
         self.model.to(self.device)
         self._restore = run_state.apply(self._parts(), self._restore)
         self._table = Table(self.callbacks, self, self.handler_wrapper, main=distributed.is_main())
-        self._stepper.prepare(self.state, self._rule(), lambda: self.model, self.accumulation_steps)
+        self._stepper.prepare(self.state, self._rule, lambda: self.model, self.accumulation_steps)
         self._position.attach(self.train_data, self.accumulation_steps, self.partial_window_steps)
         return self._table
 

@@ -68,11 +68,11 @@ class OptimizerStep:
     def _mark(self, *_: Any) -> None:
         self.stepped = True
 
-    def prepare(self, state: LoopState, rule: ForwardRule, model: Callable[[], Any],
-                accumulation_steps: int) -> None:
+    def prepare(self, state: LoopState, rule: Callable[[], ForwardRule],
+                model: Callable[[], Any], accumulation_steps: int) -> None:
         """After setup: what a closure optimizer's closure recomputes (the current batch of
-        ``state`` by ``rule``, on ``model()``, the model of the moment) and over how many
-        batches a step accumulates."""
+        ``state`` by ``rule()`` on ``model()``, the rule and the model of the moment) and
+        over how many batches a step accumulates."""
         self._recompute = Recompute(state, rule, model, accumulation_steps)
 
     def take(self, optimizer: Any, scaler: Any, table: Table) -> bool:
@@ -144,10 +144,10 @@ def needs_closure(optimizer: Any) -> bool:
 
 
 class Recompute(NamedTuple):
-    """What a closure recomputes: the current batch of ``state`` by ``rule`` on ``model()``."""
+    """What a closure recomputes: the current batch of ``state`` by ``rule()`` on ``model()``."""
 
     state: LoopState
-    rule: ForwardRule
+    rule: Callable[[], ForwardRule]
     model: Callable[[], Any]
     accumulation_steps: int
 
@@ -197,7 +197,7 @@ def closure(optimizer: Any, table: Table, recompute: Recompute) -> Callable[[], 
         optimizer.zero_grad(set_to_none=True)
         with table.entered(table.train_step_context):
             with table.entered(table.forward_context):
-                state.outputs, state.loss = recompute.rule.compute(recompute.model(), batch)
+                state.outputs, state.loss = recompute.rule().compute(recompute.model(), batch)
             check_loss(state.loss, training=True)
             if table.after_forward:
                 table.emit(table.after_forward)
