@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.base.checks import (check_choice, check_flag, check_int, check_name,
-                             check_optional_int, is_int, refusal, resolve_device)
+                                  check_optional_int, is_int, refusal, resolve_device)
 from hookloop.engine.data import find_targets, length_of
 from hookloop.engine.forward import check_batch_rule
 from hookloop.engine.ordering import check_callbacks

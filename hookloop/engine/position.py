@@ -12,7 +12,6 @@ import torch
 from hookloop import distributed
 from hookloop.base.deprecation import deprecated_alias
 from hookloop.engine.data import Lookahead, LossMark, LossSum, length_of
-from hookloop.errors import ConfigurationError
 from hookloop.engine.resumable import (
     StampedBatches,
     data_source,
@@ -26,6 +25,9 @@ from hookloop.engine.resumable import (
     stateful_part,
     stateful_view,
 )
+from hookloop.engine.rng import (capture_rng, host_rng, loader_generators, restore_host_rng,
+                                  restore_rng)
+from hookloop.errors import ConfigurationError
 from hookloop.runfile.format import (
     BATCH_IDX,
     DATA_STATE,
@@ -47,7 +49,6 @@ from hookloop.runfile.format import (
     VALIDATED,
     WORKERS_RNG,
 )
-from hookloop.engine.rng import capture_rng, host_rng, loader_generators, restore_host_rng, restore_rng
 
 __all__ = ["Position", "EpochPass", "RunPosition"]
 

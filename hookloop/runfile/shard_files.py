@@ -38,8 +38,8 @@ from hookloop import distributed
 from hookloop.errors import CheckpointError, CheckpointWriteError
 from hookloop.runfile import integrity
 from hookloop.runfile.sharded import is_sharded_tensor, load_sharded_state, sharded_targets
-from hookloop.runfile.format import (META, MODEL, OPTIMIZER, PARAM_GROUPS, SHARD_MARK, SHARDS, STATE,
-                               find_unplain, read_payload)
+from hookloop.runfile.format import (META, MODEL, OPTIMIZER, PARAM_GROUPS, SHARD_MARK, SHARDS,
+                                     STATE, find_unplain, read_payload)
 from hookloop.runfile.storage import TEMP_PREFIX, TEMP_SUFFIX, fsync_directory, write_atomic
 
 __all__ = ["PLAIN_FILE", "Shards", "clean_temporary", "contains_shards",
