@@ -397,7 +397,12 @@ class CheckpointFiles:
         for name in self._names():
             if is_temporary(name):  # a killed save's file or directory (or a set-aside one)
                 clean_temporary(self.dirpath, name)
-        if self._retirement.finish():
+        try:
+            finished = self._retirement.finish()
+        except CheckpointError:
+            self._lock.release()
+            raise
+        if finished:
             warnings.warn(f"Checkpoint: finished the rollback an earlier launch began in "
                           f"{self.dirpath} (it was killed while moving the abandoned files).",
                           RuntimeWarning, stacklevel=4)

@@ -8,6 +8,7 @@ reads what a file holds; this module does the file work under both.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import warnings
 import zipfile
@@ -22,7 +23,8 @@ from hookloop.errors import CheckpointError, CheckpointWriteError, Configuration
 
 __all__ = ["TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "write_atomic",
            "write_text_atomic", "link_atomic", "fsync_directory", "describe_os_error",
-           "prepare_directory", "regular_checkpoint_files", "verify_archive"]
+           "prepare_directory", "regular_checkpoint_files", "verify_archive",
+           "entry_problem", "link_outside", "read_own_text"]
 
 TEMP_PREFIX = ".tmp-"
 TEMP_SUFFIX = ".part"
@@ -31,6 +33,56 @@ TEMP_SUFFIX = ".part"
 def is_temporary(file_name: str) -> bool:
     """True for the name of a temporary file a save in progress (or killed) left."""
     return file_name.startswith(TEMP_PREFIX) and file_name.endswith(TEMP_SUFFIX)
+
+
+def entry_problem(name: object) -> str | None:
+    """Why ``name`` is not the plain name of an entry of a directory, or None.
+
+    A file of the run directory that names other files (a rollback's journal) is input an
+    attacker may have planted: each name it holds must stay inside the directory.
+
+    Example:
+        >>> entry_problem("epoch=0001-step=00000010.pt") is None
+        True
+        >>> entry_problem("../secret.txt")
+        "'../secret.txt' holds a path separator"
+    """
+    if not isinstance(name, str) or not name:
+        return f"{name!r} is not a file name"
+    if "\0" in name or os.sep in name or (os.altsep and os.altsep in name):
+        return f"{name!r} holds a path separator"
+    if name in (".", "..") or os.path.isabs(name):
+        return f"{name!r} is not an entry of the directory"
+    return None
+
+
+def link_outside(path: str, root: str) -> str | None:
+    """The target of ``path`` when it is a symbolic link leading outside ``root`` (or to
+    nothing), else None: what the run directory may not follow."""
+    if not os.path.islink(path):
+        return None
+    target, base = os.path.realpath(path), os.path.realpath(root)
+    if not os.path.lexists(target) or (target != base and not target.startswith(base + os.sep)):
+        return target
+    return None
+
+
+def read_own_text(path: str, limit: int = 1 << 20) -> str:
+    """The text of the regular file ``path``, opened without following a symbolic link and
+    without blocking on a FIFO; at most ``limit`` bytes.
+
+    Raises:
+        FileNotFoundError: there is no such entry.
+        OSError: it is a symbolic link (``ELOOP``), not a regular file, or larger.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    descriptor = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            raise OSError(f"not a regular file of at most {limit} bytes")
+        return handle.read(limit).decode("utf-8")
+
 
 def fsync_directory(directory: str) -> None:
     """Make the renames in ``directory`` durable (POSIX); a no-op where it cannot be opened.
