@@ -1,7 +1,7 @@
-"""Issue 33, item 1: nothing outside the run directory is touched, whatever a file planted
+"""Issue 33, items 1-2: nothing outside the run directory is touched, whatever a file planted
 in it says. A rollback's journal (``rollback-in-progress.json``) that names a path outside
 the directory, or a link, is refused by name before anything moves, at every start (a fresh
-one and a resume).
+one and a resume); a lock file that is a symbolic link is refused, its target untouched.
 The oracle is the file system itself: every file outside is byte-identical afterwards."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 
 from hookloop import CheckpointError, Loop
 from hookloop.callbacks import Checkpoint
+from hookloop.runfile.directory_lock import LOCK_NAME
 
 JOURNAL = "rollback-in-progress.json"
 
@@ -152,3 +153,23 @@ def test_a_journal_a_killed_rollback_left_is_still_finished(tmp_path: Path) -> N
     assert sorted(os.listdir(run / "retired-after-step=00000003")) == [
         "epoch=0000-step=00000006.pt", "epoch=0000-step=00000009.pt"]
     assert not (run / JOURNAL).exists()
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(
+        tmp_path: Path, resume: bool) -> None:
+    run, target = tmp_path / "ckpt", tmp_path / "precious.txt"
+    run.mkdir()
+    target.write_bytes(b"a user's file\n" * 10)
+    (run / LOCK_NAME).symlink_to(target)
+    with pytest.raises(CheckpointError) as raised:
+        _fit(run, resume)
+    assert str(run / LOCK_NAME) in str(raised.value) and "symbolic link" in str(raised.value)
+    assert target.read_bytes() == b"a user's file\n" * 10
+    assert (run / LOCK_NAME).is_symlink()  # left for the user to look at
+    dangling = tmp_path / "ckpt2"
+    dangling.mkdir()
+    (dangling / LOCK_NAME).symlink_to(tmp_path / "created-by-the-link")
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        _fit(dangling, resume)
+    assert not (tmp_path / "created-by-the-link").exists()

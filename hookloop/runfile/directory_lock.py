@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 from contextlib import suppress
+
+from hookloop.errors import CheckpointError
 
 try:
     import fcntl
@@ -27,6 +30,33 @@ LOCK_NAME = ".hookloop.lock"
 # Checkpoints of one loop may share a directory, and flock would refuse the second
 # descriptor of one process like another process's.
 _HELD: dict[str, list[int]] = {}
+
+
+def _open_lock_file(path: str) -> int:
+    """Open (or create) the lock file without following a symbolic link: the directory is
+    input anyone may have planted files in, and the holder's line is written into the
+    file, which must never be another file the link names.
+
+    Raises:
+        CheckpointError: ``path`` is a symbolic link or not a regular file (left untouched).
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        descriptor = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o644)
+    except OSError as error:
+        if not os.path.islink(path) and not os.path.isdir(path):
+            raise  # the directory's own trouble (permissions, space): prepare names it
+        what = "a symbolic link" if os.path.islink(path) else "a directory"
+        raise CheckpointError(
+            f"{path}: the directory's lock file is {what}; hookloop creates it as a plain "
+            "file and never follows a link there (its target was not touched). Remove it "
+            f"({error.strerror or error}) and start again.") from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise CheckpointError(
+            f"{path}: the directory's lock file is not a regular file (a FIFO, a device...); "
+            "hookloop creates it as a plain file. Remove it and start again.")
+    return descriptor
 
 
 class DirectoryLock:
@@ -69,7 +99,7 @@ class DirectoryLock:
             return None
         path = os.path.join(key, LOCK_NAME)
         while True:
-            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            descriptor = _open_lock_file(path)
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
