@@ -501,3 +501,54 @@ def test_a_shards_non_tensor_entry_loads_only_as_weights_only_allows(tmp_path: P
 
     dcp.load({"optimizer": {"state": {"w": {"evil": 0}}}}, checkpoint_id=path)
     assert marker.exists()
+
+
+def _zstd_bomb(inflated: int) -> bytes:
+    """A Zstandard frame of RLE blocks (4 bytes each, 128 KiB inflated): ``inflated`` bytes
+    from a few KB, as a crafted shard would hold (made by hand: no zstd module needed)."""
+    block = 1 << 17
+    count = inflated // block
+    frame = b"\x28\xb5\x2f\xfd" + bytes([0x00, 0x70])  # magic; no checksum, 8 MiB window
+    for index in range(count):
+        last = 1 if index == count - 1 else 0
+        header = last | (1 << 1) | (block << 3)  # block type 1: RLE of one byte
+        frame += header.to_bytes(3, "little") + b"\x00"
+    return frame
+
+
+def test_a_metadata_asking_for_a_transform_is_refused_without_inflating_it(
+        runs: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 33 item 3: DCP's ``transform_descriptors`` (its stream extensions) would have
+    a ``stream.zstd`` entry inflated as it is read: a few KB toward gigabytes in memory
+    (where zstandard or pyzstd is installed). hookloop never writes a transform: one is
+    refused from the .metadata alone, with the directory's records made consistent (an
+    attacker's rewrite), before any shard is opened; the peak memory stays small."""
+    import tracemalloc
+
+    kept = _copy(runs, tmp_path, "shards")
+    directory = kept / f"{ROTATING[1]}.dcp"
+    metadata = read_metadata(str(directory))
+    bomb = _zstd_bomb(1 << 31)
+    shard = _shard(directory)
+    offset = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes() + bomb)
+    info = next(info for index, info in metadata.storage_data.items()
+                if index.fqn == "model.0.weight")
+    info.offset, info.length = offset, len(bomb)
+    info.transform_descriptors = ["stream.zstd/1"]
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    _rerecord(directory)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError) as loaded:
+            hookloop.load_checkpoint(directory, _model(9))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    message = str(loaded.value)
+    assert str(directory / ".metadata") in message and "stream.zstd/1" in message, message
+    assert "never writes a transform" in message, message
+    assert peak < 64 << 20, peak
+    with pytest.raises(CheckpointError, match="never writes a transform"):
+        _loop(9, [Checkpoint(kept, monitor="val_loss", save_top_k=2, keep_last=2,
+                             resume=True)]).fit(3)

@@ -222,6 +222,13 @@ def read_metadata(path: str) -> Any:
                 f"{where}: names the shard file {name!r}, which is not a file of its own "
                 "directory (the digests cover only those): a crafted or damaged file, "
                 "refused; resume from another checkpoint.")
+        if getattr(item, "transform_descriptors", None):  # torch >= 2.8's stream extensions
+            raise CheckpointError(
+                f"{where}: asks DCP to transform the bytes of {name} "
+                f"({', '.join(map(str, item.transform_descriptors))}) as it reads them; "
+                "hookloop never writes a transform, and one (a decompression) could inflate "
+                "a small file without bound. Refused before anything is read; resume from "
+                "another checkpoint.")
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
