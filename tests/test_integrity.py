@@ -552,3 +552,59 @@ def test_a_metadata_asking_for_a_transform_is_refused_without_inflating_it(
     with pytest.raises(CheckpointError, match="never writes a transform"):
         _loop(9, [Checkpoint(kept, monitor="val_loss", save_top_k=2, keep_last=2,
                              resume=True)]).fit(3)
+
+
+def _link_out(directory: Path, name: str, outside: Path) -> Path:
+    """Move the file ``name`` of ``directory`` to ``outside`` and leave a link to it: the
+    same bytes, recorded digests intact, but read from outside the run directory."""
+    outside.mkdir(exist_ok=True)
+    target = outside / name.lstrip(".")
+    shutil.move(str(directory / name), str(target))
+    (directory / name).symlink_to(target)
+    return target
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", "hookloop.pt", ".metadata"])
+def test_a_file_of_a_directory_linked_outside_is_treated_like_a_linked_rotating_file(
+        runs: dict[str, Path], tmp_path: Path, name: str) -> None:
+    """Issue 33 item 4: one rule for every entry. A rotating file linked outside the
+    directory is skipped by resume=True with a warning; so is a directory of shards one of
+    whose files is such a link (resume continues from the older checkpoint), and reading
+    it by its path refuses it by name, the link and its target named."""
+    kept = _copy(runs, tmp_path, "shards")
+    newest = kept / f"{ROTATING[1]}.dcp"
+    _link_out(newest, name, tmp_path / "outside")
+    with pytest.raises(CheckpointError) as loaded:
+        hookloop.load_checkpoint(newest, _model(9))
+    assert str(newest / name) in str(loaded.value), str(loaded.value)
+    assert "symbolic link" in str(loaded.value) and "outside" in str(loaded.value)
+    resumed = _loop(9, [Checkpoint(kept, monitor="val_loss", save_top_k=2, keep_last=2,
+                                   resume=True)])
+    with pytest.warns(RuntimeWarning, match=f"skipping {newest / name}: it is a symbolic link"):
+        resumed.fit(1)  # from the older file (end of epoch 0): nothing left to train
+    assert resumed.state.step == 6
+
+
+def test_a_refusal_says_nothing_of_a_foreign_target(runs: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    """Item 4: a .metadata linked to another file (here a stand-in of /etc/passwd, and
+    /proc/self/environ) is refused as a link, without its size or content in the message;
+    a file that is no pickle at all gets a cause in words, not an opcode's number."""
+    kept = _copy(runs, tmp_path, "shards")
+    directory = kept / f"{ROTATING[1]}.dcp"
+    secret = tmp_path / "passwd"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n" * 37)
+    for target in (secret, Path("/proc/self/environ")):
+        (directory / ".metadata").unlink()
+        (directory / ".metadata").symlink_to(target)
+        with pytest.raises(CheckpointError) as loaded:
+            hookloop.load_checkpoint(directory, _model(9))
+        message = str(loaded.value)
+        assert f"{directory / '.metadata'}: is a symbolic link to " in message, message
+        assert "outside" in message and "refused: 79" not in message, message
+        assert "bytes" not in message and str(secret.stat().st_size) not in message, message
+    (directory / ".metadata").unlink()
+    (directory / ".metadata").write_bytes(b"O=/bin/sh\x00HOME=/root")
+    with pytest.raises(CheckpointError, match="byte 0x4f is no pickle opcode"):
+        read_metadata(str(directory))
+

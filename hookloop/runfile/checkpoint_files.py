@@ -54,6 +54,7 @@ from hookloop.runfile.shard_files import (
     write_directory,
 )
 from hookloop.runfile.storage import (
+    checkpoint_directories,
     is_temporary,
     link_atomic,
     prepare_directory,
@@ -78,8 +79,7 @@ def _entries(dirpath: str, names: list[str]) -> list[str]:
     readable or not: hookloop renames both there only once complete, so one that is not was
     damaged, and reading it says so (one policy for both, docs/when-things-go-wrong.md).
     """
-    directories = {name for name in names if not os.path.islink(os.path.join(dirpath, name))
-                   and os.path.isdir(os.path.join(dirpath, name))}
+    directories = checkpoint_directories(dirpath, names)
     files = set(regular_checkpoint_files(dirpath, [name for name in names
                                                    if name not in directories]))
     return [path for name in names for path in [os.path.join(dirpath, name)]

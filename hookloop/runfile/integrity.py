@@ -35,9 +35,11 @@ import torch
 from hookloop.base.os_errors import describe_os_error
 from hookloop.errors import CheckpointError, CheckpointWriteError
 from hookloop.runfile.format import BYTES, FILES, SAVE_ID, SHA256
+from hookloop.runfile.storage import link_outside
 
 __all__ = ["DIGEST", "FILES_KEY", "SAVE_ID_KEY", "cause_of", "check_files", "control_flow",
            "file_digest", "new_save_id", "read_error", "read_metadata", "record_files",
+           "refuse_links",
            "safe_planner", "verified_reader", "write_error", "writer"]
 
 #: The ``hashlib`` algorithm of the digests recorded for a directory's files (its name is
@@ -116,6 +118,7 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
             f"and 'hookloop.{FILES_KEY}'), so nothing proves that the shards beside it belong "
             "to the same save. It was edited, or written by a development version of hookloop "
             "before 0.1.0's digests; resume from another checkpoint.")
+    refuse_links(directory)  # before a size or digest of a foreign file is taken
     present = _recorded(directory, plain)
     differ: list[tuple[str, str]] = []
     for name in sorted(record):
@@ -203,6 +206,7 @@ def read_metadata(path: str) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     where = os.path.join(path, ".metadata")
+    refuse_links(path)
     try:
         with open(where, "rb") as handle:
             metadata = _MetadataUnpickler(io.BytesIO(handle.read())).load()
@@ -210,8 +214,9 @@ def read_metadata(path: str) -> Any:
         raise CheckpointError(f"{where}: cannot be read ({cause_of(error)}).") from None
     except Exception as error:  # the Python unpickler's: struct.error on a truncated file...
         raise CheckpointError(
-            f"{where}: refused: {error} (a truncated, damaged or crafted file). hookloop "
-            "never unpickles it with plain pickle; resume from another checkpoint.") from None
+            f"{where}: refused: {_unpickling_cause(error)} (a truncated, damaged or crafted "
+            "file). hookloop never unpickles it with plain pickle; resume from another "
+            "checkpoint.") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{where}: holds {type(metadata).__name__}, not DCP's Metadata.")
     storage = metadata.storage_data if isinstance(metadata.storage_data, Mapping) else {}
@@ -232,6 +237,37 @@ def read_metadata(path: str) -> Any:
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
+
+
+def _unpickling_cause(error: Exception) -> str:
+    """What an error of the Python unpickler says, in words (its ``KeyError`` of an unknown
+    opcode says only the byte's value)."""
+    if isinstance(error, KeyError) and error.args and isinstance(error.args[0], int):
+        return f"byte 0x{error.args[0]:02x} is no pickle opcode: the file is not a pickle"
+    return f"{type(error).__name__}: {error}"
+
+
+def refuse_links(directory: str) -> None:
+    """Refuse the sharded checkpoint ``directory`` when one of its entries is a symbolic
+    link leading out of the folder that holds it (the rule `resume=True` applies to the
+    checkpoints of a directory, here for each file DCP or hookloop would read). The target
+    is named, never opened or measured.
+
+    Raises:
+        CheckpointError: naming the link and its target.
+    """
+    root = os.path.dirname(os.path.abspath(directory))
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return  # the read that follows names the cause
+    for name in names:
+        target = link_outside(os.path.join(directory, name), root)
+        if target is not None:
+            raise CheckpointError(
+                f"{os.path.join(directory, name)}: is a symbolic link to {target}, outside "
+                f"{root}; hookloop reads only files inside the checkpoint directory. Copy the "
+                "file in (or the checkpoint out of that directory) to use it.")
 
 
 def verified_reader(path: str) -> Any:

@@ -399,6 +399,7 @@ def read_directory(path: str, map_location: Any) -> dict[str, Any]:
         CheckpointError: the directory is not a complete sharded checkpoint, or its
             ``hookloop.pt`` is damaged.
     """
+    integrity.refuse_links(path)  # before any of its files is opened, hookloop.pt too
     if not is_complete(path):
         lacks = [name for name in (_METADATA, PLAIN_FILE)
                  if not os.path.isfile(os.path.join(path, name))]

@@ -24,7 +24,8 @@ from hookloop.errors import CheckpointError, CheckpointWriteError, Configuration
 __all__ = ["TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "write_atomic",
            "write_text_atomic", "link_atomic", "fsync_directory", "describe_os_error",
            "prepare_directory", "regular_checkpoint_files", "verify_archive",
-           "entry_problem", "link_outside", "read_own_text"]
+           "entry_problem", "link_outside", "read_own_text",
+           "checkpoint_directories"]
 
 TEMP_PREFIX = ".tmp-"
 TEMP_SUFFIX = ".part"
@@ -318,25 +319,49 @@ def regular_checkpoint_files(dirpath: str | os.PathLike[str], names: Iterable[st
         ['a.pt']
     """
     directory = os.fspath(dirpath)
-    root = os.path.realpath(directory)
     found = []
     for name in names:
         path = os.path.join(directory, name)
         if os.path.islink(path):
-            target = os.path.realpath(path)
-            if os.path.dirname(target) != root and not target.startswith(root + os.sep):
-                warnings.warn(
-                    f"Checkpoint: skipping {path}: it is a symbolic link to {target}, outside "
-                    f"{directory}; resume=True only reads files inside the checkpoint "
-                    "directory. Copy the file in, or pass Checkpoint(resume=path) to resume "
-                    "from it on purpose.", RuntimeWarning, stacklevel=2)
+            target = link_outside(path, directory)
+            if target is not None:
+                _warn_outside(path, target, directory)
                 continue
-            if not os.path.isfile(target):
+            if not os.path.isfile(os.path.realpath(path)):
                 continue
         elif not os.path.isfile(path):
             continue
         found.append(path)
     return found
+
+
+def checkpoint_directories(dirpath: str, names: Iterable[str]) -> set[str]:
+    """The ``names`` that are directories of shards ``resume=True`` may pick: real
+    directories (not links), none of whose files is a symbolic link leading out of
+    ``dirpath`` (skipped with the `RuntimeWarning` of `regular_checkpoint_files`)."""
+    found = set()
+    for name in names:
+        path = os.path.join(dirpath, name)
+        if os.path.islink(path) or not os.path.isdir(path):
+            continue
+        with suppress(OSError):
+            for entry in sorted(os.listdir(path)):
+                target = link_outside(os.path.join(path, entry), dirpath)
+                if target is not None:
+                    _warn_outside(os.path.join(path, entry), target, dirpath)
+                    break
+            else:
+                found.add(name)
+    return found
+
+
+def _warn_outside(path: str, target: str, directory: str) -> None:
+    warnings.warn(
+        f"Checkpoint: skipping {path}: it is a symbolic link to {target}, outside "
+        f"{directory}; resume=True only reads files inside the checkpoint directory. Copy "
+        "the file in, or pass Checkpoint(resume=path) to resume from it on purpose.",
+        RuntimeWarning, stacklevel=4)
+
 
 def link_atomic(source: str, path: str) -> None:
     """Make ``path`` the same complete file as ``source``, atomically (no second write).
