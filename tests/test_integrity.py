@@ -608,3 +608,29 @@ def test_a_refusal_says_nothing_of_a_foreign_target(runs: dict[str, Path],
     with pytest.raises(CheckpointError, match="byte 0x4f is no pickle opcode"):
         read_metadata(str(directory))
 
+
+
+def test_the_digests_stop_damage_not_a_rewritten_record_as_the_docs_say(
+        runs: dict[str, Path], tmp_path: Path) -> None:
+    """Item 5: the record is unsigned. A foreign shard is refused by its digest; once an
+    attacker rewrites hookloop.pt's record to it, the other run's weights load (and no
+    code runs either way). docs/callbacks/checkpoint.md says exactly this."""
+    kept = _copy(runs, tmp_path, "shards")
+    directory = kept / f"{ROTATING[1]}.dcp"
+    other = runs["other"] / "kept" / f"{ROTATING[1]}.dcp"
+    shutil.copyfile(_shard(other), _shard(directory))
+    with pytest.raises(CheckpointError, match="other bytes than the save wrote"):
+        hookloop.load_checkpoint(directory, _model(9))
+    shutil.copyfile(other / ".metadata", directory / ".metadata")
+    payload = torch.load(directory / "hookloop.pt", weights_only=True)
+    payload["hookloop"][SAVE_ID_KEY] = read_metadata(str(other)).storage_meta.save_id
+    torch.save(payload, directory / "hookloop.pt")
+    _rerecord(directory)
+    swapped, expected = _model(9), _model(9)
+    hookloop.load_checkpoint(directory, swapped)
+    hookloop.load_checkpoint(other, expected)
+    assert all(torch.equal(value, expected.state_dict()[name])
+               for name, value in swapped.state_dict().items())
+    page = (Path(__file__).parent.parent / "docs" / "callbacks" / "checkpoint.md").read_text()
+    assert "What the digests guarantee, and what they do not." in page
+    assert "rewrite that record to match other files, and then other weights" in page
