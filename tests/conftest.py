@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import stat
 import sys
 import sysconfig
@@ -15,11 +16,47 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# A suite started with SIGINT ignored (a background or nohup CI step) would have Python skip
+# its Ctrl-C handler, here and in every process a test starts (an ignored signal is
+# inherited across exec): the tests that send a real SIGINT would then test nothing.
+# Python's own handler is put back, as an interactive shell gives it; a handler, unlike
+# SIG_IGN, is reset to the default across exec, so the children get theirs too.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
+
+
+# Every test in these folders starts processes (torchrun, a relaunched script) by design.
+_SLOW_FOLDERS = ("across_launches", "distributed")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(part in _SLOW_FOLDERS for part in Path(str(item.fspath)).parts):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _processes_are_slow(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quick check (``-m "not slow"``) stays quick because it starts no process: a test
+    that starts one (a subprocess, torchrun, a tracker's service) without the ``slow``
+    marker fails here, saying so. DataLoader workers (forked, not started by subprocess)
+    are not processes this counts."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    import subprocess
+
+    def refuse(self: Any, args: Any, *rest: Any, **options: Any) -> None:
+        pytest.fail(f"{request.node.nodeid} starts a process ({args!r:.120}) without the "
+                    "'slow' marker: mark it @pytest.mark.slow, so that the quick check "
+                    "(python -m pytest -m 'not slow') stays in-process", pytrace=False)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
 
 
 @pytest.fixture

@@ -19,12 +19,14 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           env=subprocess_env())
 
 
+@pytest.mark.slow
 def test_version_prints_hookloop_and_torch_versions() -> None:
     result = _run("version")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"hookloop {hookloop.__version__} (torch {torch.__version__})"
 
 
+@pytest.mark.slow
 def test_events_prints_every_event_in_firing_order() -> None:
     result = _run("events")
     assert result.returncode == 0, result.stderr
@@ -32,6 +34,7 @@ def test_events_prints_every_event_in_firing_order() -> None:
     assert positions == sorted(positions)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [(), ("nonsense",)])
 def test_bad_usage_exits_non_zero_with_usage(args) -> None:
     result = _run(*args)
@@ -39,6 +42,7 @@ def test_bad_usage_exits_non_zero_with_usage(args) -> None:
     assert "usage: hookloop" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [("--help",), ("run", "--help"), ("presets", "--help"), ("describe", "--help"),
                                   ("events", "--help"), ("version", "--help")])
 def test_help_everywhere(args) -> None:
@@ -47,6 +51,7 @@ def test_help_everywhere(args) -> None:
     assert result.stdout.startswith("usage: hookloop")
 
 
+@pytest.mark.slow
 def test_presets_lists_names_packages_and_descriptions() -> None:
     result = _run("presets")
     assert result.returncode == 0, result.stderr
@@ -58,6 +63,7 @@ def test_presets_lists_names_packages_and_descriptions() -> None:
     assert "Mixed precision, clipping, EMA" in rows["standard"]
 
 
+@pytest.mark.slow
 def test_describe_prints_the_event_table_of_a_preset_with_arguments() -> None:
     result = _run("describe", "finetune", "checkpoint_dir=None", "tensorboard=None",
                   "progress=False", "clip=0.5")
@@ -71,6 +77,7 @@ def test_describe_prints_the_event_table_of_a_preset_with_arguments() -> None:
     assert positions == sorted(positions)
 
 
+@pytest.mark.slow
 def test_describe_reports_unknown_presets_and_arguments() -> None:
     result = _run("describe", "standart")
     assert result.returncode == 1
@@ -91,6 +98,7 @@ def test_values_are_python_literals_or_text() -> None:
     assert parse_assignment("checkpoint_dir=runs/a b") == ("checkpoint_dir", "runs/a b")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", ["0", "two"])
 def test_run_refuses_a_bad_process_count_before_starting_anything(nproc: str) -> None:
     result = _run("run", "--nproc", nproc, "train.py")
@@ -98,6 +106,7 @@ def test_run_refuses_a_bad_process_count_before_starting_anything(nproc: str) ->
     assert "--nproc must be a number of processes" in result.stderr
 
 
+@pytest.mark.slow
 def test_python_dash_m_hookloop_is_the_same_command() -> None:
     import sys
 
@@ -107,6 +116,7 @@ def test_python_dash_m_hookloop_is_the_same_command() -> None:
     assert result.stdout.strip() == f"hookloop {hookloop.__version__} (torch {torch.__version__})"
 
 
+@pytest.mark.slow
 def test_presets_check_runs_the_kit_on_a_preset() -> None:
     result = _run("presets", "check", "debug", "summary=False", "profile=False", "steps=None")
     assert result.returncode == 0, result.stderr[-3000:]

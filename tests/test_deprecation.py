@@ -65,6 +65,7 @@ def test_position_batch_idx_is_batches_done() -> None:
     assert tuple(position) == (0, 3, 3)  # the alias is no field: the tuple is unchanged
 
 
+@pytest.mark.slow
 def test_the_warning_is_shown_by_default_from_a_module_that_is_not_main(tmp_path: Path) -> None:
     """Python hides DeprecationWarnings raised outside __main__; a published callback's
     module is such a place, so import hookloop shows this one (once per place)."""
@@ -110,6 +111,7 @@ def test_loop_state_set_batch_warns_and_still_sets_the_batch() -> None:
     assert torch.equal(returned[0], batch[0]) and torch.equal(state.targets, batch[1])
 
 
+@pytest.mark.slow
 def test_the_modules_moved_into_floors_import_by_their_old_paths_with_a_warning() -> None:
     """Issue 23 moved the flat modules into subpackages; published code that imported
     `hookloop.mesh` or `hookloop.checkpoint_files` (the 0.1 docs showed both) keeps working

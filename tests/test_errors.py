@@ -33,6 +33,7 @@ def articles_before_values(source: str) -> list[int]:
     return lines
 
 
+@pytest.mark.slow
 def test_no_message_writes_a_fixed_article_before_a_name() -> None:
     found = {path.relative_to(ROOT).as_posix(): lines
              for path in sorted((ROOT / "hookloop").rglob("*.py"))

@@ -6,11 +6,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import subprocess_env
 
 HEAVY = ("tensorboard", "torch.utils.tensorboard", "torchinfo", "rich")
 
 
+@pytest.mark.slow
 def test_import_hookloop_does_not_import_display_libraries() -> None:
     code = ("import json, sys, hookloop, hookloop.callbacks; "
             f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))")

@@ -316,6 +316,7 @@ def test_installed_presets_are_found_and_broken_ones_reported_by_name(
         presets.get("nothing")
 
 
+@pytest.mark.slow
 def test_the_community_example_package_installs_and_is_listed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source, target = tmp_path / "source", tmp_path / "site"

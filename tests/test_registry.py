@@ -134,6 +134,7 @@ print(json.dumps(report))
 '''
 
 
+@pytest.mark.slow
 def test_a_package_calling_sys_exit_at_import_ends_nothing(tmp_path: Path) -> None:
     """Item 14: a package calling ``sys.exit(3)`` at import ended the caller's script with
     status 3, silently, at ``get("standard")``."""
@@ -155,6 +156,7 @@ def test_a_package_calling_sys_exit_at_import_ends_nothing(tmp_path: Path) -> No
                for message in report["warnings"]), report["warnings"]
 
 
+@pytest.mark.slow
 def test_the_presets_command_lists_a_package_that_exits_at_import(tmp_path: Path) -> None:
     site = tmp_path / "site"
     install(site, "exiting-presets", {"theirs": "hl_registry_exiting:preset"},
@@ -187,6 +189,7 @@ def aaa(max_norm=1.0):
 '''
 
 
+@pytest.mark.slow
 def test_the_presets_tests_pass_with_a_third_party_preset_installed(tmp_path: Path) -> None:
     """Issue 19 item 11: the presets tests failed once any package published a preset
     (they expected the exact list of available presets). Here one is installed for the
@@ -229,6 +232,7 @@ future.requires = ">=99.0"
 '''
 
 
+@pytest.mark.slow
 def test_a_preset_outside_its_hookloop_range_is_refused_naming_both_versions(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forget_modules) -> None:
     import hookloop

@@ -38,6 +38,7 @@ def launch(out: Path, *args: str) -> tuple[dict, str]:
 
 
 # ------------------------------------------------------------- 1. a longer run
+@pytest.mark.slow
 def test_a_onecycle_run_resumed_with_more_epochs_follows_the_longer_schedule(tmp_path: Path) -> None:
     launch(tmp_path, "--epochs", "2", "--schedule", "onecycle", "--resume")
     resumed, out = launch(tmp_path, "--epochs", "4", "--schedule", "onecycle", "--resume")
@@ -56,6 +57,7 @@ def test_a_onecycle_run_resumed_with_more_epochs_follows_the_longer_schedule(tmp
         assert rate == pytest.approx(expected[step], rel=1e-12)
 
 
+@pytest.mark.slow
 def test_a_smoke_run_with_max_steps_resumed_without_it_keeps_learning(tmp_path: Path) -> None:
     launch(tmp_path, "--epochs", "4", "--max-steps", "7", "--schedule", "cosine", "--resume")
     resumed, _ = launch(tmp_path, "--epochs", "4", "--schedule", "cosine", "--resume")
@@ -74,6 +76,7 @@ def test_a_smoke_run_with_max_steps_resumed_without_it_keeps_learning(tmp_path: 
 
 
 # --------------------------------------------------------------- 2. a rollback
+@pytest.mark.slow
 def test_a_rollback_retires_the_abandoned_files_and_resume_continues_the_new_branch(
         tmp_path: Path) -> None:
     reference, _ = launch(tmp_path / "reference", "--epochs", "3")
@@ -91,6 +94,7 @@ def test_a_rollback_retires_the_abandoned_files_and_resume_continues_the_new_bra
 
 
 # ------------------------------------------------------ 3. a finished run relaunched
+@pytest.mark.slow
 def test_a_run_ended_by_early_stopping_stays_ended_when_relaunched(tmp_path: Path) -> None:
     first, _ = launch(tmp_path, "--epochs", "10", "--early-stopping", "--resume")
     assert first["step"] == 4 * STEPS_PER_EPOCH and "EarlyStopping" in first["stop_reason"]
@@ -102,6 +106,7 @@ def test_a_run_ended_by_early_stopping_stays_ended_when_relaunched(tmp_path: Pat
     assert longer["steps"] and longer["steps"][0][0] == first["step"] + 1
 
 
+@pytest.mark.slow
 def test_a_run_whose_epochs_are_done_trains_nothing_and_says_why(tmp_path: Path) -> None:
     first, _ = launch(tmp_path, "--epochs", "2", "--resume")
     again, out = launch(tmp_path, "--epochs", "2", "--resume")
@@ -142,6 +147,7 @@ def test_fit_again_after_an_exception_inside_an_accumulation_window() -> None:
 
 
 # --------------------------------------------- 5. another optimizer class or layout
+@pytest.mark.slow
 def test_resuming_into_another_optimizer_class_names_both_before_the_first_batch(
         tmp_path: Path) -> None:
     launch(tmp_path, "--epochs", "1", "--optimizer", "adam")

@@ -50,12 +50,14 @@ def _run(tmp_path: Path, case: str) -> str:
     ("epochs", "hookloop: training ended at epoch 2/2, step 6: all 2 epochs are done."),
     ("steps", "hookloop: training ended at epoch 2/2, step 4: max_steps=4 reached."),
 ])
+@pytest.mark.slow
 def test_the_end_of_the_run_says_why_in_one_line(tmp_path: Path, case: str, line: str) -> None:
     output = _run(tmp_path, case)
     ended = [text for text in output.splitlines() if text.startswith("hookloop: training ended")]
     assert len(ended) == 1 and ended[0].startswith(line), output
 
 
+@pytest.mark.slow
 def test_early_stopping_names_its_best_epoch_as_the_display_does(tmp_path: Path) -> None:
     output = _run(tmp_path, "early")
     # The frozen model's first validation is its best: epoch 1 in the display's numbering.
@@ -63,6 +65,7 @@ def test_early_stopping_names_its_best_epoch_as_the_display_does(tmp_path: Path)
     assert "epoch 1/10" in output  # the display's own numbering of that epoch
 
 
+@pytest.mark.slow
 def test_a_fit_with_nothing_to_train_prints_no_end_line(tmp_path: Path) -> None:
     output = _run(tmp_path, "again")
     assert output.count("hookloop: training ended") == 1

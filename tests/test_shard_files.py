@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import subprocess_env
 
@@ -97,6 +98,7 @@ def test_rotating_lists_directories_beside_files_by_step_and_never_a_temporary(
         "epoch=0001-step=00000006.dcp"]
 
 
+@pytest.mark.slow
 def test_import_hookloop_imports_no_distributed_tensor_fsdp_or_checkpoint() -> None:
     heavy = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint")
     code = ("import json, sys, hookloop, hookloop.callbacks; "

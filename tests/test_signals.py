@@ -79,6 +79,7 @@ SIGTERM_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigterm_during_fit_leaves_a_resumable_checkpoint_and_exits_143(tmp_path: Path) -> None:
     directory = tmp_path / "ckpt"
 
@@ -149,6 +150,7 @@ WORKERS_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_whole_job_spares_the_dataloader_workers(tmp_path: Path) -> None:
     """A scheduler signals every process of the job: the workers must not die of it (their
     death would raise in the main process at any line, on the exception path)."""
@@ -186,6 +188,7 @@ PERSISTENT_WORKERS_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_script_that_ends_right_after_a_fit_with_persistent_workers_exits(
         tmp_path: Path) -> None:
     """multiprocessing's exit handler terminates the persistent workers and joins them: a

@@ -114,6 +114,7 @@ def _stand_in(directory: Path, status: int = 0) -> Path:
     return calls
 
 
+@pytest.mark.slow
 def test_requeue_calls_scontrol_with_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                              ) -> None:
     calls = _stand_in(tmp_path)
@@ -123,6 +124,7 @@ def test_requeue_calls_scontrol_with_the_job(tmp_path: Path, monkeypatch: pytest
     assert calls.read_text() == "requeue 5123_7\n"
 
 
+@pytest.mark.slow
 def test_a_failed_requeue_is_said_not_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                             ) -> None:
     _stand_in(tmp_path, status=1)

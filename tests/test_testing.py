@@ -99,10 +99,12 @@ def instance_event() -> Callback:
     return callback
 
 
+@pytest.mark.slow
 def test_a_correct_callback_passes_every_check_in_process_and_across_a_relaunch(tmp_path: Path) -> None:
     check_callback(RemembersSteps, tmp_path, relaunch=True)
 
 
+@pytest.mark.slow
 def test_a_callback_that_forgets_a_field_fails_the_resume_check(tmp_path: Path) -> None:
     with pytest.raises(KitFailure, match=r"ForgetsSteps.*stopped after step \d+ and resumed.*weights"):
         check_resume(ForgetsSteps, tmp_path / "in_process")
@@ -128,6 +130,7 @@ def test_an_event_set_on_the_instance_fails_the_dispatch_check(tmp_path: Path) -
         check_dispatch(instance_event, tmp_path)
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_decision_made_on_one_rank_fails_the_ranks_check(tmp_path: Path) -> None:
     check_ranks(RemembersSteps, tmp_path / "same", timeout=240)
     with pytest.raises(KitFailure, match="rank 1 decided differently from rank 0"):

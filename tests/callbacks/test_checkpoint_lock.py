@@ -39,6 +39,7 @@ def wait_for(path: Path, process: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_second_launch_on_a_running_job_s_directory_is_refused(tmp_path: Path) -> None:
     first = start(tmp_path, "--hold")
     try:
@@ -67,6 +68,7 @@ def test_a_second_launch_on_a_running_job_s_directory_is_refused(tmp_path: Path)
     assert torch.load(tmp_path / "result.pt", weights_only=True)["history"]
 
 
+@pytest.mark.slow
 def test_a_sigkilled_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
     first = start(tmp_path, "--hold")
     wait_for(tmp_path / "started", first)
@@ -107,6 +109,7 @@ Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=torch.nn.
 """
 
 
+@pytest.mark.slow
 def test_a_fit_that_fails_releases_the_directory(tmp_path: Path) -> None:
     make_loop([Checkpoint(tmp_path)]).fit(1)
     refused = make_loop([Checkpoint(tmp_path)])  # resume=False over the run of the first

@@ -140,13 +140,18 @@ def _nonempty(value) -> bool:
     return value is not None
 
 
+# W&B starts its service process even in mode="disabled": its cases belong to the slow run.
+KINDS = [pytest.param(kind, marks=pytest.mark.slow) if kind.startswith("WandbLogger") else kind
+         for kind in sorted(FACTORIES)]
+
+
 def test_every_public_callback_is_under_contract() -> None:
     public = {name for name in builtins.__all__ if isinstance(getattr(builtins, name), type)}
     covered = {name.split("-")[0] for name in FACTORIES}
     assert public <= covered, f"add a factory for {sorted(public - covered)}"
 
 
-@pytest.mark.parametrize("kind", sorted(FACTORIES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_alone_and_twice_in_a_row_give_the_same_weights(kind: str, tmp_path: Path) -> None:
     runs = []
     for attempt in range(2):
@@ -159,7 +164,7 @@ def test_alone_and_twice_in_a_row_give_the_same_weights(kind: str, tmp_path: Pat
         assert torch.equal(first, second), f"{kind} is not deterministic from one run to the next"
 
 
-@pytest.mark.parametrize("kind", sorted(FACTORIES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_reuse_in_another_loop_is_a_clear_error(kind: str, tmp_path: Path) -> None:
     callback = FACTORIES[kind](tmp_path)
     _build(callback).fit(1)
@@ -167,7 +172,7 @@ def test_reuse_in_another_loop_is_a_clear_error(kind: str, tmp_path: Path) -> No
         _build(callback).fit(1)
 
 
-@pytest.mark.parametrize("kind", sorted(FACTORIES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_state_round_trips_and_loads_weights_only(kind: str, tmp_path: Path) -> None:
     callback = FACTORIES[kind](tmp_path)
     loop = _build(callback)
@@ -209,7 +214,7 @@ KIT_IGNORES = {"MemoryMonitor": ("peak_memory_mib",),
                "Timer": (*TIME_METRICS, "total", "val")}  # seconds: no two runs agree
 
 
-@pytest.mark.parametrize("kind", sorted(FACTORIES))
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_authors_kit_passes_on_every_built_in_callback(kind: str, tmp_path: Path) -> None:
     """hookloop.testing.check_callback, as a callback author runs it: dispatch,
     declarations, state through a checkpoint file, exact resume at one step boundary."""

@@ -30,6 +30,7 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:DDP. not launched")
 def test_sigusr1_requeues_the_job_once_the_launch_ended(job: Path) -> None:
     loop = make_loop([DDP(requeue=True), Signal(2, signal.SIGUSR1)])

@@ -81,6 +81,7 @@ except LogWriteError as error:
 """
 
 
+@pytest.mark.slow
 def test_the_writer_thread_prints_no_traceback_of_its_own_before_the_log_write_error(
         tmp_path: Path) -> None:
     """A full disk under tensorboard's event-writer thread, in a process of its own (pytest

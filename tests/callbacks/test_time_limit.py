@@ -55,6 +55,7 @@ def _launch(script: Path, directory: Path, budget: float) -> subprocess.Complete
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_launches_end_before_their_budget_and_together_equal_the_uninterrupted_run(
         tmp_path: Path, root: Path) -> None:
     script = tmp_path / "train.py"
@@ -160,6 +161,7 @@ START_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_budget_counts_from_the_process_start(tmp_path: Path) -> None:
     """Not from the callback's creation: the interpreter's start, torch's import and a slow
     setup before it count (they are the scheduler's time too)."""
@@ -195,6 +197,7 @@ def test_no_duration_under_slurm_reads_slurm_job_end_time(monkeypatch: pytest.Mo
     assert _left_of_the_budget(limit) == pytest.approx(end - time.time(), abs=2.0)
 
 
+@pytest.mark.slow
 def test_no_duration_under_slurm_asks_scontrol_without_the_variable(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     end = datetime.datetime.now().replace(microsecond=0) + datetime.timedelta(hours=3)

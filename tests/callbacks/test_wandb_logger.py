@@ -40,6 +40,7 @@ def test_wandb_failing_at_every_call_changes_nothing_and_warns_once(
     assert "WandbLogger did not send" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_an_offline_fit_reads_back_as_tensorboard_logged_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import ROOT, subprocess_env
@@ -22,6 +23,7 @@ OURS = ["hand", "hookloop", "hand+clip-accum-cos", "hookloop+clip-accum-cos", "h
         "hookloop+stack", "hookloop+stack+views"]
 
 
+@pytest.mark.slow
 def test_overhead_quick_prints_the_table_with_every_variant(tmp_path: Path) -> None:
     results = tmp_path / "results.json"
     result = subprocess.run(
@@ -47,6 +49,7 @@ def test_overhead_quick_prints_the_table_with_every_variant(tmp_path: Path) -> N
     assert set(saved["imports"]) >= {"torch", "hookloop"}
 
 
+@pytest.mark.slow
 def test_the_gpu_check_says_when_there_is_no_gpu() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")],
                             env=subprocess_env(), capture_output=True, text=True, timeout=300)
@@ -56,6 +59,7 @@ def test_the_gpu_check_says_when_there_is_no_gpu() -> None:
     assert "no CUDA device" in result.stdout
 
 
+@pytest.mark.slow
 def test_async_save_benchmark_runs_and_reports_both_ways() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "async_save.py"), "--width", "64",
@@ -67,6 +71,7 @@ def test_async_save_benchmark_runs_and_reports_both_ways() -> None:
     assert re.search(r"^async/sync blocking ratio \d+\.\d+", result.stdout, re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_checkpoint_digest_benchmark_runs_and_reports_the_cost_per_gb() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "checkpoint_digests.py"), "--mb", "4",
@@ -77,6 +82,7 @@ def test_checkpoint_digest_benchmark_runs_and_reports_the_cost_per_gb() -> None:
     assert re.search(r"^hashlib sha256\s+\d+\.\d+ GB/s", result.stdout, re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_resume_benchmark_prints_a_row_for_every_kind_and_the_snapshot_cost() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "resume.py"), "--samples", "320",

@@ -7,11 +7,14 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, subprocess_env
 
 ROW = re.compile(r"^\| (none|full|selective) \| (\d+) \| [\d.]+ \| (yes|NO) \|$", re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_activation_memory_benchmark_counts_what_the_shapes_say() -> None:
     width, depth, batch = 32, 2, 8
     result = subprocess.run(

@@ -7,9 +7,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, subprocess_env
 
 
+@pytest.mark.slow
 def test_fsdp_gpu_check_runs_on_the_cpu_and_the_two_runs_agree() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "fsdp_gpu_check.py"), "--device", "cpu",
@@ -23,6 +26,7 @@ def test_fsdp_gpu_check_runs_on_the_cpu_and_the_two_runs_agree() -> None:
     assert difference and float(difference.group(1)) < 1e-6, result.stdout
 
 
+@pytest.mark.slow
 def test_fsdp_gpu_check_runs_every_layout_on_the_cpu() -> None:
     """HSDP, TP (FSDP + TensorParallel) and FSDP with activation checkpointing next to DDP
     (on one process each is a group of one: the layouts' code paths, not their memory)."""

@@ -24,6 +24,7 @@ def test_every_document_is_collected() -> None:
     assert {"README.md", "docs/concepts.md", "docs/writing-callbacks.md"} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_python_blocks_run(document: Path, tmp_path: Path) -> None:
     blocks = python_blocks(document)

@@ -16,6 +16,7 @@ from conftest import ROOT, subprocess_env
 from test_docs import python_blocks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("document", ["README.md", "docs/index.md", "docs/presets.md"])
 def test_first_block_runs_twice_in_one_directory(document: str, tmp_path: Path) -> None:
     script = tmp_path / "train.py"

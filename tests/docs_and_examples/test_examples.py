@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import ROOT, subprocess_env
@@ -26,6 +27,7 @@ def _best_line(output: str) -> tuple[float, float, str]:
     return float(match.group(1)), float(match.group(2)), match.group(3)
 
 
+@pytest.mark.slow
 def test_quickstart_short_runs_twice_then_resumes(tmp_path: Path) -> None:
     first = _run("quickstart.py", "--epochs", "1", "--device", "cpu", cwd=tmp_path)
     assert "run directory: runs/quickstart/version_0 (a new run)" in first
@@ -47,6 +49,7 @@ def test_quickstart_short_runs_twice_then_resumes(tmp_path: Path) -> None:
     assert re.search(r"^last epoch: epoch 2/2\s+step 46\s", resumed, re.MULTILINE), resumed
 
 
+@pytest.mark.slow
 def test_quickstart_full_length_reaches_98_percent_twice_in_a_row(tmp_path: Path) -> None:
     for version in (0, 1):  # its time is a benchmark's figure (docs/performance.md), not asserted
         output = _run("quickstart.py", "--device", "cpu", "--no-progress", cwd=tmp_path)
@@ -59,12 +62,14 @@ def test_quickstart_full_length_reaches_98_percent_twice_in_a_row(tmp_path: Path
             == recorded == again
 
 
+@pytest.mark.slow
 def test_custom_callback_state_survives_resume(tmp_path: Path) -> None:
     output = _run("custom_callback.py", "--epochs", "3", "--stop-after", "1", cwd=tmp_path)
     assert "Checkpoint: resumed from" in output
     assert "resumed run: 3 epochs, 768 samples; identical to the uninterrupted run: True" in output
 
 
+@pytest.mark.slow
 def test_text_classification_with_mapping_batches_and_resume(tmp_path: Path) -> None:
     arguments = ("--epochs", "1", "--train-size", "256", "--device", "cpu",
                  "--checkpoint-dir", "ckpt", "--tensorboard", "tb")
@@ -77,6 +82,7 @@ def test_text_classification_with_mapping_batches_and_resume(tmp_path: Path) -> 
     assert re.search(r"^epoch 2/2\s+step 16\s", again, re.MULTILINE), again
 
 
+@pytest.mark.slow
 def test_multimodal_contrastive_forward(tmp_path: Path) -> None:
     output = _run("multimodal.py", "--epochs", "1", "--device", "cpu", "--no-progress",
                   cwd=tmp_path)
@@ -89,6 +95,7 @@ def test_multimodal_contrastive_forward(tmp_path: Path) -> None:
     assert "stopped at step 3" in short
 
 
+@pytest.mark.slow
 def test_ddp_example_runs_in_one_process(tmp_path: Path) -> None:
     output = _run("ddp.py", "--epochs", "1", "--device", "cpu", cwd=tmp_path)
     assert re.search(r"^epoch 1/1\s+step 45\s", output, re.MULTILINE), output

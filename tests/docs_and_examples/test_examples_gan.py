@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import ROOT, subprocess_env
@@ -42,6 +43,7 @@ def _tensors(value):
             yield from _tensors(item)
 
 
+@pytest.mark.slow
 def test_a_killed_gan_run_resumes_to_the_uninterrupted_weights(tmp_path: Path) -> None:
     reference = _start(tmp_path / "reference")
     out, err = reference.communicate(timeout=300)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT, subprocess_env
 
 
@@ -19,6 +21,7 @@ def quickstart(*args: str, cwd: Path) -> str:
     return result.stdout
 
 
+@pytest.mark.slow
 def test_a_longer_relaunch_says_what_it_does(tmp_path: Path) -> None:
     first = quickstart("--epochs", "1", cwd=tmp_path)
     assert "LRScheduler:" not in first and "EarlyStopping:" not in first

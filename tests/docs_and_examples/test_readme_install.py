@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from conftest import ROOT
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -44,6 +46,7 @@ def test_no_page_says_accumulation_needs_data_with_a_length() -> None:
     assert claims == []
 
 
+@pytest.mark.slow
 def test_the_cpu_line_gives_up_on_an_unreachable_index_and_the_readme_gives_the_fallback(
         tmp_path) -> None:
     """Issue 28, item 2: where PyTorch's index cannot be reached, the README's first line
