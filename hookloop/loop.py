@@ -487,6 +487,7 @@ class Loop(Geometry):
         """Run the setup hooks, check the data, move the model, restore, build the table."""
         self.accumulation_steps, self.scaler, self.handler_wrapper = 1, None, None
         self.partial_window_steps = True
+        self._position.detach()  # the step geometry: the data's as the setup hooks leave it
         setups = Table(self.callbacks, self)  # the step geometry is read afresh at every fit
         setups.emit(setups.setup)
         arguments.check_setup(self.accumulation_steps, self.train_data, self.val_data)
