@@ -487,6 +487,7 @@ class Loop(Geometry):
         """Run the setup hooks, check the data, move the model, restore, build the table."""
         self.accumulation_steps, self.scaler, self.handler_wrapper = 1, None, None
         self.partial_window_steps = True
+        self._position.detach()  # the step geometry: the data's as the setup hooks leave it
         setups = Table(self.callbacks, self)  # the step geometry is read afresh at every fit
         setups.emit(setups.setup)
         arguments.check_setup(self.accumulation_steps, self.train_data, self.val_data)
@@ -546,13 +547,12 @@ class Loop(Geometry):
         state = self.state
         with table.entered(table.forward_context):
             outputs, loss = self._rule().compute(self.model, batch)
-        check_loss(loss, training=True)
+        loss = check_loss(loss, training=True)  # a DTensor loss: its plain value, from here on
         state.outputs, state.loss = outputs, loss
         if table.after_forward:
             table.emit(table.after_forward)
             if state.loss is not loss:  # replaced by a callback (a penalty term)
-                check_loss(state.loss, training=True, replaced=True)
-                loss = state.loss
+                loss = state.loss = check_loss(state.loss, training=True, replaced=True)
         batches.losses.add(loss, state.batch_size, self._loss_weight)
         for scale in table.scale_loss:
             loss = table.call(scale, loss)
@@ -603,7 +603,7 @@ class Loop(Geometry):
                             table.emit(table.on_validation_batch_start)
                         with contexts.entered(contexts.forward_context):
                             state.outputs, state.loss = self._rule().compute(self.model, batch)
-                        check_loss(state.loss, training=False)
+                        state.loss = check_loss(state.loss, training=False)
                         losses.add(state.loss, state.batch_size, self._loss_weight)
                         if table.on_validation_batch_end:
                             table.emit(table.on_validation_batch_end)

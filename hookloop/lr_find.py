@@ -192,7 +192,7 @@ def _ramp(loop: Loop, start_lr: float, end_lr: float, steps: int, smoothing: flo
             group["lr"] = lr
         batch = move_to_device(next(batches), loop.device)
         _, loss = rule.compute(loop.model, batch)
-        check_loss(loss, training=True)
+        loss = check_loss(loss, training=True)
         value = float(loss.detach())  # one host sync per step: this is a measurement
         if not math.isfinite(value):
             result.stop_reason = f"the loss is {value} at lr={lr:.3g}"

@@ -151,3 +151,51 @@ def test_a_loss_fn_a_callback_sets_in_setup_or_mid_fit_is_the_one_used() -> None
                 loss_fn=torch.nn.functional.mse_loss, device="cpu", callbacks=[Curriculum()])
     loop.fit(2)
     assert calls == ["first"] * 3 + ["second"] * 3
+
+
+@pytest.mark.parametrize("placement", ["Replicate", "Partial"])
+def test_a_dtensor_loss_trains_records_and_saves_as_the_plain_loss(tmp_path, placement) -> None:
+    """A loss that is a DTensor (tensor parallel's loss_parallel gives a replicated one) on
+    a one-process gloo group: the fit equals the plain loss's bit for bit, state.loss is a
+    plain tensor, and a checkpoint saves (the DTensor broke the epoch sums and the save)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from hookloop.callbacks import Checkpoint
+
+    kinds: set[str] = set()
+
+    class LossKind(Callback):
+        def after_forward(self, loop):
+            kinds.add(type(loop.state.loss).__name__)
+
+    def run(forward, callbacks=()):
+        loop = make_loop([*callbacks, LossKind()], val=slice(0, 2), forward=forward)
+        return loop, loop.fit(2)
+
+    def plain(loop, batch):
+        outputs = loop.model(batch[0])
+        return outputs, F.mse_loss(outputs, batch[1])
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        layout = [Replicate() if placement == "Replicate" else Partial()]
+
+        def distributed(loop, batch):
+            outputs, loss = plain(loop, batch)
+            return outputs, DTensor.from_local(loss, mesh, layout)
+
+        ours, ours_state = run(distributed, [Checkpoint(tmp_path / "checkpoints")])
+        assert kinds == {"Tensor"}
+        oracle, oracle_state = run(plain)
+    finally:
+        dist.destroy_process_group()
+    assert ours_state.history == oracle_state.history
+    assert all(torch.equal(a, b) for a, b in zip(ours.model.parameters(),
+                                                  oracle.model.parameters()))
+    (last,) = (tmp_path / "checkpoints").glob("epoch=0001-*.pt")
+    saved = torch.load(last, weights_only=True)
+    assert saved["loop"]["history"] == oracle_state.history

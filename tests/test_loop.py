@@ -334,3 +334,37 @@ def test_a_penalty_added_in_after_forward_counts_once_under_accumulation_and_amp
         assert torch.allclose(ours, theirs, atol=tolerance), (ours - theirs).abs().max()
     assert state.metrics["train_loss"] == pytest.approx(sum(losses) / len(losses),
                                                         rel=1e-2 if with_amp else 1e-6)
+
+
+def test_the_step_geometry_is_one_value_for_the_whole_fit() -> None:
+    """As DDP does: setup gives the loop a shard of the data (half its batches), on_fit_end
+    gives the user's data back. Every callback reads the fit's counts up to the last
+    on_fit_end (a DDP fit read 24 at on_fit_start and 48 at on_fit_end); outside a fit
+    they are read afresh."""
+    seen: list[tuple[str, int | None, int | None]] = []
+
+    class Shard(Callback):
+        def setup(self, loop):
+            self.whole, loop.train_data = loop.train_data, loop.train_data[::2]
+
+        def on_fit_end(self, loop):
+            loop.train_data = self.whole
+
+    class Read(Callback):
+        def on_fit_start(self, loop):
+            seen.append(("on_fit_start", loop.batches_per_epoch, loop.total_steps))
+
+        def on_epoch_start(self, loop):
+            seen.append(("on_epoch_start", loop.batches_per_epoch, loop.total_steps))
+
+        def on_fit_end(self, loop):
+            seen.append(("on_fit_end", loop.batches_per_epoch, loop.total_steps))
+
+    loop = make_loop([Shard(), Read(), GradAccumulation(2)],
+                     train=lambda: [(torch.randn(2, 3), torch.randn(2, 1)) for _ in range(12)])
+    state = loop.fit(2)
+    # By hand: 6 batches of the shard an epoch, windows of 2: 3 steps, 2 epochs: 6.
+    assert state.step == 6
+    assert seen == [("on_fit_start", 6, 6), ("on_epoch_start", 6, 6),
+                    ("on_epoch_start", 6, 6), ("on_fit_end", 6, 6)]
+    assert (loop.batches_per_epoch, loop.steps_per_epoch) == (12, 6)  # afresh after the fit

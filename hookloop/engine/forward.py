@@ -8,6 +8,7 @@ targets)``; an ``(inputs, targets)`` pair with ``loss_fn``; a mapping batch:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -19,7 +20,7 @@ from hookloop.errors import ConfigurationError, with_article
 if TYPE_CHECKING:
     from hookloop.engine.dispatch import Table
 
-__all__ = ["ForwardRule", "check_loss", "concatenate", "model_inputs", "select",
+__all__ = ["ForwardRule", "check_loss", "plain_loss", "concatenate", "model_inputs", "select",
            "check_batch_rule", "Selector", "input_problem", "target_problem", "predict_dtype"]
 
 #: How ``Loop(inputs=..., targets=...)`` names a part of a batch: a key (or an index of a
@@ -293,8 +294,9 @@ class ForwardRule(NamedTuple):
         return concatenate(outputs)
 
 
-def check_loss(loss: Any, training: bool, replaced: bool = False) -> None:
-    """Raise unless ``loss`` is a scalar tensor (that requires grad, in training).
+def check_loss(loss: Any, training: bool, replaced: bool = False) -> torch.Tensor:
+    """Raise unless ``loss`` is a scalar tensor (that requires grad, in training); return
+    the loss the loop keeps (`plain_loss`: a DTensor's value as a plain tensor).
 
     Reads only metadata (type, shape, requires_grad): no device sync. ``replaced``: the
     loss is one a callback put in ``loop.state.loss`` in ``after_forward``.
@@ -310,6 +312,33 @@ def check_loss(loss: Any, training: bool, replaced: bool = False) -> None:
         raise ConfigurationError(
             f"{what} does not require grad, so backward cannot run: it was detached, "
             "computed under torch.no_grad(), or no trainable parameter took part in it.")
+    return plain_loss(loss)
+
+
+def plain_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor: a DTensor's (tensor parallel's ``loss_parallel`` gives
+    one) becomes its value, once, where the loop receives it, so everything that reads the
+    loss (the epoch sums, ``state.loss``, loggers, checkpoints) gets a plain tensor.
+
+    A replicated DTensor gives its local tensor (every rank holds the whole value: no
+    communication, no device sync); another placement (a ``Partial`` sum) its
+    ``full_tensor()``, a collective of the ranks that computed it together. Both keep the
+    autograd graph: backward through the plain loss is the DTensor's backward (the gradient
+    enters as the replicated one a DTensor's own ``backward()`` would seed).
+
+    Example:
+        >>> plain_loss(torch.tensor(0.5))
+        tensor(0.5000)
+    """
+    if type(loss) is torch.Tensor:  # the usual loss: no lookup
+        return loss
+    # Only a process that imported torch's DTensor can hold one: no import here.
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None or not isinstance(loss, module.DTensor):
+        return loss
+    if all(placement.is_replicate() for placement in loss.placements):
+        return loss.to_local()
+    return loss.full_tensor()
 
 
 _DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "half", "float", "double")

@@ -1,8 +1,11 @@
 """`Geometry`: how many batches and optimizer steps an epoch and a fit have.
 
-`Loop` has these as properties; they are read afresh from the loop's data and its
-accumulation window (set by ``GradAccumulation`` in ``setup``) every time, so DDP's
-sharding and a changed window are accounted for.
+`Loop` has these as properties, from the loop's data and its accumulation window (set by
+``GradAccumulation`` in ``setup``), so DDP's sharding and a changed window are accounted
+for. Inside a fit, from the end of its setup to its last ``on_fit_end``, the data's length
+is the one the fit trains on, as the setup hooks left it (`Position.attach` records it):
+one geometry for the whole fit, also after ``DDP`` gives the user's unsharded loader back
+in its ``on_fit_end``. Outside a fit it is read afresh every time.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Geometry:
     partial_window_steps: bool
     state: LoopState
     _position: Any  # the loop's `hookloop.engine.position.Position`
+    _phases: Any  # the loop's `hookloop.base.phase.Phases`
 
     @property
     def unwrapped_model(self) -> nn.Module:
@@ -51,7 +55,11 @@ class Geometry:
 
     @property
     def batches_per_epoch(self) -> int | None:
-        """``len(train_data)``, or None for data without a length."""
+        """``len(train_data)``, or None for data without a length; inside a fit, the length
+        of the data the fit trains on (the same value from setup's end to ``on_fit_end``)."""
+        position = self._position
+        if position.attached and self._phases.current.fitting:
+            return position.batches
         return length_of(self.train_data)
 
     @property

@@ -111,7 +111,7 @@ class Position:
                  "rng", "epoch_rng", "prefetch_rng", "validated", "generators", "host_now",
                  "host_mark", "_replay", "_live", "source", "workers_rng", "data_state",
                  "_stateful", "_batch_samples", "epoch_samples", "step_offset", "_base",
-                 "_loaded", "_order")
+                 "_loaded", "_order", "attached", "batches")
 
     def __init__(self) -> None:
         self.epoch = self.batches_done = self.step = self.samples = 0
@@ -158,10 +158,20 @@ class Position:
         self._loaded: tuple[int | None, str | None] | None = None
         #: The key of the epoch order of the data (`hookloop.engine.resumable.epoch_order_key`).
         self._order: str | None = None
+        #: `attach` ran since the last `detach`: `batches` is the running fit's epoch length.
+        self.attached = False
+        #: ``len()`` of the data `attach` was given (None: it has none): `Geometry` reads
+        #: it while a fit runs, so the step geometry is one for the whole fit.
+        self.batches: int | None = None
 
     @property
     def public(self) -> RunPosition:
         return RunPosition(self.epoch, self.batches_done, self.step)
+
+    def detach(self) -> None:
+        """At every setup's start: the data is not attached yet (the setup hooks may shard
+        it); `Geometry` reads the loop's data afresh until `attach`."""
+        self.attached = False
 
     def attach(self, data: Any, window: int = 1, partial_steps: bool = True) -> None:
         """At every setup: the training data (DDP may have rebuilt it) and its generators.
@@ -172,6 +182,7 @@ class Position:
         the rest of the epoch, and `step_offset` counts the run's steps in the new geometry
         (``window`` batches a step, ``partial_steps``: an epoch's last, partial window
         steps)."""
+        self.attached, self.batches = True, length_of(data)
         self.generators = loader_generators(data)
         self.source = data_source(data)
         self._stateful = stateful_view(data) if self.source == "stateful" else None

@@ -198,7 +198,7 @@ def closure(optimizer: Any, table: Table, recompute: Recompute) -> Callable[[], 
         with table.entered(table.train_step_context):
             with table.entered(table.forward_context):
                 state.outputs, state.loss = recompute.rule().compute(recompute.model(), batch)
-            check_loss(state.loss, training=True)
+            state.loss = check_loss(state.loss, training=True)
             if table.after_forward:
                 table.emit(table.after_forward)
             loss = state.loss
