@@ -206,8 +206,39 @@ def test_no_duration_under_slurm_asks_scontrol_without_the_variable(
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
     limit = TimeLimit()
+    dropout_loop([limit]).fit(1)
     assert calls.read_text().split() == ["show", "job", "4242"]
     assert _left_of_the_budget(limit) == pytest.approx(end.timestamp() - time.time(), abs=2.0)
+
+
+def stand_in_squeue(directory: Path, calls: Path, end: datetime.datetime) -> None:
+    """A stand-in ``squeue`` in ``directory`` that appends its arguments to ``calls`` and
+    prints ``end`` as ``squeue -o %e`` does."""
+    directory.mkdir(parents=True, exist_ok=True)
+    script = directory / "squeue"
+    script.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nprintf '%s\\n' '{end.isoformat()}'\n")
+    script.chmod(0o755)
+
+
+def test_no_duration_asks_squeue_once_at_the_first_fit_start_not_at_construction(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 33, item 11: construction ran squeue on every rank (one failing rank raised
+    while the others waited); it is asked once, at fit start, and kept for later fits."""
+    end = datetime.datetime.now().replace(microsecond=0) + datetime.timedelta(hours=2)
+    calls = tmp_path / "calls"
+    stand_in_squeue(tmp_path / "bin", calls, end)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
+    limit = TimeLimit()
+    assert not calls.exists() and limit.duration is None
+    assert "TimeLimit(None" in repr(limit)
+    loop = dropout_loop([limit])
+    loop.fit(1)
+    assert calls.read_text().splitlines() == ["-h -j 4242 -o %e"]
+    assert _left_of_the_budget(limit) == pytest.approx(end.timestamp() - time.time(), abs=2.0)
+    loop.fit(2)  # a later fit keeps the answer
+    assert len(calls.read_text().splitlines()) == 1
 
 
 def test_a_slurm_job_past_its_end_ends_the_launch_at_the_first_step(
@@ -230,8 +261,11 @@ def test_no_duration_without_a_slurm_end_time_is_refused_with_the_fix(
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # neither squeue nor scontrol
+    counter = BatchCounter()
+    loop = dropout_loop([TimeLimit(), counter])
     with pytest.raises(ConfigurationError, match="neither squeue nor scontrol"):
-        TimeLimit()
+        loop.fit(1)
+    assert counter.batches == 0  # refused before the first batch
 
 
 def test_the_reserve_keeps_time_for_every_checkpoints_last_save(tmp_path: Path) -> None:
