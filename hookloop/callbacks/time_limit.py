@@ -12,7 +12,7 @@ from hookloop.base.checks import check_choice, check_duration, check_number
 from hookloop.base.clock import process_start
 from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
-from hookloop.parallel import slurm
+from hookloop.parallel import slurm, suspension
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -49,6 +49,13 @@ class TimeLimit(Callback):
     again (this callback keeps no state across launches), counted from the relaunched
     process's start. (Or let SLURM time it: ``--signal=USR1@90`` and ``DDP(requeue=True)``.)
 
+    Without a saver in the stack (no callback offers ``last_save_seconds``: no
+    `Checkpoint`), a relaunch could not continue the run: it would start again at step 0,
+    and a requeueing cluster would do so forever. So the limit then ends the run, not the
+    launch: every rank stops at one agreed step boundary, every ``on_fit_end`` runs, and
+    ``fit`` returns (no `Suspended`, no exit status 75), saying that the time limit was
+    reached and nothing was saved (a time cap on a run is legitimate; add a `Checkpoint` to
+    continue it across launches instead).
 
     Args:
         duration: The budget from the process's start: seconds, a ``datetime.timedelta``,
@@ -209,9 +216,24 @@ class TimeLimit(Callback):
         self._longest = max(self._longest, now - self._last)
         self._last = now
         left, reserve = self._known_duration() - (now - self.started), self.reserve()
-        if left <= reserve:  # asked again until all agree: the vote keeps the first reason
-            loop.stop(f"TimeLimit: {max(left, 0.0):.1f} s of {self.duration:g} s left, "
-                      f"{reserve:.1f} s kept for the last step and the save", resumable=True)
+        if left > reserve:
+            return
+        left_of = f"{max(left, 0.0):.1f} s of {self.duration:g} s left"
+        # Asked again until all agree: the vote keeps the first reason.
+        if self._savers:
+            loop.stop(f"TimeLimit: {left_of}, {reserve:.1f} s kept for the last step and the "
+                      "save", resumable=True)
+            return
+        # Nothing saves the run: a relaunch could not continue it, so the run ends here
+        # (exit 75 would make a requeueing cluster start it again at step 0 forever).
+        reason = (f"TimeLimit: the time limit was reached ({left_of}) and nothing was saved "
+                  "(no Checkpoint in the stack), so a relaunch starts again at step 0; add a "
+                  "Checkpoint to continue the run across launches")
+        vote = suspension.current()
+        if vote is None:  # not inside a fit's launch (a test driving the hook by hand)
+            loop.stop(reason, force=True)
+        else:  # every rank stops at one boundary, as for a launch end
+            vote.ask(suspension.STOP, reason)
 
 
 def _no_job_end(where: str) -> ConfigurationError:
