@@ -115,3 +115,51 @@ def test_a_closure_optimizer_where_the_closure_cannot_be_right_is_refused_before
     with pytest.raises(ConfigurationError, match=r"LBFGS\.step needs a closure.*" + expected):
         loop.fit(1)
     assert all(torch.equal(old, new) for old, new in zip(before, model.parameters()))
+
+
+class ClosureRouter(Callback):
+    """Routes the step as a port of a hand-written LBFGS loop does: its own closure."""
+
+    def optimizer_step(self, loop: Loop) -> None:
+        inputs, targets = loop.state.batch
+
+        def closure() -> torch.Tensor:
+            loop.optimizer.zero_grad()
+            loss = nn.MSELoss()(loop.model(inputs), targets)
+            loss.backward()
+            return loss
+
+        loop.optimizer.step(closure)
+
+
+def test_a_router_passing_its_own_closure_trains_as_the_hand_written_closure_loop() -> None:
+    """The router's closure is the one LBFGS evaluates (it was refused at the first step,
+    "calls step() without one"); the loop's step hook counts each step."""
+    epochs = 3
+    hand, _ = hand_loop(epochs)
+    model, optimizer = build()
+    loop = Loop(model, optimizer, [waves()], loss_fn=nn.MSELoss(), device="cpu",
+                callbacks=[ClosureRouter()])
+    state = loop.fit(epochs)
+    for p, q in zip(model.parameters(), hand.parameters()):
+        assert torch.equal(p, q)
+    assert state.step == epochs
+    assert "step" not in vars(optimizer)  # the watch on the router's call is gone
+
+
+class BareRouter(Callback):
+    def optimizer_step(self, loop: Loop) -> None:
+        loop.optimizer.step()
+
+
+def test_a_router_calling_step_without_a_closure_is_refused_with_that_reason() -> None:
+    model, optimizer = build()
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    loop = Loop(model, optimizer, [waves()], loss_fn=nn.MSELoss(), device="cpu",
+                callbacks=[BareRouter()])
+    with pytest.raises(ConfigurationError, match=r"LBFGS\.step needs a closure.*BareRouter "
+                       r"routes the optimizer step and calls LBFGS\.step\(\) without one\. "
+                       r"Pass one from BareRouter\.optimizer_step"):
+        loop.fit(1)
+    assert all(torch.equal(old, new) for old, new in zip(before, model.parameters()))
+    assert "step" not in vars(optimizer)

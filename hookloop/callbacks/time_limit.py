@@ -7,11 +7,12 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from hookloop import distributed
 from hookloop.base.checks import check_choice, check_duration, check_number
 from hookloop.base.clock import process_start
 from hookloop.callback import Callback
 from hookloop.errors import ConfigurationError
-from hookloop.parallel import slurm
+from hookloop.parallel import slurm, suspension
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -26,9 +27,11 @@ class TimeLimit(Callback):
     budget counts from the start of this process, as the scheduler's clock does: the
     interpreter's start, torch's import and a slow setup before this callback was created
     count too (`hookloop.base.clock.process_start`). Under SLURM, ``TimeLimit()`` with no
-    duration reads the job's end time (`hookloop.parallel.slurm.job_end_time`: ``SLURM_JOB_END_TIME``,
-    else ``squeue``, else ``scontrol``), so the budget is what is left of the job's
-    ``--time``. At every step boundary the launch is ended with
+    duration reads the job's end time (`hookloop.parallel.slurm.job_end_time`), so the budget
+    is what is left of the job's ``--time``: ``SLURM_JOB_END_TIME`` when it is set, else
+    ``squeue`` (else ``scontrol``), asked once, by rank 0 when the fit starts; every rank
+    takes its answer, and a failure is the same `ConfigurationError` on every rank (no rank
+    waits for another that failed alone). At every step boundary the launch is ended with
     ``loop.stop(reason, resumable=True)`` when the time left is less than the reserve:
 
     * the longest time between two step boundaries of this launch (the next step may still
@@ -46,10 +49,19 @@ class TimeLimit(Callback):
     again (this callback keeps no state across launches), counted from the relaunched
     process's start. (Or let SLURM time it: ``--signal=USR1@90`` and ``DDP(requeue=True)``.)
 
+    Without a saver in the stack (no callback offers ``last_save_seconds``: no
+    `Checkpoint`), a relaunch could not continue the run: it would start again at step 0,
+    and a requeueing cluster would do so forever. So the limit then ends the run, not the
+    launch: every rank stops at one agreed step boundary, every ``on_fit_end`` runs, and
+    ``fit`` returns (no `Suspended`, no exit status 75), saying that the time limit was
+    reached and nothing was saved (a time cap on a run is legitimate; add a `Checkpoint` to
+    continue it across launches instead).
+
     Args:
         duration: The budget from the process's start: seconds, a ``datetime.timedelta``,
             or SLURM's time forms (``"4:00:00"``, ``"1-12:00:00"``, ``"90"`` for 90
-            minutes). None (default): the SLURM job's end time.
+            minutes). None (default): the SLURM job's end time (`duration` is None until
+            the fit starts when squeue is asked for it).
         margin: Seconds kept for the final save; None measures it (twice the last save).
         start: ``"process"`` (default): the budget counts from this process's start;
             ``"created"``: from this callback's creation, for launches that run one after
@@ -57,8 +69,9 @@ class TimeLimit(Callback):
 
     Raises:
         ConfigurationError: a duration that is not > 0, a SLURM time with a field out of
-            its range (``"00:75"``), or a negative margin; no duration outside a SLURM job,
-            or in one whose end time cannot be read.
+            its range (``"00:75"``), or a negative margin; no duration outside a SLURM job;
+            at fit start, on every rank, no duration in a job whose end time cannot be
+            read.
         CallbackOrderError: at fit start, a second ``TimeLimit`` in the stack (one budget
             per launch: keep the one you mean).
 
@@ -88,31 +101,69 @@ class TimeLimit(Callback):
         #: Where the budget counts from (``time.monotonic()``): the process's start, or
         #: this callback's creation with ``start="created"``.
         self.started = process_start() if start == "process" else time.monotonic()
-        if duration is None:
-            #: Seconds from the process's start to the end of the budget.
-            self.duration = self._job_budget()
-        else:
+        # The SLURM job's end is asked at fit start (rank 0, once), every rank agreeing.
+        self._ask_job, self._job_end = False, None
+        #: Seconds from the budget's start to its end (None: the SLURM job's end, not asked
+        #: yet).
+        self.duration: float | None = None
+        if duration is not None:
             self.duration = check_duration("TimeLimit duration", duration)
+        elif (end := self._job_end_from_environment()) is not None:
+            self.duration = self._budget_until(end)
+        else:
+            self._ask_job = True
         self._longest = 0.0
         self._last = self.started
         self._savers: list[Any] = []  # the stack's savers, asked for their saves' durations
 
     def __repr__(self) -> str:
         start = "" if self.start == "process" else f", start={self.start!r}"
-        return f"TimeLimit({self.duration:g}, margin={self.margin!r}{start})"
+        duration = "None" if self.duration is None else f"{self.duration:g}"
+        return f"TimeLimit({duration}, margin={self.margin!r}{start})"
 
-    def _job_budget(self) -> float:
-        """Seconds from the process's start to the SLURM job's end."""
-        end = slurm.job_end_time()
-        if end is None:
-            where = ("this process is not in a SLURM job (no SLURM_JOB_ID)"
-                     if not os.environ.get("SLURM_JOB_ID") else
-                     "SLURM_JOB_END_TIME is not set and neither squeue nor scontrol told the "
-                     f"end time of job {os.environ['SLURM_JOB_ID']}")
-            raise ConfigurationError(
-                f"TimeLimit() without a duration reads the SLURM job's end time, but {where}. "
-                "Pass the budget: TimeLimit('3:50:00') (the job's --time).")
+    def _job_end_from_environment(self) -> float | None:
+        """``SLURM_JOB_END_TIME`` (None: squeue must be asked); no SLURM job is refused now,
+        alike on every rank (they share the environment)."""
+        if not os.environ.get("SLURM_JOB_ID"):
+            raise _no_job_end("this process is not in a SLURM job (no SLURM_JOB_ID)")
+        return slurm.job_end_time(ask=False)
+
+    def _budget_until(self, end: float) -> float:
+        """Seconds from the budget's start to ``end`` (Unix time)."""
         return max(end - time.time() + time.monotonic() - self.started, 0.0)
+
+    def _asked_job_end(self) -> float | str:
+        """The SLURM job's end asked of squeue/scontrol (once, kept), or why it is unknown."""
+        if self._job_end is None:
+            try:
+                self._job_end = slurm.job_end_time()
+            except Exception as error:  # said on every rank, not raised on this one alone
+                return str(_no_job_end(f"asking squeue for it failed on rank "
+                                       f"{distributed.rank()}: {error!r}"))
+        if self._job_end is None:
+            return str(_no_job_end(
+                "SLURM_JOB_END_TIME is not set and neither squeue nor scontrol told the end "
+                f"time of job {os.environ.get('SLURM_JOB_ID')}"))
+        return self._job_end
+
+    def _agree_on_job_end(self) -> None:
+        """At fit start: rank 0 asks for the job's end, every rank takes its answer."""
+        alone = distributed.world_size() == 1  # no group (torchrun's rank without one too)
+        answer = distributed.broadcast_object(
+            self._asked_job_end() if alone or distributed.is_main() else None)
+        if isinstance(answer, str):
+            raise ConfigurationError(answer)
+        self._job_end, self._ask_job = answer, False
+        self.duration = self._budget_until(answer)
+
+    def _known_duration(self) -> float:
+        """`duration`; before the fit that asks squeue, asked now on this rank alone."""
+        if self.duration is None:
+            answer = self._asked_job_end()
+            if isinstance(answer, str):
+                raise ConfigurationError(answer)
+            self.duration = self._budget_until(answer)  # the fit start still agrees on it
+        return self.duration
 
     @property
     def elapsed(self) -> float:
@@ -133,12 +184,15 @@ class TimeLimit(Callback):
     def time_remaining(self) -> float:
         """Seconds of the budget left: ``duration - time_elapsed()``, 0 once it is spent.
 
+        Before the fit of a ``TimeLimit()`` whose job's end squeue must tell, this rank asks
+        it now (the fit start still agrees on rank 0's answer).
+
         Example:
             >>> limit = TimeLimit("1:00:00")
             >>> 0.0 < limit.time_remaining() <= 3600.0
             True
         """
-        return max(self.duration - self.elapsed, 0.0)
+        return max(self._known_duration() - self.elapsed, 0.0)
 
     def reserve(self) -> float:
         """Seconds the end of the launch needs: the longest step interval and the save."""
@@ -147,6 +201,8 @@ class TimeLimit(Callback):
         return self._longest + save
 
     def on_fit_start(self, loop: Loop) -> None:
+        if self._ask_job:  # alike on every rank: no rank had SLURM_JOB_END_TIME
+            self._agree_on_job_end()
         self._last = time.monotonic()
         # The interface a saver offers (Checkpoint does; a callback of another package may):
         # ``last_save_seconds``, its last save's duration or None. Callbacks stay leaves.
@@ -159,7 +215,28 @@ class TimeLimit(Callback):
         now = time.monotonic()
         self._longest = max(self._longest, now - self._last)
         self._last = now
-        left, reserve = self.duration - (now - self.started), self.reserve()
-        if left <= reserve:  # asked again until all agree: the vote keeps the first reason
-            loop.stop(f"TimeLimit: {max(left, 0.0):.1f} s of {self.duration:g} s left, "
-                      f"{reserve:.1f} s kept for the last step and the save", resumable=True)
+        left, reserve = self._known_duration() - (now - self.started), self.reserve()
+        if left > reserve:
+            return
+        left_of = f"{max(left, 0.0):.1f} s of {self.duration:g} s left"
+        # Asked again until all agree: the vote keeps the first reason.
+        if self._savers:
+            loop.stop(f"TimeLimit: {left_of}, {reserve:.1f} s kept for the last step and the "
+                      "save", resumable=True)
+            return
+        # Nothing saves the run: a relaunch could not continue it, so the run ends here
+        # (exit 75 would make a requeueing cluster start it again at step 0 forever).
+        reason = (f"TimeLimit: the time limit was reached ({left_of}) and nothing was saved "
+                  "(no Checkpoint in the stack), so a relaunch starts again at step 0; add a "
+                  "Checkpoint to continue the run across launches")
+        vote = suspension.current()
+        if vote is None:  # not inside a fit's launch (a test driving the hook by hand)
+            loop.stop(reason, force=True)
+        else:  # every rank stops at one boundary, as for a launch end
+            vote.ask(suspension.STOP, reason)
+
+
+def _no_job_end(where: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"TimeLimit() without a duration reads the SLURM job's end time, but {where}. "
+        "Pass the budget: TimeLimit('3:50:00') (the job's --time).")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from hookloop import distributed
 from hookloop.errors import Suspended, Terminated
 from hookloop.parallel import signals
-from hookloop.parallel.suspension import REQUESTED, SIGTERM, Suspension, Vote, published
+from hookloop.parallel.suspension import REQUESTED, SIGTERM, STOP, Suspension, Vote, published
 from hookloop.runfile.format import EPOCHS, MAX_STEPS, REASON, ended_record
 
 if TYPE_CHECKING:
@@ -98,12 +98,15 @@ class RunEnd:
     def due_at_boundary(self) -> bool:
         """`due` at a step boundary of the training pass, where the ranks also vote on
         ending the launch (a collective under a process group: every rank asks at the same
-        boundaries). An end agreed before an epoch's first batch ends that epoch there, so
-        its ``on_epoch_end`` (where `Checkpoint` saves) still runs."""
+        boundaries), or on a `STOP` (agreed alone: a plain stop, the run ends). An end
+        agreed before an epoch's first batch ends that epoch there, so its ``on_epoch_end``
+        (where `Checkpoint` saves) still runs."""
         if self.due():
             return True
         agreed = self.vote.agree()
-        if agreed is not None:
+        if agreed is not None and agreed.causes == (STOP.name,):  # the run ends, agreed
+            self.requested, self.reason = True, agreed.reason
+        elif agreed is not None:
             self.requested, self.reason, self.suspension = True, agreed.reason, agreed
             if distributed.is_main():
                 print(f"hookloop: ending this launch at step {self._state.step} "

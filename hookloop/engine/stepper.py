@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -30,7 +30,9 @@ class OptimizerStep:
     optimizer without step hooks (a duck-typed one) is trusted: every call counts.
 
     An optimizer whose ``step`` needs a closure (``torch.optim.LBFGS``: a ``closure``
-    parameter without a default) is given one (`closure`): its first call returns the
+    parameter without a default) is stepped by a router that passes its own closure
+    (`closure_given` refuses one that passes none), else given one by the loop
+    (`closure`): its first call returns the
     batch's loss the loop just computed, with the gradients its backward left (the weights
     have not moved yet, so a recomputation would give the same); every later call
     recomputes the current batch's loss at the optimizer's new trial weights, as a
@@ -85,12 +87,13 @@ class OptimizerStep:
         self.stepped = False
         if self.cancelled:
             return False
-        if self._closure:
+        if table.step is None and self._closure:
             self._closure_step(optimizer, table)
         elif table.step is None:
             optimizer.step()
         else:
-            said = table.call(table.step)
+            with closure_given(optimizer, table) if self._closure else nullcontext():
+                said = table.call(table.step)
             if said is True and not self.stepped:  # the router updated the weights itself
                 self.stepped = True
             elif not self._checked:
@@ -106,7 +109,7 @@ class OptimizerStep:
         assert recompute is not None, "OptimizerStep.prepare runs at every setup"
         if not self._checked:
             self._checked = True
-            check_closure_stack(optimizer, table, recompute.accumulation_steps)
+            check_closure_stack(optimizer, recompute.accumulation_steps)
         state = recompute.state
         outputs, loss = state.outputs, state.loss
         optimizer.step(closure(optimizer, table, recompute))
@@ -152,23 +155,18 @@ class Recompute(NamedTuple):
     accumulation_steps: int
 
 
-def check_closure_stack(optimizer: Any, table: Table, accumulation_steps: int) -> None:
+def check_closure_stack(optimizer: Any, accumulation_steps: int) -> None:
     """Refuse, before its first step, what a closure optimizer cannot do through the loop:
     the closure re-evaluates the current batch in this one process.
 
     Raises:
-        ConfigurationError: a callback routes the step (AMP's GradScaler calls ``step()``
-            with no closure), the step accumulates several batches (the closure could
+        ConfigurationError: the step accumulates several batches (the closure could
             re-evaluate only the last, a different objective), or several processes train
             (each rank's line search would re-evaluate a different number of times, each
             time an all-reduce: the ranks would hang).
     """
     name = type(optimizer).__name__
-    if table.step is not None:
-        owner = type(getattr(table.step, "__self__", None)).__name__
-        problem = (f"{owner} routes the optimizer step and calls step() without one (a "
-                   f"GradScaler cannot step a closure optimizer): leave {owner} out")
-    elif accumulation_steps > 1:
+    if accumulation_steps > 1:
         problem = (f"the step accumulates {accumulation_steps} batches and a closure can "
                    f"re-evaluate only the last one, so {name} would compare losses and "
                    "gradients of different objectives: leave GradAccumulation out (a larger "
@@ -181,6 +179,50 @@ def check_closure_stack(optimizer: Any, table: Table, accumulation_steps: int) -
         return
     raise ConfigurationError(f"{name}.step needs a closure, which the loop gives it by "
                              f"re-evaluating the current batch; but {problem}.")
+
+
+@contextmanager
+def closure_given(optimizer: Any, table: Table) -> Iterator[None]:
+    """While a callback routes a closure optimizer's step: its call of ``optimizer.step``
+    must pass a closure (its own, as a hand-written loop's; the loop's own closure is for
+    an unrouted step). One without is refused before the optimizer runs, so no weight moves
+    (AMP's GradScaler calls ``step()`` without one, and refuses closures anyway).
+
+    The closure is the router's: what it re-evaluates, and on several processes whether
+    every rank's line search agrees, is up to it, as in a hand-written loop.
+
+    Raises:
+        ConfigurationError: the router called ``optimizer.step`` without a closure.
+    """
+    own = getattr(optimizer, "__dict__", {})
+    owned = "step" in own  # an instance wrapper (a scheduler's): put back after
+    previous, real = own.get("step"), optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if (args[0] if args else kwargs.get("closure")) is None:
+            owner = type(getattr(table.step, "__self__", None)).__name__
+            name = type(optimizer).__name__
+            raise ConfigurationError(
+                f"{name}.step needs a closure (it re-evaluates the loss), but {owner} routes "
+                f"the optimizer step and calls {name}.step() without one. Pass one from "
+                f"{owner}.optimizer_step, loop.optimizer.step(closure) as in a hand-written "
+                f"loop, or leave {owner} out: the loop then gives {name} a closure itself (a "
+                "GradScaler, as AMP's, cannot step a closure optimizer).")
+        return real(*args, **kwargs)
+
+    try:
+        optimizer.step = step
+    except AttributeError:  # __slots__: not watchable; the optimizer's own error then
+        yield
+        return
+    try:
+        yield
+    finally:
+        if vars(optimizer).get("step") is step:  # else the router wrapped it since: keep it
+            if owned:
+                optimizer.step = previous
+            else:
+                del optimizer.step
 
 
 def closure(optimizer: Any, table: Table, recompute: Recompute) -> Callable[[], torch.Tensor]:

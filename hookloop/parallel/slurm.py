@@ -273,12 +273,14 @@ def _unix_time(text: str) -> float | None:
         return None
 
 
-def job_end_time(environ: Mapping[str, str] | None = None) -> float | None:
+def job_end_time(environ: Mapping[str, str] | None = None, *,
+                 ask: bool = True) -> float | None:
     """When SLURM ends this job (its time limit), as Unix time; None outside a SLURM job
     (no ``SLURM_JOB_ID``) or when it cannot be told.
 
     First ``SLURM_JOB_END_TIME`` (Unix time, set by recent SLURM versions), else
-    ``squeue -h -j JOB -o %e``, else ``EndTime=`` of ``scontrol show job JOB``.
+    ``squeue -h -j JOB -o %e``, else ``EndTime=`` of ``scontrol show job JOB``; with
+    ``ask=False`` only the variable (no process runs: a caller asks once for every rank).
 
     Example:
         >>> job_end_time({"SLURM_JOB_ID": "7", "SLURM_JOB_END_TIME": "1767225600"})
@@ -293,7 +295,8 @@ def job_end_time(environ: Mapping[str, str] | None = None) -> float | None:
     try:
         return float(environ["SLURM_JOB_END_TIME"])
     except (KeyError, ValueError):
-        pass
+        if not ask:
+            return None
     for command in (("squeue", "-h", "-j", job, "-o", "%e"), ("scontrol", "show", "job", job)):
         path = shutil.which(command[0])
         if path is None:

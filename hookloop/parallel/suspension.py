@@ -42,7 +42,7 @@ from hookloop import distributed
 from hookloop.base.checks import check_number
 
 __all__ = ["TimedSaves", "Cause", "CAUSES", "SAVE_TICKETS", "SIGTERM", "SIGUSR1", "SIGINT", "REQUESTED",
-           "Suspension",
+           "STOP", "Suspension",
            "Vote", "current", "published", "carry_on_gradients"]
 
 
@@ -60,8 +60,14 @@ SIGUSR1 = Cause("SIGUSR1", 138, "SIGUSR1 received by another rank")
 SIGINT = Cause("SIGINT", 130, "SIGINT received by another rank")
 REQUESTED = Cause("requested", 75, "a launch end asked on another rank (TimeLimit, "
                                    "loop.stop(resumable=True))")
+#: Not a launch end: a stop that ends the run, decided by one rank's clock and agreed by all
+#: at one boundary like the others (`hookloop.callbacks.TimeLimit` with no saver in the
+#: stack: nothing would let a relaunch continue). Alone, ``fit`` returns; no exit status.
+STOP = Cause("stop", 0, "TimeLimit: the time limit was reached on another rank and nothing "
+                        "was saved (no Checkpoint in the stack), so a relaunch starts again "
+                        "at step 0; add a Checkpoint to continue the run across launches")
 #: Every cause, in the order that decides the exit status when several are agreed at once.
-CAUSES = (SIGTERM, SIGUSR1, SIGINT, REQUESTED)
+CAUSES = (SIGTERM, SIGUSR1, SIGINT, REQUESTED, STOP)
 #: `Vote.save_request` tickets run from 1 to this - 1 and round: small integers stay exact in
 #: a bfloat16 gradient bucket.
 SAVE_TICKETS = 64

@@ -100,13 +100,39 @@ def test_the_reserve_is_the_longest_step_and_twice_the_last_save(tmp_path: Path)
     assert fixed.reserve() == pytest.approx(fixed._longest + 30.0)
 
 
-def test_a_budget_spent_before_the_fit_ends_the_launch_at_the_first_step() -> None:
+def test_a_budget_spent_before_the_fit_ends_the_launch_at_the_first_step(tmp_path: Path) -> None:
     from hookloop import Suspended
 
-    loop = dropout_loop([TimeLimit(datetime.timedelta(microseconds=1), start="created")])
+    loop = dropout_loop([TimeLimit(datetime.timedelta(microseconds=1), start="created"),
+                         Checkpoint(tmp_path)])
     with pytest.raises(Suspended) as ended:
         loop.fit(2)
     assert ended.value.code == 75 and loop.state.step == 1
+    assert any(path.name.endswith("step=00000001.pt") for path in tmp_path.iterdir())
+
+
+def test_without_a_saver_the_limit_ends_the_run_saying_nothing_was_saved(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 33, item 12: without a Checkpoint the launch ended with exit 75 and "relaunch
+    the same command to continue it", but a relaunch starts again at step 0 (a requeueing
+    cluster would never progress). The fit returns at the limit: no Suspended (a
+    SystemExit), and the message says that nothing was saved and what would continue it."""
+    ends = []
+
+    class End(Callback):
+        def on_fit_end(self, loop: Loop) -> None:
+            ends.append((loop.state.step, loop.stop_requested, loop.stop_resumable))
+
+    loop = dropout_loop([TimeLimit(datetime.timedelta(microseconds=1), start="created"),
+                         End()])
+    state = loop.fit(2)  # raised Suspended (exit 75) before
+    assert state.step == 1 and ends == [(1, True, False)]
+    said = capsys.readouterr().out
+    assert "relaunch the same command" not in said and "exits with status" not in said
+    assert ("training ended at epoch 1/2, step 1: TimeLimit: the time limit was reached "
+            "(0.0 s of 1e-06 s left) and nothing was saved (no Checkpoint in the stack), so "
+            "a relaunch starts again at step 0; add a Checkpoint to continue the run across "
+            "launches.") in said
 
 
 @pytest.mark.parametrize("duration", [0, -5, "soon", "1:2:3:4", True])
@@ -209,17 +235,48 @@ def test_no_duration_under_slurm_asks_scontrol_without_the_variable(
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
     limit = TimeLimit()
+    dropout_loop([limit]).fit(1)
     assert calls.read_text().split() == ["show", "job", "4242"]
     assert _left_of_the_budget(limit) == pytest.approx(end.timestamp() - time.time(), abs=2.0)
 
 
+def stand_in_squeue(directory: Path, calls: Path, end: datetime.datetime) -> None:
+    """A stand-in ``squeue`` in ``directory`` that appends its arguments to ``calls`` and
+    prints ``end`` as ``squeue -o %e`` does."""
+    directory.mkdir(parents=True, exist_ok=True)
+    script = directory / "squeue"
+    script.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nprintf '%s\\n' '{end.isoformat()}'\n")
+    script.chmod(0o755)
+
+
+def test_no_duration_asks_squeue_once_at_the_first_fit_start_not_at_construction(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 33, item 11: construction ran squeue on every rank (one failing rank raised
+    while the others waited); it is asked once, at fit start, and kept for later fits."""
+    end = datetime.datetime.now().replace(microsecond=0) + datetime.timedelta(hours=2)
+    calls = tmp_path / "calls"
+    stand_in_squeue(tmp_path / "bin", calls, end)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
+    limit = TimeLimit()
+    assert not calls.exists() and limit.duration is None
+    assert "TimeLimit(None" in repr(limit)
+    loop = dropout_loop([limit])
+    loop.fit(1)
+    assert calls.read_text().splitlines() == ["-h -j 4242 -o %e"]
+    assert _left_of_the_budget(limit) == pytest.approx(end.timestamp() - time.time(), abs=2.0)
+    loop.fit(2)  # a later fit keeps the answer
+    assert len(calls.read_text().splitlines()) == 1
+
+
 def test_a_slurm_job_past_its_end_ends_the_launch_at_the_first_step(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from hookloop import Suspended
 
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) - 1))
-    loop = dropout_loop([TimeLimit()])
+    loop = dropout_loop([TimeLimit(), Checkpoint(tmp_path)])
     with pytest.raises(Suspended) as ended:
         loop.fit(2)
     assert ended.value.code == 75 and loop.state.step == 1
@@ -233,8 +290,11 @@ def test_no_duration_without_a_slurm_end_time_is_refused_with_the_fix(
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # neither squeue nor scontrol
+    counter = BatchCounter()
+    loop = dropout_loop([TimeLimit(), counter])
     with pytest.raises(ConfigurationError, match="neither squeue nor scontrol"):
-        TimeLimit()
+        loop.fit(1)
+    assert counter.batches == 0  # refused before the first batch
 
 
 def test_the_reserve_keeps_time_for_every_checkpoints_last_save(tmp_path: Path) -> None:
