@@ -281,7 +281,7 @@ class Loop(Geometry):
         """
         arguments.check_fit(epochs, max_steps, min_epochs, min_steps, self.callbacks, self,
                             self.train_data, self.val_data, self._position.epoch, self.loss_fn,
-                            self.forward, self.inputs)  # before anything ran
+                            self.forward, self.inputs, self.optimizer)  # before anything ran
         dispatch.bind(self.callbacks, self)
         self.state.min_epochs, self.state.min_steps = min_epochs, min_steps
         with self._end.launch(self.train_data, self.val_data):  # Suspended once it ended

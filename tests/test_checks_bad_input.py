@@ -277,3 +277,22 @@ def test_a_negative_rate_for_lr_find_or_a_schedule_names_the_fix(call, expected)
 
     with pytest.raises(ConfigurationError, match=expected):
         call(loop_with())
+
+
+def test_a_learning_rate_made_negative_after_the_loop_is_built_is_refused_at_fit_start() -> None:
+    """The check at construction saw a good rate; a rate edited in param_groups before
+    fit trained up the gradient (issue 33, item 14): refused at fit, before any batch."""
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop = loop_with(model=model, optimizer=optimizer)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    optimizer.param_groups[0]["lr"] = -0.05
+    with pytest.raises(ConfigurationError, match=r"param group 0 has the learning rate -0\.05 "
+                                                 r"at fit start.*Give a rate > 0.*param_groups"):
+        loop.fit(1)
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    optimizer.param_groups[0]["lr"] = torch.tensor(-0.05)  # a tensor rate, read once
+    with pytest.raises(ConfigurationError, match=r"param group 0 has the learning rate -0\.05"):
+        loop.fit(1)
+    optimizer.param_groups[0]["lr"] = 0.0  # a frozen group is fine
+    loop.fit(1)
