@@ -148,7 +148,7 @@ class Loop(Geometry):
         self._position = Position()  # where the weights are, in data terms (see state_dict)
         # _boundary: the callbacks' states at the last step boundary
         self._cadence, self._stepper, self._boundary = Cadence(), OptimizerStep(), BoundaryStates()
-        self._end = run_end.RunEnd(self.state, self._position)
+        self._end = run_end.RunEnd(self.state, self._position, lambda: self.total_steps)
         self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
 
     # ------------------------------------------------------------------ control

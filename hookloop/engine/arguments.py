@@ -27,7 +27,8 @@ from hookloop.engine.ordering import check_callbacks
 from hookloop.engine.untouched import untouched
 from hookloop.errors import ConfigurationError, with_article
 
-__all__ = ["check_loop_arguments", "check_loss_reduction", "check_learning_rates", "check_extra_state", "check_fit",
+__all__ = ["check_loop_arguments", "check_loss_reduction", "check_learning_rates",
+           "check_extra_state", "check_fit",
            "check_fit_arguments", "check_fit_data", "check_evaluation", "check_setup"]
 
 
@@ -50,12 +51,23 @@ def check_loss_reduction(value: Any, loss_fn: Any) -> str:
     check_choice("Loop loss_reduction", value, ("auto", "mean", "sum"),
                  hint="'mean': each batch's loss is its mean (weighted by the batch size); "
                       "'sum': it is the sum over its samples; 'auto' reads loss_fn.reduction.")
-    if value != "auto":
-        return value
     if isinstance(loss_fn, functools.partial):  # partial(F.mse_loss, reduction="sum")
         reduction = loss_fn.keywords.get("reduction")
     else:
         reduction = getattr(loss_fn, "reduction", None)
+    # KLDivLoss's "batchmean" divides by the batch size: a mean per sample, as "mean".
+    read = {"mean": "mean", "batchmean": "mean", "sum": "sum"}.get(str(reduction))
+    if value != "auto" and read is not None and read != value:
+        name = f"partial({getattr(loss_fn.func, '__name__', 'loss')})" if isinstance(
+            loss_fn, functools.partial) else type(loss_fn).__name__
+        raise ConfigurationError(
+            f"Loop loss_reduction={value!r} contradicts loss_fn {name}, whose reduction is "
+            f"{reduction!r}: the epoch losses would take each batch's loss as its "
+            f"{value}, so train_loss and val_loss would be off by the "
+            "batch size. Leave loss_reduction='auto' (it reads loss_fn's reduction), or build "
+            f"the loss with reduction={value!r}.")
+    if value != "auto":
+        return value
     if reduction == "none":
         raise ConfigurationError(
             f"loss_fn {type(loss_fn).__name__}(reduction='none') returns one loss per sample, "
