@@ -148,7 +148,7 @@ class Loop(Geometry):
         self._position = Position()  # where the weights are, in data terms (see state_dict)
         # _boundary: the callbacks' states at the last step boundary
         self._cadence, self._stepper, self._boundary = Cadence(), OptimizerStep(), BoundaryStates()
-        self._end = run_end.RunEnd(self.state, self._position)
+        self._end = run_end.RunEnd(self.state, self._position, lambda: self.total_steps)
         self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
 
     # ------------------------------------------------------------------ control
@@ -281,7 +281,7 @@ class Loop(Geometry):
         """
         arguments.check_fit(epochs, max_steps, min_epochs, min_steps, self.callbacks, self,
                             self.train_data, self.val_data, self._position.epoch, self.loss_fn,
-                            self.forward, self.inputs)  # before anything ran
+                            self.forward, self.inputs, self.optimizer)  # before anything ran
         dispatch.bind(self.callbacks, self)
         self.state.min_epochs, self.state.min_steps = min_epochs, min_steps
         with self._end.launch(self.train_data, self.val_data):  # Suspended once it ended
@@ -473,12 +473,16 @@ class Loop(Geometry):
     @contextmanager
     def _alone(self, phase: Phase, data: Any) -> Iterator[tuple[Table, Any]]:
         """A pass outside fit (validate, evaluate, predict; ``data`` None: ``val_data`` as
-        setup leaves it): set up, then leave every random generator and every submodule's
+        setup leaves it): set up (unless a callback asks for it inside a fit or another
+        pass, where all is set up), then leave every random generator and every submodule's
         train/eval mode as found, so a check in the middle of work changes nothing."""
+        # From a callback inside a call (EMA's second validation): set up already.
+        nested = self._table is not None and self._phases.current is not Phase.IDLE
         with self._phases.entered(phase):
-            check_callbacks(self.callbacks, self, self.val_data)
-            dispatch.bind(self.callbacks, self)
-            table = self._setup()
+            if not nested:
+                check_callbacks(self.callbacks, self, self.val_data)
+                dispatch.bind(self.callbacks, self)
+            table = self._table if nested else self._setup()
             data = self.val_data if data is None else data
             with untouched(self.model, self._position.generators, data=(self.train_data, data)):
                 yield table, data
@@ -575,8 +579,7 @@ class Loop(Geometry):
         # on_batch_end comes after this pass: it must see the training batch.
         with self.state.kept("batch_idx", "batch", "outputs", "loss", "targets", "batch_size"):
             self._validate_pass(self.val_data, "val")
-            self.model.train()
-            self.state.training = True
+            self.state.training = self.model.train().training  # train() returns the model
         # Validation draws from the generators (a DataLoader's base seed): the position's
         # snapshot is taken again, so that a resume draws what follows it.
         batches.record(self.state.step, validated=True)
@@ -591,8 +594,7 @@ class Loop(Geometry):
         if phase is Phase.TRAIN:  # its data may draw from Python's and NumPy's generators
             phase, self._position.host_now = Phase.VALIDATE, False
         with self._phases.entered(phase), state.kept("prefix"):
-            self.model.eval()
-            state.training, state.prefix = False, prefix
+            state.training, state.prefix = self.model.eval().training, prefix  # False
             losses = LossSum(self.device)
             with contexts.entered(contexts.validation_context):
                 table.emit(table.on_validation_start)

@@ -265,7 +265,7 @@ class MetricSteps:
         for name, value in loop.state.metrics.items():
             if only_new and self._logged_at.get(name) == step:
                 continue
-            if stale_val and name.startswith("val_"):
+            if stale_val and name.startswith(("val_", "ema_val_")):
                 continue
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()

@@ -25,7 +25,47 @@ if TYPE_CHECKING:
 
     from hookloop.loop import Loop
 
-__all__ = ["Row", "Tracker", "model_metadata", "end_reason"]
+__all__ = ["Row", "Tracker", "model_metadata", "end_reason", "check_plain"]
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def check_plain(label: str, value: Any, *, nested: bool = True) -> None:
+    """``value`` is what a tracker can store as it is: a string, number, bool or None, or
+    (``nested``) a list, tuple or dict of them with string keys. Anything else (a function,
+    a model, an ``object()``) would be stored as its ``repr`` (``<function print at
+    0x7f...>``), which tells nothing, or fail inside the library at the first send.
+
+    Raises:
+        ConfigurationError: naming ``label``, the value and the fix.
+
+    Example:
+        >>> check_plain("WandbLogger hparams", {"lr": 0.1, "layers": [64, 64]})
+        >>> check_plain("WandbLogger hparams", {"f": print})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: WandbLogger hparams['f'] must be a string, ...
+    """
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
+        where = f"{label}[{key!r}]"
+        if isinstance(value, dict) and not isinstance(key, str):
+            raise ConfigurationError(f"{label} keys must be strings, got {key!r}: write "
+                                     f"{{{str(key)!r}: ...}}.")
+        if nested and isinstance(item, (list, tuple, dict)):
+            check_plain(where, item)
+        elif not isinstance(item, _PLAIN):
+            kind = "lists or dicts of them" if nested else "nothing else"
+            raise ConfigurationError(
+                f"{where} must be a string, a number, a bool or None ({kind}), got {item!r} "
+                f"({type(item).__name__}), which the tracker could only store as its repr "
+                f"(or not at all). Give a plain value instead, e.g. {_plain_hint(item)}.")
+
+
+def _plain_hint(item: Any) -> str:
+    """What to write instead of ``item``: its name for a function or class, else str()."""
+    name = getattr(item, "__qualname__", None) or getattr(item, "__name__", None)
+    return repr(name) if isinstance(name, str) else "str(value)"
 
 #: One send: ``(step, {tag: value}, unix time in milliseconds)``.
 Row = tuple[int, dict[str, float], int]
@@ -130,6 +170,8 @@ class Tracker(Callback):
                                      f"got {run_id!r}.")
         self.every_n_steps = check_int(f"{label} every_n_steps", every_n_steps)
         self.hparams = None if hparams is None else dict(hparams)
+        if self.hparams is not None:
+            check_plain(f"{label} hparams", self.hparams)
         self.run_id = run_id
         self._metric_steps = MetricSteps()
         self._pending: list[Row] = []  # due, not sent yet (sent in order)

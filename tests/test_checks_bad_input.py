@@ -277,3 +277,98 @@ def test_a_negative_rate_for_lr_find_or_a_schedule_names_the_fix(call, expected)
 
     with pytest.raises(ConfigurationError, match=expected):
         call(loop_with())
+
+
+def test_a_learning_rate_made_negative_after_the_loop_is_built_is_refused_at_fit_start() -> None:
+    """The check at construction saw a good rate; a rate edited in param_groups before
+    fit trained up the gradient (issue 33, item 14): refused at fit, before any batch."""
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop = loop_with(model=model, optimizer=optimizer)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    optimizer.param_groups[0]["lr"] = -0.05
+    with pytest.raises(ConfigurationError, match=r"param group 0 has the learning rate -0\.05 "
+                                                 r"at fit start.*Give a rate > 0.*param_groups"):
+        loop.fit(1)
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    optimizer.param_groups[0]["lr"] = torch.tensor(-0.05)  # a tensor rate, read once
+    with pytest.raises(ConfigurationError, match=r"param group 0 has the learning rate -0\.05"):
+        loop.fit(1)
+    optimizer.param_groups[0]["lr"] = 0.0  # a frozen group is fine
+    loop.fit(1)
+
+
+# ------------------------------------- accepted silently before (issue 33, item 15)
+@pytest.mark.parametrize(("loss_fn", "reduction", "expected"), [
+    (nn.MSELoss(), "sum", r"loss_reduction='sum' contradicts loss_fn MSELoss, whose reduction "
+                          r"is 'mean'.*Leave loss_reduction='auto'.*reduction='sum'"),
+    (nn.MSELoss(reduction="sum"), "mean", r"loss_reduction='mean' contradicts loss_fn MSELoss, "
+                                          r"whose reduction is 'sum'.*reduction='mean'"),
+])
+def test_a_loss_reduction_contradicting_the_loss_modules_is_refused(loss_fn, reduction,
+                                                                    expected) -> None:
+    with pytest.raises(ConfigurationError, match=expected):
+        loop_with(loss_fn=loss_fn, loss_reduction=reduction)
+    loop_with(loss_fn=loss_fn, loss_reduction="auto")  # what it reads agrees, always
+    loop_with(loss_fn=nn.KLDivLoss(reduction="batchmean"), loss_reduction="mean")
+
+
+def test_a_min_steps_more_than_the_fit_can_take_is_refused_before_the_first_batch() -> None:
+    loop = loop_with(callbacks=[counter := BatchCounter()])  # 12 samples by 4: 3 steps an epoch
+    with pytest.raises(ConfigurationError, match=r"fit min_steps=100 can never be reached: "
+                                                 r"this fit takes 6 optimizer steps in all "
+                                                 r"\(fit\(2\).*Pass epochs >= 34, or a "
+                                                 r"min_steps of at most 6"):
+        loop.fit(2, min_steps=100)
+    assert counter.batches == 0
+    with pytest.raises(ConfigurationError, match=r"min_steps=5 can never.*takes 3 optimizer "
+                                                 r"steps in all \(fit\(1, max_steps=10\).*"
+                                                 r"Pass epochs >= 2"):
+        loop.fit(1, min_steps=5, max_steps=10)
+    loop.fit(2, min_steps=6)  # exactly reachable: trains
+    assert loop.state.step == 6
+
+
+def test_an_empty_version_range_is_refused_where_the_preset_is_defined() -> None:
+    from hookloop import presets
+
+    for spec in (">=0.1,<0.0", ">=0.2,<0.2", "==0.1,!=0.1", "~=0.2.1,<0.2"):
+        with pytest.raises(ConfigurationError, match=rf"requires: {spec!r} is an empty range.*"
+                                                     r"Check the bounds.*'>=0\.1,<0\.3'"):
+            presets.requires(spec)
+    for spec in (">=0.1,<=0.1", ">=0.1,<0.3", "==0.1.*", "!=0.1", ">0.1,<0.1.1"):
+        presets.requires(spec)
+
+
+@pytest.mark.filterwarnings("ignore:TensorParallel. not launched")
+def test_a_tensor_parallel_plan_naming_no_submodule_is_refused_in_one_process() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from hookloop.callbacks import TensorParallel
+
+    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
+    typo = TensorParallel({"0": ColwiseParallel(), "up": RowwiseParallel()})
+    with pytest.raises(ConfigurationError, match=r"TensorParallel plan names \['up'\] but "
+                                                 r"Sequential has no such submodule.*"
+                                                 r"\['0', '1', '2'\].*named_modules"):
+        loop_with(model=model, callbacks=[typo]).fit(1)
+    loop_with(model=model, callbacks=[TensorParallel({"0": ColwiseParallel(),
+                                                      "[2]": RowwiseParallel()})]).fit(1)
+
+
+@pytest.mark.parametrize(("build", "expected"), [
+    (lambda: hookloop.callbacks.WandbLogger(tags="abc"),
+     r"WandbLogger tags must be a list of tags, got the string 'abc'.*tags=\['abc'\]"),
+    (lambda: hookloop.callbacks.WandbLogger(hparams={"f": print}),
+     r"WandbLogger hparams\['f'\] must be a string, a number, a bool or None.*got <built-in "
+     r"function print>.*Give a plain value instead, e\.g\. 'print'"),
+    (lambda: hookloop.callbacks.MLflowLogger(tags={"a": object()}),
+     r"MLflowLogger tags\['a'\] must be a string, a number, a bool or None.*str\(value\)"),
+    (lambda: hookloop.callbacks.WandbLogger(dir=5),
+     r"WandbLogger dir must be a file or directory path.*got 5\..*dir='runs'"),
+])
+def test_a_tracker_argument_it_could_not_store_is_refused_with_the_fix(build, expected) -> None:
+    import hookloop.callbacks  # noqa: F401
+
+    with pytest.raises(ConfigurationError, match=expected):
+        build()

@@ -55,7 +55,57 @@ def check_range(spec: str, *, owner: str = "requires") -> list[tuple[str, tuple[
         if wildcard and operator not in ("==", "!="):
             raise ConfigurationError(f"{owner}: {text.strip()!r}: only == and != take '.*'.")
         clauses.append((operator, parse_version(version), wildcard))
+    _check_not_empty(spec, owner, clauses)
     return clauses
+
+
+Bound = tuple[tuple[int, ...], bool]  # a version, and whether it is itself in the range
+
+
+def _check_not_empty(spec: str, owner: str,
+                     clauses: list[tuple[str, tuple[int, ...], bool]]) -> None:
+    """Refuse a range no version can satisfy (``'>=0.1,<0.0'``): the preset could never be
+    used, and it would only say so on the machine that tries."""
+    lows, highs, excluded = _bounds(clauses)
+    if not lows or not highs:
+        return
+    width = max(len(version) for version, _ in (*lows, *highs))
+
+    def padded(version: tuple[int, ...]) -> tuple[int, ...]:
+        return version + (0,) * (width - len(version))
+
+    low = max(lows, key=lambda bound: (padded(bound[0]), not bound[1]))  # the tightest
+    high = min(highs, key=lambda bound: (padded(bound[0]), bound[1]))
+    single = padded(low[0]) == padded(high[0]) and low[1] and high[1]  # one version left
+    if padded(low[0]) > padded(high[0]) or (padded(low[0]) == padded(high[0]) and not single) \
+            or (single and any(len(set(_padded(version, low[0]))) == 1  # != that one
+                               for version in excluded)):
+        raise ConfigurationError(
+            f"{owner}: {spec!r} is an empty range: no version satisfies all its clauses, so "
+            "the preset could never be used. Check the bounds: the lower one first and "
+            "below the upper one, e.g. '>=0.1,<0.3'.")
+
+
+def _bounds(clauses: list[tuple[str, tuple[int, ...], bool]]
+            ) -> tuple[list[Bound], list[Bound], list[tuple[int, ...]]]:
+    """The lower and upper bounds the clauses set, and the versions ``!=`` leaves out."""
+    lows: list[Bound] = []
+    highs: list[Bound] = []
+    excluded: list[tuple[int, ...]] = []
+    for operator, version, wildcard in clauses:
+        if operator == "==" and wildcard:  # ==1.2.*: from 1.2 up to, not including, 1.3
+            lows.append((version, True))
+            highs.append((version[:-1] + (version[-1] + 1,), False))
+        elif operator == "~=" and len(version) >= 2:  # ~=1.2.3: >=1.2.3, ==1.2.*
+            lows.append((version, True))
+            highs.append((version[:-2] + (version[-2] + 1,), False))
+        elif operator in ("==", ">=", ">"):
+            lows.append((version, operator != ">"))
+        if operator in ("==", "<=", "<") and not wildcard:
+            highs.append((version, operator != "<"))
+        if operator == "!=" and not wildcard:
+            excluded.append(version)
+    return lows, highs, excluded
 
 
 def satisfies(version: str, spec: str) -> bool:

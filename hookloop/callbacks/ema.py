@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +20,7 @@ from hookloop.base.checks import (
 )
 from hookloop.base.compat import foreach_copy_, foreach_lerp_
 from hookloop.base.modules import unwrap
+from hookloop.base.phase import Phase
 from hookloop.errors import ConfigurationError
 from hookloop.runfile.sharded import is_sharded_tensor, place_like, regather
 
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 __all__ = ["EMA"]
 
 _BUFFER_MODES = ("average", "copy")
+_VALIDATE = ("ema", "model", "both")
+#: What a validation that every callback sees keeps of the loop's state across the second pass.
+_BATCH_FIELDS = ("batch_idx", "batch", "outputs", "loss", "targets", "batch_size")
 
 
 def _entries(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -87,11 +91,21 @@ class EMA(Callback):
     ``module.`` from DDP, no ``_orig_mod.`` from ``torch.compile``), so the state loads
     whatever the wrapping, and ``model.load_state_dict(ema.averaged_state_dict())`` works.
 
-    With ``validate_with_ema`` the whole validation pass (its events included) runs with
+    Which weights validate (``validate``): ``"ema"`` (default, the same as
+    ``validate_with_ema=True``): the whole validation pass (its events included) runs with
     the EMA weights swapped into the model, and the training weights are restored after,
     also on an exception. A checkpoint written inside validation (a best checkpoint saved
     at ``on_validation_end``) therefore holds the EMA weights in its model entry; every
-    checkpoint also holds the shadow under this callback's state key.
+    checkpoint also holds the shadow under this callback's state key. ``"model"`` (the
+    same as ``validate_with_ema=False``): the model's own weights. ``"both"`` (timm's
+    training script validates both every epoch): each validation of ``fit`` runs with the
+    model's weights, giving ``val_loss`` and the usual metrics, which monitors and
+    ``best.pt`` read as they are; then, at this callback's
+    ``on_validation_end``, once more over the same data with the EMA weights, as
+    ``loop.evaluate(val_data, prefix="ema_val")``: ``ema_val_loss``, ``ema_val_acc``...
+    in ``loop.state.metrics`` and the history row, for the callbacks after this one
+    (``EarlyStopping("ema_val_loss")`` goes after it: the stack check says so). That second
+    pass changes no random stream, so the training is the same as with ``"ema"``.
 
     Args:
         decay: The weight of the old average, in [0, 1) (the limit of ``decay_t``; 1.0 would
@@ -99,13 +113,17 @@ class EMA(Callback):
         every_n_steps: Update after every n-th optimizer step.
         warmup: Use ``decay_t = min(decay, (1 + t) / (10 + t))``; False: ``decay`` always.
         start_step: The optimizer step whose weights the average starts from (>= 0).
-        validate_with_ema: Swap the EMA weights in for validation.
+        validate_with_ema: Swap the EMA weights in for validation (``validate`` says more).
+        validate: ``"ema"``, ``"model"`` or ``"both"`` (see above); None: ``"ema"`` when
+            ``validate_with_ema``, else ``"model"``.
         buffers: ``"average"`` or ``"copy"`` (see above).
         name: State key, to keep two EMAs (e.g. two decays) apart.
 
     Raises:
         ConfigurationError: a decay outside [0, 1), a bad ``every_n_steps``, ``start_step``,
-            ``warmup``, ``buffers``, ``name``, or a ``validate_with_ema`` that is not a bool.
+            ``warmup``, ``buffers``, ``name``, a ``validate_with_ema`` that is not a bool, a
+            ``validate`` that is not one of its values or contradicts
+            ``validate_with_ema=False``.
 
     Example:
         >>> import torch
@@ -124,13 +142,27 @@ class EMA(Callback):
 
     def __init__(self, decay: float = 0.999, *, every_n_steps: int = 1,
                  validate_with_ema: bool = True, buffers: str = "average",
-                 warmup: bool = True, start_step: int = 0, name: str | None = None) -> None:
+                 warmup: bool = True, start_step: int = 0, name: str | None = None,
+                 validate: str | None = None) -> None:
         never_moves = ("decay=1.0 would never move the average: it would stay the weights at fit "
                        "start, and validation would score those forever.")
         self.decay = check_number("EMA decay", decay, minimum=0, below=1,
                                   hint=never_moves if _is_one(decay) else "A usual decay is 0.999.")
         self.every_n_steps = check_int("EMA every_n_steps", every_n_steps)
-        self.validate_with_ema = check_flag("EMA validate_with_ema", validate_with_ema)
+        with_ema = check_flag("EMA validate_with_ema", validate_with_ema)
+        if validate is not None:
+            check_choice("EMA validate", validate, _VALIDATE,
+                         hint="'ema': the EMA weights validate; 'model': the model's; 'both': "
+                              "each validation runs with both (metrics of the second ema_*).")
+            if not with_ema and validate != "model":
+                raise ConfigurationError(
+                    f"EMA validate={validate!r} contradicts validate_with_ema=False (the same "
+                    "as validate='model'): give one of them, validate='model', 'ema' or "
+                    "'both'.")
+        #: Which weights validate: ``"ema"``, ``"model"`` or ``"both"``.
+        self.validate = validate or ("ema" if with_ema else "model")
+        self.validate_with_ema = self.validate == "ema"  # the main pass swaps the EMA weights
+        self._second_pass = False  # inside the "both" pass with the EMA weights
         self.buffers = check_choice("EMA buffers", buffers, _BUFFER_MODES)
         self.warmup = check_flag("EMA warmup", warmup)
         self.start_step = check_int("EMA start_step", start_step, minimum=0,
@@ -279,10 +311,34 @@ class EMA(Callback):
         self.updates += 1
 
     def validation_context(self, loop: Loop) -> AbstractContextManager[Any] | None:
-        """Swap the EMA weights in for the validation pass when ``validate_with_ema``."""
-        if not self.validate_with_ema or self._shadow is None:
+        """Swap the EMA weights in for the validation pass (``validate="ema"``), or for the
+        second pass of ``validate="both"``."""
+        if self._shadow is None or not (self.validate_with_ema or self._second_pass):
             return None
         return self.swapped(loop.unwrapped_model)
+
+    def produces(self, loop: Loop | None) -> Iterable[str]:
+        """With ``validate="both"``: ``ema_val_loss`` and ``ema_`` before each ``val_*``
+        metric the other callbacks produce (``ema_val_acc``): its pass writes them."""
+        if self.validate != "both":
+            return ()
+        others = [callback for callback in getattr(loop, "callbacks", ())
+                  if not isinstance(callback, EMA)]
+        return ["ema_val_loss", *(f"ema_{name}" for callback in others
+                                  for name in callback.produces(loop) if name.startswith("val_"))]
+
+    def on_validation_end(self, loop: Loop) -> None:
+        """``validate="both"``: after a validation of the fit with the model's weights, the
+        same data again with the EMA weights, as ``ema_val_*``."""
+        state = loop.state
+        if self.validate != "both" or self._shadow is None or loop.phase is not Phase.VALIDATE:
+            return  # not the sanity check, nor an evaluate() pass (this one's own included)
+        self._second_pass = True
+        try:  # the callbacks after this one see the val pass's last batch, as without it
+            with state.kept(*_BATCH_FIELDS):
+                loop.evaluate(loop.val_data, prefix="ema_val")
+        finally:
+            self._second_pass = False
 
     # --------------------------------------------------------------- public API
     @torch.no_grad()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Union
@@ -140,6 +141,9 @@ class LRScheduler(Callback):
         self._built_total: int | None = None
         self._stretched: str | None = None  # said at on_fit_start
         self._stretch_from: tuple[int, list[float]] | None = None  # the total and rates before
+        # The lowest rate a schedule set on an accelerator since the last check, kept there:
+        # reading a device tensor at every step would sync the host (`_check_rates`).
+        self._device_lowest: torch.Tensor | None = None
         if _is_scheduler(scheduler):
             self._scheduler = scheduler
             self._check_monitor(scheduler)
@@ -400,12 +404,57 @@ class LRScheduler(Callback):
         if self.steps_by_count and loop.state.step:  # a resumed run: the rate of where it is
             self._scheduler.step(loop.position.epoch)
             self._scheduler.step_update(loop.state.step)
+        self._device_lowest = None
+        if self._scheduler is not None:
+            self._check_rates(loop, f"at fit start (step {loop.state.step})", read=True)
 
     def after_step(self, loop: Loop) -> None:
         if self.steps_by_count:
             self._scheduler.step_update(loop.state.step)
         elif self.interval == "step" and not self.is_plateau:
             self._scheduler.step()
+        else:
+            return
+        self._check_rates(loop, f"after optimizer step {loop.state.step}")
+
+    def _check_rates(self, loop: Loop, where: str, *, read: bool = False) -> None:
+        """Refuse a rate the schedule made negative (or non-finite): the next optimizer step
+        would move the weights up the gradient (a linear decay run past its end does).
+
+        Python float rates (the usual) are checked at once, without touching the device. A
+        tensor rate on an accelerator is not read here (that would sync the host at every
+        step): its lowest value is kept on the device and read once per epoch (``read``).
+        """
+        optimizer = getattr(self._scheduler, "optimizer", None) or loop.optimizer
+        for index, group in enumerate(optimizer.param_groups):
+            rate = group.get("lr")
+            if isinstance(rate, torch.Tensor) and rate.device.type not in ("cpu", "meta"):
+                lowest = rate.detach().float().nan_to_num(nan=-math.inf).min()
+                self._device_lowest = lowest if self._device_lowest is None else \
+                    torch.minimum(self._device_lowest, lowest)
+                continue
+            if isinstance(rate, torch.Tensor):
+                rate = float(rate)  # a CPU tensor: no device to wait for
+            if isinstance(rate, (int, float)) and (rate < 0 or not math.isfinite(rate)):
+                self._refuse_rate(loop, f"set param group {index}'s learning rate to "
+                                        f"{rate!r} {where}")
+        if read and self._device_lowest is not None:
+            lowest, self._device_lowest = float(self._device_lowest), None  # once per epoch
+            if lowest < 0:
+                self._refuse_rate(loop, f"set a learning rate below 0 (lowest {lowest!r}, or "
+                                        f"non-finite) during epoch {loop.state.epoch + 1}, "
+                                        f"{where}; a rate on the device is read once per epoch")
+
+    def _refuse_rate(self, loop: Loop, what: str) -> None:
+        name = type(self._scheduler).__name__
+        raise ConfigurationError(
+            f"{self!r}: the {name} {what}. A negative (or non-finite) rate moves the weights "
+            "up the gradient, so training would undo itself: the schedule ran past its end (a "
+            "linear decay built for fewer steps than the run takes, "
+            f"loop.total_steps={loop.total_steps}) or its formula goes below 0. Build the "
+            "schedule for the run's length with a factory, LRScheduler(lambda opt, total: "
+            "LambdaLR(opt, lambda step: 1 - step / total)), which gets loop.total_steps, or "
+            "clamp its formula at 0 (max(0.0, 1 - step / total)).")
 
     def on_validation_end(self, loop: Loop) -> None:
         if self.is_plateau:
@@ -426,6 +475,8 @@ class LRScheduler(Callback):
                 self._step_plateau(loop, monitor)
         elif self.interval == "epoch":
             self._scheduler.step()
+        self._check_rates(loop, f"at the end of epoch {loop.state.epoch + 1} "
+                                f"(step {loop.state.step})", read=True)
 
     def _step_plateau(self, loop: Loop, monitor: Monitor) -> None:
         """Step the plateau schedule with the metric; on rank 0 say when it lowered a rate."""

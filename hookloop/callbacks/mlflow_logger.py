@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from hookloop.errors import ConfigurationError
-from hookloop.tracking import Row, Tracker
+from hookloop.tracking import Row, Tracker, check_plain
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -88,6 +88,11 @@ class MLflowLogger(Tracker):
         self.experiment = experiment
         self.tracking_uri = tracking_uri
         self.run_name = run_name
+        if tags is not None and not isinstance(tags, Mapping):
+            raise ConfigurationError(f"MLflowLogger tags must be a dict of name -> value or "
+                                     f"None, got {tags!r}. Write e.g. tags={{'team': 'vision'}}.")
+        if tags is not None:
+            check_plain("MLflowLogger tags", dict(tags), nested=False)
         self.tags = {} if tags is None else {str(key): str(value) for key, value in tags.items()}
         self._client: Any = None
         self._entities: Any = None

@@ -296,7 +296,8 @@ class ProgressBar(Callback):
     def on_validation_start(self, loop: Loop) -> None:
         """Show the validation bar."""
         self._val_batches = 0
-        self._train_batch_idx = loop.state.batch_idx
+        if loop.phase is Phase.VALIDATE:  # not a pass inside it (EMA's second)
+            self._train_batch_idx = loop.state.batch_idx
         if self._progress is not None and loop.phase is Phase.VALIDATE:
             self._next_refresh = 0.0
             self._progress.update(self._tasks["train"], completed=self._batches)
@@ -340,7 +341,7 @@ class ProgressBar(Callback):
                      if name not in ("epoch", "step") and not is_learning_rate(name)}
         else:  # an epoch stop() cut short records no row
             shown = {name: value for name, value in state.metrics.items()
-                     if fresh or not name.startswith("val_")}
+                     if fresh or not name.startswith(("val_", "ema_val_"))}
         metrics = {name: value for name, value in shown.items()
                    if isinstance(value, (int, float)) and not isinstance(value, bool)}
         lr = loop.optimizer.param_groups[0]["lr"] if loop.optimizer.param_groups else None
@@ -418,7 +419,7 @@ class ProgressBar(Callback):
         state = loop.state
         parts = [f"epoch {state.epoch + 1}/{state.epochs}", f"step {step}", "validation"]
         parts += [f"{name} {format_number(float(value))}" for name, value in state.metrics.items()
-                  if name.startswith("val_") and isinstance(value, (int, float))
+                  if name.startswith(("val_", "ema_val_")) and isinstance(value, (int, float))
                   and not isinstance(value, bool)]
         self._print_parts(parts)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -28,6 +29,30 @@ def _is_style(value: Any) -> bool:
     """A torch ``ParallelStyle`` (by class name: no 3 s import of torch's tensor parallel
     package before a run needs it)."""
     return any(kind.__name__ == "ParallelStyle" for kind in type(value).__mro__)
+
+
+def _resolves(module: nn.Module, path: str) -> bool:
+    """Whether ``path`` names a submodule of ``module`` as ``parallelize_module`` reads it:
+    dot-separated names, each matched with ``fnmatch`` against the children's names."""
+    if path == "":
+        return True
+    token, _, rest = path.partition(".")
+    return any(_resolves(child, rest) for name, child in module.named_children()
+               if fnmatch.fnmatch(name, token))
+
+
+def _check_plan_names(plan: Mapping[str, Any], module: nn.Module) -> None:
+    """Every key of a dict plan names a submodule; checked in one process too (where the
+    plan is not applied), so a typo is found before the job goes to the cluster."""
+    unmatched = [key for key in plan if not _resolves(module, key)]
+    if unmatched:
+        names = [name for name, _ in module.named_modules()][1:12]
+        raise ConfigurationError(
+            f"TensorParallel plan names {unmatched} but {type(module).__name__} has no such "
+            f"submodule (torch would skip {'them' if len(unmatched) > 1 else 'it'} and split "
+            f"nothing there). Its submodules are {names}{'...' if len(names) == 11 else ''}: "
+            "write the keys as named_modules() names them ('blocks.*.up' matches every "
+            "block's 'up').")
 
 
 class TensorParallel(Callback):
@@ -74,7 +99,8 @@ class TensorParallel(Callback):
         backend: Process group backend; None means ``nccl`` on CUDA, else ``gloo``.
 
     Raises:
-        ConfigurationError: a bad argument; at setup, a plan that splits no parameter, a
+        ConfigurationError: a bad argument; at setup (in one process too), a plan key that
+            names no submodule; under torchrun, a plan that splits no parameter, a
             mesh with several data-parallel ranks and no FSDP, an optimizer that cannot be
             re-pointed.
 
@@ -133,6 +159,8 @@ class TensorParallel(Callback):
         return self.mesh
 
     def setup(self, loop: Loop) -> None:
+        if not callable(self.plan):
+            _check_plan_names(self.plan, loop.unwrapped_model)
         if not self._launch.start(loop, self.backend):
             return
         mesh = self.layout

@@ -56,6 +56,7 @@ class Timer(Callback):
         self._val = 0.0  # seconds of validation passes that ended
         self._fit_started: float | None = None
         self._val_started: float | None = None
+        self._val_phase: Phase | None = None  # of the pass being timed (not one inside it)
 
     def __repr__(self) -> str:
         return "Timer()"
@@ -75,11 +76,12 @@ class Timer(Callback):
         self._fit_started, self._val_started = time.monotonic(), None
 
     def on_validation_start(self, loop: Loop) -> None:
-        if self._fit_started is not None and loop.phase is not Phase.SANITY_CHECK:
-            self._val_started = time.monotonic()
+        if self._fit_started is not None and loop.phase is not Phase.SANITY_CHECK and \
+                self._val_started is None:  # a pass inside it (EMA's second) is its time
+            self._val_started, self._val_phase = time.monotonic(), loop.phase
 
     def on_validation_end(self, loop: Loop) -> None:
-        if self._val_started is None:
+        if self._val_started is None or loop.phase is not self._val_phase:
             return
         self._val += time.monotonic() - self._val_started
         self._val_started = None

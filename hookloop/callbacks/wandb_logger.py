@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from hookloop.base.checks import check_path
 from hookloop.errors import ConfigurationError
-from hookloop.tracking import Row, Tracker
+from hookloop.tracking import Row, Tracker, check_plain
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -20,6 +21,23 @@ __all__ = ["WandbLogger"]
 STEP_METRIC = "global_step"
 #: W&B exit codes at fit end, by outcome (a suspended launch is marked preempting first).
 _EXIT_CODE = {"finished": 0, "failed": 1, "killed": 130, "suspended": 75}
+
+
+def _check_tags(tags: Any) -> list[str] | None:
+    """``tags`` as a list of strings (numbers are written as strings)."""
+    if tags is None:
+        return None
+    if isinstance(tags, str):
+        raise ConfigurationError(
+            f"WandbLogger tags must be a list of tags, got the string {tags!r}, which would "
+            f"make one tag per character ({', '.join(repr(c) for c in tags[:3])}...). Write "
+            f"tags=[{tags!r}].")
+    if isinstance(tags, Mapping) or not isinstance(tags, Iterable):
+        raise ConfigurationError(f"WandbLogger tags must be a list of strings or None, got "
+                                 f"{tags!r}. Write e.g. tags=['baseline', 'lr-0.1'].")
+    tags = list(tags)
+    check_plain("WandbLogger tags", tags, nested=False)
+    return [str(tag) for tag in tags]
 
 
 class WandbLogger(Tracker):
@@ -87,9 +105,11 @@ class WandbLogger(Tracker):
             raise ConfigurationError(f"WandbLogger mode must be 'online', 'offline', "
                                      f"'disabled' or None, got {mode!r}.")
         self.project, self.entity, self.name = project, entity, name
-        self.dir = None if dir is None else os.fspath(dir)
+        self.dir = None if dir is None else check_path(
+            "WandbLogger dir", dir, hint="It is the folder W&B writes its 'wandb' folder "
+                                         "under, e.g. dir='runs'; None: the current one.")
         self.mode = mode
-        self.tags = None if tags is None else [str(tag) for tag in tags]
+        self.tags = _check_tags(tags)
         self._wandb: Any = None
         self._run: Any = None
 

@@ -27,7 +27,8 @@ from hookloop.engine.ordering import check_callbacks
 from hookloop.engine.untouched import untouched
 from hookloop.errors import ConfigurationError, with_article
 
-__all__ = ["check_loop_arguments", "check_loss_reduction", "check_extra_state", "check_fit",
+__all__ = ["check_loop_arguments", "check_loss_reduction", "check_learning_rates",
+           "check_extra_state", "check_fit",
            "check_fit_arguments", "check_fit_data", "check_evaluation", "check_setup"]
 
 
@@ -50,12 +51,23 @@ def check_loss_reduction(value: Any, loss_fn: Any) -> str:
     check_choice("Loop loss_reduction", value, ("auto", "mean", "sum"),
                  hint="'mean': each batch's loss is its mean (weighted by the batch size); "
                       "'sum': it is the sum over its samples; 'auto' reads loss_fn.reduction.")
-    if value != "auto":
-        return value
     if isinstance(loss_fn, functools.partial):  # partial(F.mse_loss, reduction="sum")
         reduction = loss_fn.keywords.get("reduction")
     else:
         reduction = getattr(loss_fn, "reduction", None)
+    # KLDivLoss's "batchmean" divides by the batch size: a mean per sample, as "mean".
+    read = {"mean": "mean", "batchmean": "mean", "sum": "sum"}.get(str(reduction))
+    if value != "auto" and read is not None and read != value:
+        name = f"partial({getattr(loss_fn.func, '__name__', 'loss')})" if isinstance(
+            loss_fn, functools.partial) else type(loss_fn).__name__
+        raise ConfigurationError(
+            f"Loop loss_reduction={value!r} contradicts loss_fn {name}, whose reduction is "
+            f"{reduction!r}: the epoch losses would take each batch's loss as its "
+            f"{value}, so train_loss and val_loss would be off by the "
+            "batch size. Leave loss_reduction='auto' (it reads loss_fn's reduction), or build "
+            f"the loss with reduction={value!r}.")
+    if value != "auto":
+        return value
     if reduction == "none":
         raise ConfigurationError(
             f"loss_fn {type(loss_fn).__name__}(reduction='none') returns one loss per sample, "
@@ -224,18 +236,7 @@ def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
         raise ConfigurationError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}. "
             "Create one over the model's parameters: torch.optim.AdamW(model.parameters()).")
-    for index, group in enumerate(optimizer.param_groups):
-        rate = group.get("lr")
-        if isinstance(rate, torch.Tensor) and rate.numel() == 1:
-            rate = float(rate)  # read once, when the loop is built
-        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and (
-                rate < 0 or not math.isfinite(rate)):
-            raise ConfigurationError(
-                f"The optimizer's param group {index} has the learning rate {rate!r}: a "
-                "negative (or non-finite) rate moves the weights up the gradient, so the loss "
-                "would grow. Give a rate > 0, e.g. torch.optim.AdamW(model.parameters(), "
-                "lr=3e-4) (lr_find suggests one); to leave a part of the model as it is, "
-                "freeze it (parameter.requires_grad_(False)) or give its group lr=0.")
+    check_learning_rates(optimizer)
     model_parameters = {id(parameter) for parameter in model.parameters()}
     optimized = [parameter for group in optimizer.param_groups
                  for parameter in group.get("params", ())]
@@ -246,6 +247,40 @@ def _check_optimizer(model: nn.Module, optimizer: Any) -> None:
             f"parameter of the model ({type(model).__name__}), so training would change "
             "nothing. Create the optimizer from this model: "
             "torch.optim.AdamW(model.parameters()), after building (or replacing) the model.")
+
+
+def check_learning_rates(optimizer: Any, when: str = "") -> None:
+    """Every param group's learning rate is a finite number >= 0.
+
+    Checked when the loop is built and again at every ``fit`` start (``when``: ``" at fit
+    start"``), since ``param_groups`` can be edited in between; a tensor rate is read once
+    per check, never per batch.
+
+    Raises:
+        ConfigurationError: naming the param group, the rate and the fix.
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        >>> optimizer.param_groups[0]["lr"] = -0.1
+        >>> check_learning_rates(optimizer, " at fit start")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.ConfigurationError: The optimizer's param group 0 has the learning rate -0.1 at fit start: ...
+    """
+    for index, group in enumerate(getattr(optimizer, "param_groups", ())):
+        rate = group.get("lr")
+        if isinstance(rate, torch.Tensor) and rate.numel() == 1:
+            rate = float(rate)  # once per check (construction, fit start): not per batch
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and (
+                rate < 0 or not math.isfinite(rate)):
+            raise ConfigurationError(
+                f"The optimizer's param group {index} has the learning rate {rate!r}{when}: a "
+                "negative (or non-finite) rate moves the weights up the gradient, so the loss "
+                "would grow. Give a rate > 0, e.g. torch.optim.AdamW(model.parameters(), "
+                "lr=3e-4), or set optimizer.param_groups[i]['lr'] to one (lr_find suggests "
+                "one); to leave a part of the model as it is, freeze it "
+                "(parameter.requires_grad_(False)) or give its group lr=0.")
 
 
 def _function_name(function: Any) -> str:
@@ -389,13 +424,17 @@ def check_fit_data(train_data: Any, epochs_left: int, val_data: Any = None) -> N
 
 def check_fit(epochs: Any, max_steps: Any, min_epochs: Any, min_steps: Any,
               callbacks: Sequence[object], host: object, train_data: Any, val_data: Any,
-              epoch: int, loss_fn: Any, forward: Any, inputs: Any) -> None:
+              epoch: int, loss_fn: Any, forward: Any, inputs: Any,
+              optimizer: Any = None) -> None:
     """At ``fit``: its arguments (`check_fit_arguments`), the callback stack
     (`hookloop.engine.ordering.check_callbacks`, with ``host``, the loop, for the callbacks'
     ``produces``), one-shot data for the epochs left after ``epoch`` (`check_fit_data`),
-    and the first sample against the loop's ``loss_fn``, ``forward`` and ``inputs=``
-    (`hookloop.engine.forward.check_batch_rule`)."""
+    the first sample against the loop's ``loss_fn``, ``forward`` and ``inputs=``
+    (`hookloop.engine.forward.check_batch_rule`), and the ``optimizer``'s learning rates
+    as they are now (`check_learning_rates`: ``param_groups`` may have been edited since the
+    loop was built)."""
     check_fit_arguments(epochs, max_steps, min_epochs, min_steps)
+    check_learning_rates(optimizer, " at fit start")
     check_callbacks(callbacks, host, val_data)  # a stack that cannot work: nothing ran yet
     check_fit_data(train_data, epochs - epoch, val_data)
     check_batch_rule(_first_sample(train_data), loss_fn=loss_fn, forward=forward, inputs=inputs)

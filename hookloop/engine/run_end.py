@@ -4,12 +4,12 @@ on."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from hookloop import distributed
-from hookloop.errors import Suspended, Terminated
+from hookloop.errors import ConfigurationError, Suspended, Terminated
 from hookloop.parallel import signals
 from hookloop.parallel.suspension import REQUESTED, SIGTERM, STOP, Suspension, Vote, published
 from hookloop.runfile.format import EPOCHS, MAX_STEPS, REASON, ended_record
@@ -33,8 +33,11 @@ class RunEnd:
     """
 
     # No __slots__: its `reason` is also a key of the file (`hookloop.runfile.format.REASON`).
-    def __init__(self, state: LoopState, position: Position) -> None:
+    def __init__(self, state: LoopState, position: Position,
+                 total_steps: Callable[[], int | None] = lambda: None) -> None:
         self._state, self._position = state, position  # the loop's: step, epochs done...
+        # The fit's steps in all, asked after setup (DDP and GradAccumulation set them).
+        self._total_steps = total_steps
         #: `Loop.stop` was called in this fit, or every rank agreed to end the launch.
         self.requested = False
         #: The reason given to it.
@@ -168,9 +171,24 @@ class RunEnd:
         """
         reason = self._idle_reason(epochs, max_steps, epochs_done, step)
         self.idle = reason is not None
+        if reason is None:
+            self._check_reachable(epochs, max_steps)
         if reason is not None:
             self.stop(reason, force=True)
         return reason
+
+    def _check_reachable(self, epochs: int, max_steps: int | None) -> None:
+        """Refuse ``fit(min_steps=...)`` above the steps the fit can take: a held stop adds
+        no step, so the minimum would never be reached (and a stop never honoured)."""
+        minimum, total = self._state.min_steps, self._total_steps()
+        if minimum is None or total is None or minimum <= total:
+            return
+        more = f"epochs >= {-(-minimum * epochs // max(total, 1))}"  # max_steps >= min_steps
+        raise ConfigurationError(
+            f"fit min_steps={minimum} can never be reached: this fit takes {total} optimizer "
+            f"steps in all (fit({epochs}{f', max_steps={max_steps}' if max_steps else ''}), "
+            "with the batches per epoch, accumulation and ranks it has), and holding a stop "
+            f"adds no step. Pass {more}, or a min_steps of at most {total}.")
 
     def announce(self) -> None:
         """At the end of a fit that trained: rank 0 prints one line saying why it ended,

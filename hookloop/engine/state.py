@@ -154,7 +154,8 @@ class LoopState:
         if last is not None and (last["epoch"], last["step"]) == (self.epoch, self.step):
             row = last
         else:
-            stale = {key: value for key, value in self.metrics.items() if key.startswith("val_")}
+            stale = {key: value for key, value in self.metrics.items()
+                     if key.startswith(("val_", "ema_val_"))}
             row = {"epoch": self.epoch, "step": self.step, **learning_rates(optimizer)}
             self.history.append(row)
 

@@ -272,3 +272,102 @@ def test_a_fit_on_another_loop_is_refused() -> None:
         Loop(other, torch.optim.SGD(other.parameters(), lr=0.1), make_data(1),
              loss_fn=F.mse_loss, device="cpu", callbacks=[ema]).fit(0)
 
+
+
+# ------------------------------------- validate="both" (issue 33, item 16; timm's script)
+def test_validate_both_matches_a_hand_loop_validating_model_and_ema_every_epoch() -> None:
+    """A hand-written loop (seed 004's EMA formula, constant decay: warmup=False on both
+    sides) validates the model and then its EMA copy after every epoch, as timm's training
+    script does; the logged val_* and ema_val_* of every epoch are the hand's."""
+    from hookloop.callbacks import EarlyStopping, Metrics
+
+    from builders import accuracy, classification_batches
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = two_layers(5, 16, 3, nn.Tanh())
+        return model, torch.optim.SGD(model.parameters(), lr=0.5)
+
+    train = classification_batches(5, size=6, seed=1)
+    val = classification_batches(3, size=5, seed=2)
+    decay, epochs = 0.7, 3
+
+    def scores(model: nn.Module) -> tuple[float, float]:
+        model.eval()
+        with torch.no_grad():
+            loss = sum(F.cross_entropy(model(x), y).double() * len(x) for x, y in val) / 15
+            acc = sum(accuracy(model(x), y).double() * len(x) for x, y in val) / 15
+        model.train()
+        return loss.item(), acc.item()
+
+    model, optimizer = build()
+    ema_copy = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    averaged = copy_of(model)
+    expected = []
+    for _ in range(epochs):
+        for x, y in train:
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            with torch.no_grad():  # ema = decay * ema + (1 - decay) * theta
+                for name, value in model.state_dict().items():
+                    ema_copy[name] = decay * ema_copy[name] + (1 - decay) * value.detach()
+        averaged.load_state_dict(ema_copy)
+        expected.append((*scores(model), *scores(averaged)))
+
+    model, optimizer = build()
+    ema = EMA(decay, warmup=False, validate="both")
+    stopping = EarlyStopping("ema_val_loss", patience=100)
+    loop = Loop(model, optimizer, train, val_data=val, loss_fn=F.cross_entropy, device="cpu",
+                callbacks=[Metrics(acc=accuracy), ema, stopping])
+    loop.fit(epochs)
+    logged = [(row["val_loss"], row["val_acc"], row["ema_val_loss"], row["ema_val_acc"])
+              for row in loop.state.history]
+    assert len(logged) == epochs
+    for got, hand in zip(logged, expected):
+        assert got == pytest.approx(hand, abs=1e-6)
+    assert logged[-1][0] != pytest.approx(logged[-1][2], abs=1e-4)  # two passes, two weights
+    assert stopping.best == pytest.approx(min(row[2] for row in expected), abs=1e-6)
+
+
+def copy_of(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def test_validate_both_leaves_the_training_as_validate_ema_has_it() -> None:
+    """The second pass changes no weight and no random stream: the trained weights and the
+    EMA are those of validate="ema" (and val_loss there is ema_val_loss here)."""
+    data, val = make_data(4), make_data(2, seed=9)
+    runs = {}
+    for validate in ("ema", "both"):
+        ema = EMA(0.6, validate=validate)
+        model, loop = hook_loop(data, 2, ema, val_data=val)
+        runs[validate] = (model.state_dict(), ema.averaged_state_dict(), loop.state.metrics)
+    for index in (0, 1):
+        for name, value in runs["ema"][index].items():
+            assert torch.equal(value, runs["both"][index][name])
+    assert runs["both"][2]["ema_val_loss"] == runs["ema"][2]["val_loss"]
+
+
+def test_validate_choices_and_their_contradictions_are_refused() -> None:
+    with pytest.raises(ConfigurationError, match=r"EMA validate must be one of 'ema', 'model', "
+                                                 r"'both', got 'yes'"):
+        EMA(validate="yes")
+    with pytest.raises(ConfigurationError, match=r"validate='both' contradicts "
+                                                 r"validate_with_ema=False"):
+        EMA(validate_with_ema=False, validate="both")
+    assert EMA(validate_with_ema=False).validate == "model"
+    assert EMA().validate == "ema" and EMA(validate="both").validate_with_ema is False
+
+
+def test_a_monitor_of_an_ema_metric_before_the_ema_is_told_to_move() -> None:
+    from hookloop import CallbackOrderError
+    from hookloop.callbacks import EarlyStopping
+
+    data, val = make_data(2), make_data(1, seed=9)
+    loop = make_loop([EarlyStopping("ema_val_loss"), EMA(validate="both")], model=make_model(),
+                     train=data, val=val, seed=None)
+    with pytest.raises(CallbackOrderError, match=r"ema_val_loss"):
+        loop.fit(1)

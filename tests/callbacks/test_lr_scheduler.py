@@ -634,3 +634,68 @@ def test_a_timm_protocol_scheduler_without_state_methods_is_driven_too() -> None
     loop.fit(epochs)
     assert log.lrs == hand_lrs and callback.state_dict() == {}
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), hand.parameters()))
+
+
+# -------------------------------- a schedule that goes below 0 (issue 33, item 14)
+class Rates(Callback):
+    """The learning rate each optimizer step used (read in before_step)."""
+
+    def __init__(self) -> None:
+        self.rates: list[float] = []
+
+    def before_step(self, loop: Loop) -> None:
+        self.rates.append(float(loop.optimizer.param_groups[0]["lr"]))
+
+
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_a_schedule_that_makes_the_rate_negative_is_refused_naming_the_step(interval: str
+                                                                           ) -> None:
+    """A linear decay built for 4 steps (or epochs) but run for 8: its 5th value is
+    negative, and the steps after it trained up the gradient, silently."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = lr_scheduler.LambdaLR(optimizer, lambda count: 1 - count / 4)
+    rates = Rates()
+    loop = Loop(model, optimizer, make_data(4 if interval == "step" else 1),
+                loss_fn=F.mse_loss, device="cpu",
+                callbacks=[rates, LRScheduler(schedule, interval=interval)])
+    where = r"after optimizer step 5" if interval == "step" else r"at the end of epoch 5"
+    with pytest.raises(ConfigurationError, match=r"LRScheduler\(LambdaLR\): the LambdaLR set "
+                                                 r"param group 0's learning rate to -0\.025 "
+                                                 + where + r".*factory"):
+        loop.fit(8 if interval == "epoch" else 2)
+    assert rates.rates == pytest.approx([0.1, 0.075, 0.05, 0.025, 0.0])  # never below 0
+
+
+def test_a_tensor_rate_on_the_cpu_is_checked_at_the_step_too() -> None:
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1))
+    schedule = lr_scheduler.LambdaLR(optimizer, lambda count: 1 - count / 2)
+    loop = Loop(model, optimizer, make_data(4), loss_fn=F.mse_loss, device="cpu",
+                callbacks=[LRScheduler(schedule)])
+    with pytest.raises(ConfigurationError, match=r"learning rate to -0\.05.* after optimizer "
+                                                 r"step 3"):
+        loop.fit(1)
+
+
+def test_a_factory_whose_rate_is_negative_from_the_start_is_refused_at_fit_start() -> None:
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop = Loop(model, optimizer, make_data(4), loss_fn=F.mse_loss, device="cpu",
+                callbacks=[LRScheduler(lambda opt, total: lr_scheduler.LambdaLR(
+                    opt, lambda count: count - 1))])
+    with pytest.raises(ConfigurationError, match=r"learning rate to -0\.1 at fit start"):
+        loop.fit(1)
+
+
+def test_a_positive_linear_decay_to_zero_runs_its_hand_computed_rates() -> None:
+    """The check changes nothing for a schedule that stays >= 0, to its end at 0."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rates = Rates()
+    loop = Loop(model, optimizer, make_data(4), loss_fn=F.mse_loss, device="cpu",
+                callbacks=[rates, LRScheduler(lambda opt, total: lr_scheduler.LambdaLR(
+                    opt, lambda count: 1 - count / total))])
+    loop.fit(2)
+    assert rates.rates == pytest.approx([0.1 * (1 - step / 8) for step in range(8)], abs=1e-12)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)

@@ -112,3 +112,14 @@ def test_time_limit_tells_the_time_elapsed_and_remaining(monkeypatch: pytest.Mon
     assert limit.time_remaining() == 60 - first - 25.0
     now[0] += 100.0
     assert limit.time_remaining() == 0.0 and limit.time_elapsed() == first + 125.0
+
+
+def test_ema_validating_both_weights_counts_both_passes_as_validation(ticks: Ticks) -> None:
+    """EMA(validate="both") runs its pass inside the validation (issue 33, item 16): the
+    Timer after it counts the two passes as one validation, and still writes its row."""
+    from hookloop.callbacks import EMA
+
+    loop = _loop([ticks, EMA(0.9, validate="both"), Timer()])
+    state = loop.fit(2)
+    # per epoch: 4 s of training batches, 2 x 2 s with the model's weights, 2 x 2 s with EMA's
+    assert [_times(row) for row in state.history] == [(4, 8, 12), (8, 16, 24)]
