@@ -18,16 +18,11 @@ import os
 import sys
 import time
 
-os.environ["PATH"] = sys.argv[2] + os.pathsep + os.environ.get("PATH", "")
-os.environ["SLURM_JOB_ID"] = "4242"
-os.environ.pop("SLURM_JOB_END_TIME", None)
+from torch import nn
 
-from torch import nn  # noqa: E402
-
-from common import (make_model, make_optimizer, rank, regression_data, save,  # noqa: E402
-                    shuffled_loader)
-from hookloop import ConfigurationError, Loop  # noqa: E402
-from hookloop.callbacks import DDP, TimeLimit  # noqa: E402
+from common import make_model, make_optimizer, rank, regression_data, save, shuffled_loader
+from hookloop import ConfigurationError, Loop
+from hookloop.callbacks import DDP, TimeLimit
 
 
 def build(limit: TimeLimit) -> Loop:
@@ -57,4 +52,9 @@ def fail() -> None:
 
 
 if __name__ == "__main__":
+    # Here, not at import: pytest imports every module under tests/ for its doctests, and
+    # these would put this process in a SLURM job for the rest of the suite.
+    os.environ["PATH"] = sys.argv[2] + os.pathsep + os.environ.get("PATH", "")
+    os.environ["SLURM_JOB_ID"] = "4242"
+    os.environ.pop("SLURM_JOB_END_TIME", None)
     {"ask": ask, "fail": fail}[sys.argv[3]]()
