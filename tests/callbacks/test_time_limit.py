@@ -249,6 +249,7 @@ def stand_in_squeue(directory: Path, calls: Path, end: datetime.datetime) -> Non
     script.chmod(0o755)
 
 
+@pytest.mark.slow
 def test_no_duration_asks_squeue_once_at_the_first_fit_start_not_at_construction(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 33, item 11: construction ran squeue on every rank (one failing rank raised
