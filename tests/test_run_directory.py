@@ -173,3 +173,41 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(
     with pytest.raises(CheckpointError, match="symbolic link"):
         _fit(dangling, resume)
     assert not (tmp_path / "created-by-the-link").exists()
+
+
+@pytest.mark.parametrize("name", [".hookloop.lock", ".tmp-1234.part"])
+def test_a_journal_may_not_move_the_lock_or_a_save_in_progress(tmp_path: Path,
+                                                               name: str) -> None:
+    """Moving the held lock away would let a second job take a fresh one: two jobs in one
+    directory (found in review)."""
+    run = tmp_path / "ckpt"
+    _plant(run, {"into": "retired-after-step=00000001", "move": [name]})
+    with pytest.raises(CheckpointError, match="the lock or a save in progress"):
+        _fit(run, False)
+    assert not (run / "retired-after-step=00000001").exists()
+
+
+@pytest.mark.parametrize("text", ["[" * 200_000, json.dumps(
+    {"into": "retired-after-step=00000001\n", "move": ["a.pt"]})], ids=["deep", "newline"])
+def test_a_journal_nested_past_the_limit_or_naming_a_newline_is_refused(
+        tmp_path: Path, text: str) -> None:
+    run = tmp_path / "ckpt"
+    run.mkdir()
+    (run / JOURNAL).write_text(text)
+    (run / "a.pt").write_bytes(b"a")
+    before = _tree(tmp_path)
+    with pytest.raises(CheckpointError, match="rollback-in-progress.json: refused"):
+        _fit(run, False)
+    assert _tree(tmp_path) == before
+
+
+def test_a_lock_file_hard_linked_to_another_file_is_refused(tmp_path: Path) -> None:
+    """Where the kernel allows hard links to another user's file (fs.protected_hardlinks=0),
+    a lock file linked to it would be truncated: a second name of a file is refused."""
+    run, target = tmp_path / "ckpt", tmp_path / "precious.txt"
+    run.mkdir()
+    target.write_bytes(b"keep me\n")
+    os.link(target, run / LOCK_NAME)
+    with pytest.raises(CheckpointError, match="a hard link to another file"):
+        _fit(run, False)
+    assert target.read_bytes() == b"keep me\n"

@@ -51,11 +51,14 @@ def _open_lock_file(path: str) -> int:
             f"{path}: the directory's lock file is {what}; hookloop creates it as a plain "
             "file and never follows a link there (its target was not touched). Remove it "
             f"({error.strerror or error}) and start again.") from None
-    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
         os.close(descriptor)
+        what = ("a hard link to another file" if stat.S_ISREG(info.st_mode)
+                else "not a regular file (a FIFO, a device...)")
         raise CheckpointError(
-            f"{path}: the directory's lock file is not a regular file (a FIFO, a device...); "
-            "hookloop creates it as a plain file. Remove it and start again.")
+            f"{path}: the directory's lock file is {what}; hookloop creates it as a plain "
+            "file of its own and writes into it. Remove it and start again.")
     return descriptor
 
 

@@ -26,6 +26,7 @@ import hashlib
 import io
 import os
 import pickle
+import stat
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -81,7 +82,9 @@ def file_digest(path: str) -> str:
     digest = hashlib.new(DIGEST)
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:
+    # Never through a link: a file of the directory swapped for one is not read (or sized).
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with open(descriptor, "rb", buffering=0) as handle:
         while read := handle.readinto(buffer):
             digest.update(view[:read])
     return digest.hexdigest()
@@ -127,12 +130,15 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
         if name not in present:
             differ.append((name, "is missing"))
             continue
-        size = os.path.getsize(path)
-        if size != entry[BYTES]:
+        info = os.lstat(path)
+        size = info.st_size
+        if not stat.S_ISREG(info.st_mode):
+            differ.append((name, "is not a regular file (a link or a device): refused unread"))
+        elif size != entry[BYTES]:
             how = "truncated, or another file" if size < entry[BYTES] else "another file"
             differ.append((name, f"is {size} bytes where the save wrote {entry[BYTES]} "
                                  f"({how})"))
-        elif file_digest(path) != entry[DIGEST]:
+        elif _digest_or_none(path) != entry[DIGEST]:
             differ.append((name, "has other bytes than the save wrote (its SHA-256 differs "
                                  "from the recorded one: flipped bits, or the file of another "
                                  "save)"))
@@ -152,6 +158,13 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
         f"{os.path.join(directory, name)}: {what}{more}; {plain} records save {save_id}. "
         "The directory's files do not belong together, so it is refused before anything "
         "is read. Resume from another checkpoint, or copy this one again from its source.")
+
+
+def _digest_or_none(path: str) -> str | None:
+    try:
+        return file_digest(path)
+    except OSError:  # replaced by a link (or removed) since it was listed
+        return None
 
 
 # The classes whose fresh instances DCP's .metadata fills in (pickle's BUILD opcode).
@@ -208,7 +221,7 @@ def read_metadata(path: str) -> Any:
     where = os.path.join(path, ".metadata")
     refuse_links(path)
     try:
-        with open(where, "rb") as handle:
+        with open(os.open(where, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as handle:
             metadata = _MetadataUnpickler(io.BytesIO(handle.read())).load()
     except OSError as error:
         raise CheckpointError(f"{where}: cannot be read ({cause_of(error)}).") from None
@@ -264,9 +277,10 @@ def refuse_links(directory: str) -> None:
     for name in names:
         target = link_outside(os.path.join(directory, name), root)
         if target is not None:
+            where = f"outside {root}" if os.path.lexists(target) else "which does not exist"
             raise CheckpointError(
-                f"{os.path.join(directory, name)}: is a symbolic link to {target}, outside "
-                f"{root}; hookloop reads only files inside the checkpoint directory. Copy the "
+                f"{os.path.join(directory, name)}: is a symbolic link to {target}, {where}; "
+                "hookloop reads only files inside the checkpoint directory. Copy the "
                 "file in (or the checkpoint out of that directory) to use it.")
 
 

@@ -21,9 +21,11 @@ from contextlib import suppress
 from typing import Any
 
 from hookloop.errors import CheckpointError
+from hookloop.runfile.directory_lock import LOCK_NAME
 from hookloop.runfile.storage import (
     entry_problem,
     fsync_directory,
+    is_temporary,
     read_own_text,
     write_text_atomic,
 )
@@ -32,7 +34,7 @@ __all__ = ["RETIRED_PREFIX", "Retirement"]
 
 #: Folder (in the checkpoint directory) of the files a rollback abandoned.
 RETIRED_PREFIX = "retired-after-step="
-_RETIRED = re.compile(rf"^{re.escape(RETIRED_PREFIX)}\d{{8,}}(?:-\d+)?$")
+_RETIRED = re.compile(rf"{re.escape(RETIRED_PREFIX)}\d{{8,}}(?:-\d+)?")  # fullmatch
 
 
 class Retirement:
@@ -83,7 +85,7 @@ class Retirement:
             raise self._refused(f"it cannot be read as a plain file ({error})") from None
         try:
             plan = json.loads(text)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:  # a planted file nested past Python's limit
             raise self._refused(f"it is not the JSON a rollback writes ({error})") from None
         self._check(plan)
         target = os.path.join(self.dirpath, plan["into"])
@@ -102,7 +104,7 @@ class Retirement:
             raise self._refused("it is not a rollback's plan ('into' and a 'move' list)")
         into = plan.get("into")
         problem = entry_problem(into)
-        if problem is None and not _RETIRED.match(into):
+        if problem is None and not _RETIRED.fullmatch(into):
             problem = f"{into!r} is not a {RETIRED_PREFIX}... folder"
         folder = os.path.join(self.dirpath, into) if problem is None else ""
         if folder and (os.path.islink(folder)
@@ -112,8 +114,9 @@ class Retirement:
             problem = entry_problem(name)
             if problem is None and os.path.islink(os.path.join(self.dirpath, name)):
                 problem = f"{name!r} is a symbolic link"
-            if problem is None and name in (os.path.basename(self.marker), into):
-                problem = f"{name!r} is the plan itself or its folder"
+            if problem is None and (name in (os.path.basename(self.marker), into, LOCK_NAME)
+                                    or is_temporary(name)):
+                problem = f"{name!r} is the plan, its folder, the lock or a save in progress"
             if problem:
                 break
         if problem:

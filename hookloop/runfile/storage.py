@@ -356,9 +356,10 @@ def checkpoint_directories(dirpath: str, names: Iterable[str]) -> set[str]:
 
 
 def _warn_outside(path: str, target: str, directory: str) -> None:
+    where = f"outside {directory}" if os.path.lexists(target) else "which does not exist"
     warnings.warn(
-        f"Checkpoint: skipping {path}: it is a symbolic link to {target}, outside "
-        f"{directory}; resume=True only reads files inside the checkpoint directory. Copy "
+        f"Checkpoint: skipping {path}: it is a symbolic link to {target}, "
+        f"{where}; resume=True only reads files inside the checkpoint directory. Copy "
         "the file in, or pass Checkpoint(resume=path) to resume from it on purpose.",
         RuntimeWarning, stacklevel=4)
 
