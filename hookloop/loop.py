@@ -579,7 +579,7 @@ class Loop(Geometry):
         # on_batch_end comes after this pass: it must see the training batch.
         with self.state.kept("batch_idx", "batch", "outputs", "loss", "targets", "batch_size"):
             self._validate_pass(self.val_data, "val")
-            self.state.training = self.model.train().training  # train() returns the model
+            self.state.training = self._set_mode(training=True)
         # Validation draws from the generators (a DataLoader's base seed): the position's
         # snapshot is taken again, so that a resume draws what follows it.
         batches.record(self.state.step, validated=True)
@@ -594,7 +594,7 @@ class Loop(Geometry):
         if phase is Phase.TRAIN:  # its data may draw from Python's and NumPy's generators
             phase, self._position.host_now = Phase.VALIDATE, False
         with self._phases.entered(phase), state.kept("prefix"):
-            state.training, state.prefix = self.model.eval().training, prefix  # False
+            state.training, state.prefix = self._set_mode(training=False), prefix
             losses = LossSum(self.device)
             with contexts.entered(contexts.validation_context):
                 table.emit(table.on_validation_start)

@@ -368,3 +368,37 @@ def test_the_step_geometry_is_one_value_for_the_whole_fit() -> None:
     assert seen == [("on_fit_start", 6, 6), ("on_epoch_start", 6, 6),
                     ("on_epoch_start", 6, 6), ("on_fit_end", 6, 6)]
     assert (loop.batches_per_epoch, loop.steps_per_epoch) == (12, 6)  # afresh after the fit
+
+
+def test_a_model_whose_train_override_returns_nothing_validates_and_trains() -> None:
+    """A common override keeps BatchNorm frozen and forgets ``return self``: the loop sets
+    the mode and reads it back, never relying on what ``train()``/``eval()`` return."""
+
+    class Frozen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.norm = nn.Linear(3, 1), nn.BatchNorm1d(1)
+
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.linear(inputs))
+
+        def train(self, mode: bool = True) -> None:  # type: ignore[override]
+            super().train(mode)
+            self.norm.eval()
+
+    model = Frozen()
+    data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(3)]
+    seen: list[bool] = []
+
+    class Modes(Callback):
+        def on_batch_start(self, loop: Loop) -> None:
+            seen.append(loop.state.training and loop.model.training)
+            assert not model.norm.training  # the override's own choice holds
+
+        def on_validation_batch_start(self, loop: Loop) -> None:
+            seen.append(loop.state.training or loop.model.training)
+
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=data,
+                loss_fn=F.mse_loss, device="cpu", callbacks=[Modes()])
+    loop.fit(2)
+    assert seen == [True] * 3 + [False] * 3 + [True] * 3 + [False] * 3

@@ -48,6 +48,12 @@ class Geometry:
     _position: Any  # the loop's `hookloop.engine.position.Position`
     _phases: Any  # the loop's `hookloop.base.phase.Phases`
 
+    def _set_mode(self, training: bool) -> bool:
+        """``model.train(training)``, then the mode read back: a model's own ``train`` (one
+        that keeps BatchNorm frozen) may not return the model."""
+        self.model.train(training)
+        return self.model.training
+
     @property
     def unwrapped_model(self) -> nn.Module:
         """The model without DDP/DataParallel or ``torch.compile`` wrappers."""
