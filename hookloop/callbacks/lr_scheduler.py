@@ -406,7 +406,8 @@ class LRScheduler(Callback):
             self._scheduler.step_update(loop.state.step)
         self._device_lowest = None
         if self._scheduler is not None:
-            self._check_rates(loop, f"at fit start (step {loop.state.step})", read=True)
+            self._check_rates(loop, f"at fit start (step {loop.state.step})", read=True,
+                              used=True)
 
     def after_step(self, loop: Loop) -> None:
         if self.steps_by_count:
@@ -417,14 +418,21 @@ class LRScheduler(Callback):
             return
         self._check_rates(loop, f"after optimizer step {loop.state.step}")
 
-    def _check_rates(self, loop: Loop, where: str, *, read: bool = False) -> None:
+    def _check_rates(self, loop: Loop, where: str, *, read: bool = False,
+                     used: bool = False) -> None:
         """Refuse a rate the schedule made negative (or non-finite): the next optimizer step
         would move the weights up the gradient (a linear decay run past its end does).
+
+        The rate a schedule sets after the fit's last step is used by no step of this fit
+        (``used`` False there): it is checked at the next fit's start, if one trains on.
 
         Python float rates (the usual) are checked at once, without touching the device. A
         tensor rate on an accelerator is not read here (that would sync the host at every
         step): its lowest value is kept on the device and read once per epoch (``read``).
         """
+        total = loop.total_steps
+        if not used and total is not None and loop.state.step >= total:
+            return
         optimizer = getattr(self._scheduler, "optimizer", None) or loop.optimizer
         for index, group in enumerate(optimizer.param_groups):
             rate = group.get("lr")

@@ -699,3 +699,22 @@ def test_a_positive_linear_decay_to_zero_runs_its_hand_computed_rates() -> None:
     loop.fit(2)
     assert rates.rates == pytest.approx([0.1 * (1 - step / 8) for step in range(8)], abs=1e-12)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_rate_set_after_the_last_step_is_refused_only_when_a_later_fit_would_use_it(
+        ) -> None:
+    """``1 - (count + 1) / 8`` over an 8-step fit trains at 7/8 ... 0 and sets -1/8 after
+    the last step, which no step of that fit uses (found in review: it was refused, before
+    the last epoch's end could save). A longer fit that would train at it is refused at
+    its start."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = lr_scheduler.LambdaLR(optimizer, lambda count: 1 - (count + 1) / 8)
+    rates = Rates()
+    loop = Loop(model, optimizer, make_data(4), loss_fn=F.mse_loss, device="cpu",
+                callbacks=[rates, LRScheduler(schedule)])
+    loop.fit(2)
+    assert loop.state.step == 8
+    assert rates.rates == pytest.approx([0.1 * (1 - (step + 1) / 8) for step in range(8)])
+    with pytest.raises(ConfigurationError, match=r"learning rate -0\.0125 at fit start"):
+        loop.fit(3)
