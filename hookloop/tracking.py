@@ -11,9 +11,14 @@ state), retries at later sends, and says at fit end what was not sent.
 
 from __future__ import annotations
 
+import enum
+import numbers
+import os
 import time
 import warnings
 from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
 
 from hookloop.base.checks import check_int
 from hookloop.callback import Callback
@@ -25,47 +30,85 @@ if TYPE_CHECKING:
 
     from hookloop.loop import Loop
 
-__all__ = ["Row", "Tracker", "model_metadata", "end_reason", "check_plain"]
+__all__ = ["Row", "Tracker", "model_metadata", "end_reason", "check_plain", "plain_values"]
 
 _PLAIN = (str, int, float, bool, type(None))
 
 
-def check_plain(label: str, value: Any, *, nested: bool = True) -> None:
-    """``value`` is what a tracker can store as it is: a string, number, bool or None, or
-    (``nested``) a list, tuple or dict of them with string keys. Anything else (a function,
-    a model, an ``object()``) would be stored as its ``repr`` (``<function print at
-    0x7f...>``), which tells nothing, or fail inside the library at the first send.
+def plain_values(label: str, value: Any, *, nested: bool = True) -> Any:
+    """``value`` as a tracker can store it: strings, numbers, bools and None (and, with
+    ``nested``, lists, tuples and dicts of them with string keys). What has a plain form
+    is given it: a NumPy or 0-dim tensor number its Python number, a path its string, an
+    enum member its value, a dtype its name (``argparse``'s ``vars(args)`` holds such
+    values). Anything else (a function, a model, an ``object()``) is refused: a tracker
+    would store its ``repr`` (``<function print at 0x7f...>``), which tells nothing, or fail
+    inside the library at the first send.
 
     Raises:
         ConfigurationError: naming ``label``, the value and the fix.
 
     Example:
-        >>> check_plain("WandbLogger hparams", {"lr": 0.1, "layers": [64, 64]})
-        >>> check_plain("WandbLogger hparams", {"f": print})  # doctest: +ELLIPSIS
+        >>> import pathlib
+        >>> plain_values("WandbLogger hparams", {"lr": 0.1, "out": pathlib.Path("runs")})
+        {'lr': 0.1, 'out': 'runs'}
+        >>> plain_values("WandbLogger hparams", {"f": print})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         hookloop.errors.ConfigurationError: WandbLogger hparams['f'] must be a string, ...
     """
-    items = value.items() if isinstance(value, dict) else enumerate(value)
-    for key, item in items:
+    is_dict = isinstance(value, dict)
+    converted: dict[Any, Any] = {}
+    for key, item in value.items() if is_dict else enumerate(value):
         where = f"{label}[{key!r}]"
-        if isinstance(value, dict) and not isinstance(key, str):
+        if is_dict and not isinstance(key, str):
             raise ConfigurationError(f"{label} keys must be strings, got {key!r}: write "
                                      f"{{{str(key)!r}: ...}}.")
         if nested and isinstance(item, (list, tuple, dict)):
-            check_plain(where, item)
-        elif not isinstance(item, _PLAIN):
+            converted[key] = plain_values(where, item)
+            continue
+        converted[key] = _plain(item)
+        if converted[key] is _NO_PLAIN_FORM:
             kind = "lists or dicts of them" if nested else "nothing else"
             raise ConfigurationError(
                 f"{where} must be a string, a number, a bool or None ({kind}), got {item!r} "
                 f"({type(item).__name__}), which the tracker could only store as its repr "
                 f"(or not at all). Give a plain value instead, e.g. {_plain_hint(item)}.")
+    if is_dict:
+        return converted
+    return type(value)(converted.values()) if isinstance(value, (list, tuple)) else list(
+        converted.values())
+
+
+def check_plain(label: str, value: Any, *, nested: bool = True) -> None:
+    """Refuse what `plain_values` cannot store (naming ``label``, the value and the fix)."""
+    plain_values(label, value, nested=nested)
+
+
+_NO_PLAIN_FORM = object()
+
+
+def _plain(item: Any) -> Any:
+    """The plain form of one value, or `_NO_PLAIN_FORM`."""
+    if isinstance(item, _PLAIN):
+        return item
+    if isinstance(item, enum.Enum):
+        return _plain(item.value) if isinstance(item.value, _PLAIN) else item.name
+    if isinstance(item, numbers.Number) and hasattr(item, "item"):  # NumPy's numbers
+        return item.item()
+    if isinstance(item, torch.Tensor):
+        return item.item() if item.numel() == 1 else _NO_PLAIN_FORM
+    if isinstance(item, torch.dtype):
+        return str(item).removeprefix("torch.")
+    if isinstance(item, os.PathLike):
+        return os.fspath(item)
+    return _NO_PLAIN_FORM
 
 
 def _plain_hint(item: Any) -> str:
     """What to write instead of ``item``: its name for a function or class, else str()."""
     name = getattr(item, "__qualname__", None) or getattr(item, "__name__", None)
     return repr(name) if isinstance(name, str) else "str(value)"
+
 
 #: One send: ``(step, {tag: value}, unix time in milliseconds)``.
 Row = tuple[int, dict[str, float], int]
@@ -171,7 +214,7 @@ class Tracker(Callback):
         self.every_n_steps = check_int(f"{label} every_n_steps", every_n_steps)
         self.hparams = None if hparams is None else dict(hparams)
         if self.hparams is not None:
-            check_plain(f"{label} hparams", self.hparams)
+            self.hparams = plain_values(f"{label} hparams", self.hparams)
         self.run_id = run_id
         self._metric_steps = MetricSteps()
         self._pending: list[Row] = []  # due, not sent yet (sent in order)

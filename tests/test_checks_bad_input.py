@@ -372,3 +372,30 @@ def test_a_tracker_argument_it_could_not_store_is_refused_with_the_fix(build, ex
 
     with pytest.raises(ConfigurationError, match=expected):
         build()
+
+
+def test_tracker_hparams_take_the_values_argparse_and_numpy_give_in_their_plain_form(
+        tmp_path) -> None:
+    """Found in review: the item-15 check refused values that worked (``vars(args)`` with a
+    ``type=Path`` argument, NumPy numbers, a dtype, an enum); they are sent in their plain
+    form, and a function or an object without one is still refused by name."""
+    import enum
+    import pathlib
+
+    import numpy as np
+
+    from hookloop.callbacks import MLflowLogger
+
+    class Mode(enum.Enum):
+        FAST = "fast"
+
+    logger = MLflowLogger("plain", tracking_uri=(tmp_path / "mlruns").as_uri(), hparams={
+        "out": pathlib.Path("runs/a"), "steps": np.int64(3), "rate": np.float32(0.5),
+        "dtype": torch.bfloat16, "mode": Mode.FAST, "scale": torch.tensor(2.0),
+        "sizes": [np.int64(1), 2]})
+    assert logger.hparams == {"out": "runs/a", "steps": 3, "rate": 0.5, "dtype": "bfloat16",
+                              "mode": "fast", "scale": 2.0, "sizes": [1, 2]}
+    assert type(logger.hparams["steps"]) is int
+    with pytest.raises(ConfigurationError, match=r"hparams\['f'\] must be a string"):
+        MLflowLogger("plain", tracking_uri=(tmp_path / "mlruns").as_uri(),
+                     hparams={"f": print})
