@@ -16,6 +16,7 @@ from hookloop.engine.resumable import (
     StampedBatches,
     data_source,
     distributed_sampler,
+    drawn_ahead,
     epoch_order_key,
     global_batch,
     rest_of_epoch,
@@ -25,12 +26,13 @@ from hookloop.engine.resumable import (
     stateful_part,
     stateful_view,
 )
-from hookloop.engine.rng import (capture_rng, host_rng, loader_generators, restore_host_rng,
-                                  restore_rng)
+from hookloop.engine.rng import (capture_rng, host_rng, loader_generators, restore_generators,
+                                  restore_host_rng, restore_rng)
 from hookloop.errors import ConfigurationError
 from hookloop.runfile.format import (
     BATCH_IDX,
     DATA_STATE,
+    DRAWN_AHEAD,
     EPOCH,
     EPOCH_ORDER,
     EPOCH_RNG,
@@ -111,7 +113,7 @@ class Position:
                  "rng", "epoch_rng", "prefetch_rng", "validated", "generators", "host_now",
                  "host_mark", "_replay", "_live", "source", "workers_rng", "data_state",
                  "_stateful", "_batch_samples", "epoch_samples", "step_offset", "_base",
-                 "_loaded", "_order")
+                 "_loaded", "_order", "drawn_ahead", "_ahead")
 
     def __init__(self) -> None:
         self.epoch = self.batches_done = self.step = self.samples = 0
@@ -158,6 +160,12 @@ class Position:
         self._loaded: tuple[int | None, str | None] | None = None
         #: The key of the epoch order of the data (`hookloop.engine.resumable.epoch_order_key`).
         self._order: str | None = None
+        #: Batches the DataLoader's sampler had drawn past the position (its workers'
+        #: prefetch, `hookloop.engine.resumable.drawn_ahead`); None: not known (an older
+        #: file). A resume with another number of workers draws from the generators as
+        #: the interrupted run's sampler drew from them (`_batches`).
+        self.drawn_ahead: int | None = None
+        self._ahead = 0  # ... for the data attached now
 
     @property
     def public(self) -> RunPosition:
@@ -174,6 +182,7 @@ class Position:
         steps)."""
         self.generators = loader_generators(data)
         self.source = data_source(data)
+        self._ahead = drawn_ahead(data) if self.source == "sampler" else 0
         self._stateful = stateful_view(data) if self.source == "stateful" else None
         self._batch_samples = global_batch(data)
         sampler = distributed_sampler(data) if self.source == "sampler" else None
@@ -215,6 +224,7 @@ class Position:
         self.epoch_samples = 0 if not batches_done else None if size is None else \
             base_samples + (batches_done - base_batches) * size
         self.validated = self.validated and step == self.step  # still that step's
+        self.drawn_ahead = self._ahead
         self.epoch, self.batches_done, self.step = epoch, batches_done, step
         self.loss_sum, self.samples = loss_sum, samples
         self.rng = capture_rng(self.generators, full=False)  # host_rng when read (parts)
@@ -263,6 +273,8 @@ class Position:
                 own[MARK_BATCHES], own[MARK_RNG] = self.host_mark
             if self.batches_done and self.workers_rng is not None:
                 own[WORKERS_RNG] = [saved_rng(state) for state in self.workers_rng]
+            if self.batches_done and self.drawn_ahead is not None:
+                own[DRAWN_AHEAD] = self.drawn_ahead
         if self.batches_done and self.data_state is not None:
             own[DATA_STATE] = self.data_state
         return shared, own
@@ -288,6 +300,8 @@ class Position:
         self.rng, self.epoch_rng = own.get(RNG), own.get(EPOCH_RNG)
         self.prefetch_rng = own.get(PREFETCH_RNG)
         self.workers_rng, self.data_state = own.get(WORKERS_RNG), own.get(DATA_STATE)
+        ahead = own.get(DRAWN_AHEAD)
+        self.drawn_ahead = None if ahead is None else int(ahead)
         mark = own.get(MARK_RNG)
         self.host_mark = None if mark is None else (int(own[MARK_BATCHES]), mark)
         samples, size = shared.get(EPOCH_SAMPLES), shared.get(GLOBAL_BATCH)
@@ -330,18 +344,19 @@ class Position:
         self._epoch_generators(skip, replay)
         # skip == total still iterates: a sampler may draw from the loader's generator when
         # its iterator is exhausted (RandomSampler does, after an even last batch).
+        streamed = False  # the loader's generators were put back inside its sampler's draws
         if total is not None and skip > total:
             iterator: Iterator[Any] = iter(())
         elif phase:
             iterator = iter(data)  # the rest of the epoch: nothing of it was read
         else:
-            iterator = self._batches(data, skip, replay)
+            iterator, streamed = self._batches(data, skip, replay)
         if total is None and window > 1:
             if replay and skip and self.prefetch_rng is not None:
                 restore_rng(self.prefetch_rng, generators)
             iterator = self._lookahead(iterator, generators)
         if replay and skip and self.rng is not None:
-            restore_rng(self.rng, generators)
+            restore_rng(self.rng, () if streamed else generators)
         return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses, phase)
 
     def _resharded(self, data: Any, skip: int) -> tuple[Any, int]:
@@ -382,19 +397,29 @@ class Position:
 
         return Lookahead(iterator, snapshot=snapshot)
 
-    def _batches(self, data: Any, skip: int, replay: bool) -> Iterator[Any]:
+    def _batches(self, data: Any, skip: int, replay: bool) -> tuple[Iterator[Any], bool]:
         """An iterator over ``data`` past its first ``skip`` batches: a DataLoader's sampler
         advanced without reading a sample, data with a state loaded at it, else the batches
         fetched again. Python's and NumPy's generators unknown at the position (a save after
-        something drew) make a DataLoader replay too: the data's draws then repeat."""
+        something drew) make a DataLoader replay too: the data's draws then repeat.
+
+        And whether the DataLoader's generators were put back to the position's inside its
+        sampler's draws: once the sampler drew what the interrupted run's had drawn at the
+        position (`drawn_ahead`), so that its later draws come from them whatever the
+        number of workers now prefetches (a shuffling sampler draws the next permutation
+        when it runs out: before the position with workers, after it without)."""
         source, exact_host = self.source, RNG_PYTHON in (self.rng or {})
+        streamed = source == "sampler" and replay and bool(skip) and self.rng is not None \
+            and self.drawn_ahead is not None
         if source == "sampler":
             if skip and exact_host:
-                return sampler_batches(data, skip, self.workers_rng)
-            iterator = sampler_batches(data, 0, None)
+                return sampler_batches(data, skip, self.workers_rng,
+                                       self._put_back_after(0) if streamed else None), streamed
+            iterator = sampler_batches(data, 0, None,
+                                       self._put_back_after(skip) if streamed else None)
         elif source == "stateful" and (self.data_state is not None or not skip):
             return stateful_batches(data, self._stateful, skip, self.data_state,
-                                    self.workers_rng)
+                                    self.workers_rng), False
         else:
             iterator = iter(data)
         if skip:
@@ -404,7 +429,15 @@ class Position:
             if mark is not None and index == mark[0]:  # a validation drew up to here
                 restore_host_rng(mark[1])
             next(iterator)
-        return iterator
+        return iterator, streamed
+
+    def _put_back_after(self, batches: int) -> tuple[int, Callable[[], None]]:
+        """``ahead`` of `hookloop.engine.resumable.SkipBatches`: draw ``batches`` and the
+        batches the interrupted run's sampler had drawn past the position, then put the
+        DataLoader's generators back as they were at the position."""
+        rng, generators = self.rng, self.generators
+        assert rng is not None and self.drawn_ahead is not None
+        return batches + self.drawn_ahead, lambda: restore_generators(rng, generators)
 
 
 def _steps(start: int, end: int, window: int, phase: int, partial: bool) -> int:
