@@ -16,7 +16,7 @@ from hookloop.engine.resumable import (
     StampedBatches,
     data_source,
     distributed_sampler,
-    drawn_ahead,
+    prefetched_batches,
     epoch_order_key,
     global_batch,
     rest_of_epoch,
@@ -161,7 +161,7 @@ class Position:
         #: The key of the epoch order of the data (`hookloop.engine.resumable.epoch_order_key`).
         self._order: str | None = None
         #: Batches the DataLoader's sampler had drawn past the position (its workers'
-        #: prefetch, `hookloop.engine.resumable.drawn_ahead`); None: not known (an older
+        #: prefetch, `hookloop.engine.resumable.prefetched_batches`); None: not known (an older
         #: file). A resume with another number of workers draws from the generators as
         #: the interrupted run's sampler drew from them (`_batches`).
         self.drawn_ahead: int | None = None
@@ -182,7 +182,7 @@ class Position:
         steps)."""
         self.generators = loader_generators(data)
         self.source = data_source(data)
-        self._ahead = drawn_ahead(data) if self.source == "sampler" else 0
+        self._ahead = prefetched_batches(data) if self.source == "sampler" else 0
         self._stateful = stateful_view(data) if self.source == "stateful" else None
         self._batch_samples = global_batch(data)
         sampler = distributed_sampler(data) if self.source == "sampler" else None
@@ -265,19 +265,27 @@ class Position:
             if RNG_PYTHON not in self.rng:
                 self._add_host_rng()
             own[RNG] = self.rng
-            if self.batches_done and self.epoch_rng is not None:
-                own[EPOCH_RNG] = self.epoch_rng
-            if self.batches_done and self.prefetch_rng is not None:
-                own[PREFETCH_RNG] = self.prefetch_rng
-            if self.batches_done and self.host_mark is not None and RNG_PYTHON not in self.rng:
-                own[MARK_BATCHES], own[MARK_RNG] = self.host_mark
-            if self.batches_done and self.workers_rng is not None:
-                own[WORKERS_RNG] = [saved_rng(state) for state in self.workers_rng]
-            if self.batches_done and self.drawn_ahead is not None:
-                own[DRAWN_AHEAD] = self.drawn_ahead
+            if self.batches_done:
+                own.update(self._inside_epoch())
         if self.batches_done and self.data_state is not None:
             own[DATA_STATE] = self.data_state
         return shared, own
+
+    def _inside_epoch(self) -> dict[str, Any]:
+        """The generators' states and counts of a position inside an epoch (for `parts`)."""
+        assert self.rng is not None
+        own: dict[str, Any] = {}
+        if self.epoch_rng is not None:
+            own[EPOCH_RNG] = self.epoch_rng
+        if self.prefetch_rng is not None:
+            own[PREFETCH_RNG] = self.prefetch_rng
+        if self.host_mark is not None and RNG_PYTHON not in self.rng:
+            own[MARK_BATCHES], own[MARK_RNG] = self.host_mark
+        if self.workers_rng is not None:
+            own[WORKERS_RNG] = [saved_rng(state) for state in self.workers_rng]
+        if self.drawn_ahead is not None:
+            own[DRAWN_AHEAD] = self.drawn_ahead
+        return own
 
     def _add_host_rng(self) -> None:
         """Python's and NumPy's generators into the position's snapshot, where they are
@@ -344,19 +352,19 @@ class Position:
         self._epoch_generators(skip, replay)
         # skip == total still iterates: a sampler may draw from the loader's generator when
         # its iterator is exhausted (RandomSampler does, after an even last batch).
-        streamed = False  # the loader's generators were put back inside its sampler's draws
+        later = generators  # put back below: not those `_batches` put back already
         if total is not None and skip > total:
             iterator: Iterator[Any] = iter(())
         elif phase:
             iterator = iter(data)  # the rest of the epoch: nothing of it was read
         else:
-            iterator, streamed = self._batches(data, skip, replay)
+            iterator, later = self._batches(data, skip, replay)
         if total is None and window > 1:
             if replay and skip and self.prefetch_rng is not None:
                 restore_rng(self.prefetch_rng, generators)
             iterator = self._lookahead(iterator, generators)
         if replay and skip and self.rng is not None:
-            restore_rng(self.rng, () if streamed else generators)
+            restore_rng(self.rng, later)
         return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses, phase)
 
     def _resharded(self, data: Any, skip: int) -> tuple[Any, int]:
@@ -397,29 +405,32 @@ class Position:
 
         return Lookahead(iterator, snapshot=snapshot)
 
-    def _batches(self, data: Any, skip: int, replay: bool) -> tuple[Iterator[Any], bool]:
+    def _batches(self, data: Any, skip: int, replay: bool
+                 ) -> tuple[Iterator[Any], list[torch.Generator]]:
         """An iterator over ``data`` past its first ``skip`` batches: a DataLoader's sampler
         advanced without reading a sample, data with a state loaded at it, else the batches
         fetched again. Python's and NumPy's generators unknown at the position (a save after
         something drew) make a DataLoader replay too: the data's draws then repeat.
 
-        And whether the DataLoader's generators were put back to the position's inside its
-        sampler's draws: once the sampler drew what the interrupted run's had drawn at the
-        position (`drawn_ahead`), so that its later draws come from them whatever the
-        number of workers now prefetches (a shuffling sampler draws the next permutation
-        when it runs out: before the position with workers, after it without)."""
+        And the generators the position's state is still to be put back in: none of the
+        DataLoader's where they were put back inside its sampler's draws, once the sampler
+        drew what the interrupted run's had drawn at the position (`drawn_ahead`), so that
+        its later draws come from them whatever the number of workers now prefetches (a
+        shuffling sampler draws the next permutation when it runs out: before the position
+        with workers, after it without)."""
         source, exact_host = self.source, RNG_PYTHON in (self.rng or {})
         streamed = source == "sampler" and replay and bool(skip) and self.rng is not None \
             and self.drawn_ahead is not None
+        later = [] if streamed else self.generators
         if source == "sampler":
             if skip and exact_host:
                 return sampler_batches(data, skip, self.workers_rng,
-                                       self._put_back_after(0) if streamed else None), streamed
+                                       self._put_back_after(0) if streamed else None), later
             iterator = sampler_batches(data, 0, None,
                                        self._put_back_after(skip) if streamed else None)
         elif source == "stateful" and (self.data_state is not None or not skip):
             return stateful_batches(data, self._stateful, skip, self.data_state,
-                                    self.workers_rng), False
+                                    self.workers_rng), later
         else:
             iterator = iter(data)
         if skip:
@@ -429,7 +440,7 @@ class Position:
             if mark is not None and index == mark[0]:  # a validation drew up to here
                 restore_host_rng(mark[1])
             next(iterator)
-        return iterator, streamed
+        return iterator, later
 
     def _put_back_after(self, batches: int) -> tuple[int, Callable[[], None]]:
         """``ahead`` of `hookloop.engine.resumable.SkipBatches`: draw ``batches`` and the

@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover - numpy ships with most torch installs
     _numpy = None
 
 __all__ = ["data_source", "stateful_part", "SkipBatches", "WorkerStamp", "ResumedWorkers",
-           "StampedBatches", "sampler_batches", "drawn_ahead"]
+           "StampedBatches", "sampler_batches", "prefetched_batches"]
 
 
 def stateful_part(data: Any) -> Any:
@@ -275,10 +275,9 @@ def sampler_batches(loader: DataLoader, skip: int, states: list[dict[str, Any] |
     if skip and loader.num_workers > 0 and not stamped:
         _warn_workers("the loader's workers are persistent_workers=True or in_order=False, "
                       "whose generator states hookloop does not carry")
-    if not skip and not stamped and ahead is None:
+    skipping = _skipping(loader, skip, ahead)
+    if skipping is None and not stamped:
         return iter(loader)
-    skipping = SkipBatches(loader.batch_sampler if loader.batch_sampler is not None
-                           else loader.sampler, skip, ahead) if skip or ahead else None
     view = loader_view(loader, skipping) if skipping is not None else copy.copy(loader)
     if not stamped:
         iterator = iter(view)
@@ -301,7 +300,17 @@ def sampler_batches(loader: DataLoader, skip: int, states: list[dict[str, Any] |
     return StampedBatches(iterator, skip, list(states) if skip else [None] * workers)
 
 
-def drawn_ahead(data: Any) -> int:
+def _skipping(loader: DataLoader, skip: int, ahead: tuple[int, Callable[[], None]] | None
+              ) -> SkipBatches | None:
+    """The loader's index sampler skipping ``skip`` batches and drawing ``ahead``, or None
+    where it does neither."""
+    if not skip and ahead is None:
+        return None
+    return SkipBatches(loader.batch_sampler if loader.batch_sampler is not None
+                       else loader.sampler, skip, ahead)
+
+
+def prefetched_batches(data: Any) -> int:
     """Batches of indices a DataLoader's iterator has drawn from its sampler past the
     batches it delivered (up to the epoch's end): its workers' prefetch, ``prefetch_factor``
     per worker (torch puts that many indices in the queues, and one more per batch
