@@ -323,10 +323,12 @@ class Position:
         self._live = None
 
     def start_epoch(self, epoch: int, data: Any, window: int, device: Any,
-                    stop_due: Callable[[], bool]) -> EpochPass:
+                    stop_due: Callable[[], bool],
+                    check: Callable[[Any], None] | None = None) -> EpochPass:
         """The training pass of ``epoch`` over ``data`` (``window`` batches a step, the loss
         summed on ``device``): its batches past those already trained on; ``stop_due()``
-        says at a step boundary whether to end it there.
+        says at a step boundary whether to end it there; ``check(batch)`` is called with
+        its first batch, before the pass yields it (`EpochPass`).
 
         After `load` or `rewind`, the generators are put back as they were when the
         interrupted run created this epoch's iterator (same data order), the trained batches
@@ -348,7 +350,8 @@ class Position:
         replay, self._replay = self._replay, False
         total = length_of(data) if not phase else skip + (length_of(data) or 0)
         if live is not None and live[0] == epoch and skip and not replay:
-            return EpochPass(self, epoch, live[1], skip, total, window, stop_due, losses, phase)
+            return EpochPass(self, epoch, live[1], skip, total, window, stop_due, losses, phase,
+                             check)
         self._epoch_generators(skip, replay)
         # skip == total still iterates: a sampler may draw from the loader's generator when
         # its iterator is exhausted (RandomSampler does, after an even last batch).
@@ -365,7 +368,8 @@ class Position:
             iterator = self._lookahead(iterator, generators)
         if replay and skip and self.rng is not None:
             restore_rng(self.rng, later)
-        return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses, phase)
+        return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses, phase,
+                         check)
 
     def _resharded(self, data: Any, skip: int) -> tuple[Any, int]:
         """``(data, 0)``; or, where the epoch resumes from a sample that does not start one
@@ -489,12 +493,14 @@ class EpochPass:
     """
 
     __slots__ = ("_position", "epoch", "_iterator", "start", "_total", "_window", "_stop_due",
-                 "losses", "batches_done", "completed", "_at_boundary", "_phase")
+                 "losses", "batches_done", "completed", "_at_boundary", "_phase", "_check")
 
     def __init__(self, position: Position, epoch: int, iterator: Iterator[Any], start: int,
                  total: int | None, window: int, stop_due: Callable[[], bool],
-                 losses: LossSum, phase: int = 0) -> None:
+                 losses: LossSum, phase: int = 0,
+                 check: Callable[[Any], None] | None = None) -> None:
         self._position, self.epoch, self._iterator = position, epoch, iterator
+        self._check = check  # called with the first batch (the loop's forward rule's check)
         self._phase = phase  # the windows count from this batch (a resharded epoch's start)
         self.start, self._total, self._window, self._stop_due = start, total, window, stop_due
         #: The sample-weighted sum of this epoch's training losses, on the device.
@@ -509,7 +515,7 @@ class EpochPass:
         iterator, total, window, phase = self._iterator, self._total, self._window, self._phase
         lookahead = iterator if isinstance(iterator, Lookahead) else None
         boundary, batch_idx = True, self.start - 1
-        stop_due, position = self._stop_due, self._position
+        stop_due, position, check = self._stop_due, self._position, self._check
         while True:
             # A stop takes effect at a step boundary the loop took (`record`), never inside
             # a window, also one a callback drew with loop.state.step_boundary.
@@ -526,6 +532,9 @@ class EpochPass:
                 return
             if stopping:  # the data outlived its len(): keep it for a later fit
                 return self._suspend(itertools.chain([batch], iterator))
+            if check is not None:
+                self._check_first(check, batch)
+                check = None
             batch_idx += 1
             # Every batch ends a step without accumulation; else every window-th batch
             # and the one that ends the data.
@@ -535,6 +544,20 @@ class EpochPass:
             self.batches_done = batch_idx + 1
             self._at_boundary = False
             yield batch_idx, batch, boundary
+
+    def _check_first(self, check: Callable[[Any], None], batch: Any) -> None:
+        """``check(batch)`` on the pass's first batch, as it arrives: a batch the loop
+        cannot train on (a mapping with a ``loss_fn`` and no ``inputs=``) is refused before
+        any callback or the model sees it, and without loading a sample the training does
+        not (a resume loads none it trained on). A refused epoch that had just started puts
+        every generator back as it found them (the iterator drew its seeds)."""
+        try:
+            check(batch)
+        except ConfigurationError:
+            position = self._position
+            if not self.start and position.epoch_rng is not None:
+                restore_rng(position.epoch_rng, position.generators)
+            raise
 
     def _suspend(self, iterator: Iterator[Any]) -> None:
         self._position._live = (self.epoch, iterator)
