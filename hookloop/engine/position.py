@@ -364,7 +364,7 @@ class Position:
             iterator, later = self._batches(data, skip, replay)
         if total is None and window > 1:
             if replay and skip and self.prefetch_rng is not None:
-                restore_rng(self.prefetch_rng, generators)
+                restore_rng(self.prefetch_rng, later)
             iterator = self._lookahead(iterator, generators)
         if replay and skip and self.rng is not None:
             restore_rng(self.rng, later)
