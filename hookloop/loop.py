@@ -280,8 +280,8 @@ class Loop(Geometry):
                 traceback; relaunch the same command to continue.
         """
         arguments.check_fit(epochs, max_steps, min_epochs, min_steps, self.callbacks, self,
-                            self.train_data, self.val_data, self._position.epoch, self.loss_fn,
-                            self.forward, self.inputs, self.optimizer)  # before anything ran
+                            self.train_data, self.val_data, self._position.epoch,
+                            self.optimizer)  # before anything ran
         dispatch.bind(self.callbacks, self)
         self.state.min_epochs, self.state.min_steps = min_epochs, min_steps
         with self._end.launch(self.train_data, self.val_data):  # Suspended once it ended
@@ -523,7 +523,8 @@ class Loop(Geometry):
         self.model.train()
         state.training = True
         batches = self._position.start_epoch(state.epoch, self.train_data, self.accumulation_steps,
-                                             self.device, stop_due=self._end.due_at_boundary)
+                                             self.device, stop_due=self._end.due_at_boundary,
+                                             check=self._rule().check_batch)
         if self._cadence.owed_on_resume(batches.start, state.step, self._position.validated):
             self._step_validation(batches)  # the run stopped during the one due at this step
         for batch_idx, batch, state.step_boundary in batches:

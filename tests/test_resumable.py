@@ -158,6 +158,54 @@ def test_workers_whose_draws_cannot_resume_are_named_at_the_resume(tmp_path) -> 
     assert resumed.state.step == 6
 
 
+def _order_of_epochs(workers: int, callbacks: list) -> dict[int, list[int]]:
+    """The samples each epoch of a 3-epoch fit trained on, in order (6 batches of 4, shuffled
+    by the loader's generator; sample i's input is i), over ``workers`` DataLoader workers."""
+    from hookloop import Callback
+
+    seen: dict[int, list[int]] = {}
+
+    class Seen(Callback):
+        def on_batch_end(self, loop):
+            seen.setdefault(loop.state.epoch, []).extend(
+                int(value) for value in loop.state.batch[0][:, 0])
+
+    loader = DataLoader(_dataset(), 4, shuffle=True, num_workers=workers,
+                        generator=torch.Generator().manual_seed(1))
+    loop = make_loop([*callbacks, Seen()], model=lambda: torch.nn.Linear(1, 1), train=loader,
+                     sanity_val_batches=0)
+    try:
+        loop.fit(3)
+    except SystemExit:  # the stop that ends the interrupted launch
+        pass
+    return seen
+
+
+@pytest.mark.parametrize("saved, resumed", [(0, 2), (2, 0), (2, 1)])
+def test_a_resume_with_another_num_workers_draws_the_uninterrupted_run_s_later_epochs(
+        tmp_path, saved: int, resumed: int) -> None:
+    """The shuffling sampler draws its next permutation from the loader's generator when its
+    iterator runs out: with workers, whose prefetch runs ahead, before the position of
+    step 3 (batch 3 of 6), without workers after it. Resumed with another number of
+    workers, every later epoch must still be the uninterrupted run's order (which is the
+    same for any number of workers, as torch draws it)."""
+    import warnings
+
+    from hookloop.callbacks import Checkpoint
+
+    from builders import StopAt
+
+    expected = _order_of_epochs(saved, [])
+    assert _order_of_epochs(resumed, []) == expected  # torch: the same for 0 and 2 workers
+    stopped = _order_of_epochs(saved, [Checkpoint(tmp_path, every_n_steps=1),
+                                       StopAt(3, resumable=True)])
+    assert stopped == {0: expected[0][:12]}
+    with warnings.catch_warnings():  # the workers' own draws start afresh: said, not tested
+        warnings.simplefilter("ignore", RuntimeWarning)
+        order = _order_of_epochs(resumed, [Checkpoint(tmp_path, resume=True)])
+    assert order == {0: expected[0][12:], 1: expected[1], 2: expected[2]}
+
+
 class _CountingStream:
     """An iterable with a state (no len()): batch i holds the value i."""
 

@@ -22,9 +22,7 @@ from hookloop.callback import Callback
 from hookloop.base.checks import (check_choice, check_flag, check_int, check_name,
                                   check_optional_int, is_int, refusal, resolve_device)
 from hookloop.engine.data import find_targets, length_of
-from hookloop.engine.forward import check_batch_rule
 from hookloop.engine.ordering import check_callbacks
-from hookloop.engine.untouched import untouched
 from hookloop.errors import ConfigurationError, with_article
 
 __all__ = ["check_loop_arguments", "check_loss_reduction", "check_learning_rates",
@@ -424,36 +422,19 @@ def check_fit_data(train_data: Any, epochs_left: int, val_data: Any = None) -> N
 
 def check_fit(epochs: Any, max_steps: Any, min_epochs: Any, min_steps: Any,
               callbacks: Sequence[object], host: object, train_data: Any, val_data: Any,
-              epoch: int, loss_fn: Any, forward: Any, inputs: Any,
-              optimizer: Any = None) -> None:
+              epoch: int, optimizer: Any = None) -> None:
     """At ``fit``: its arguments (`check_fit_arguments`), the callback stack
     (`hookloop.engine.ordering.check_callbacks`, with ``host``, the loop, for the callbacks'
     ``produces``), one-shot data for the epochs left after ``epoch`` (`check_fit_data`),
-    the first sample against the loop's ``loss_fn``, ``forward`` and ``inputs=``
-    (`hookloop.engine.forward.check_batch_rule`), and the ``optimizer``'s learning rates
-    as they are now (`check_learning_rates`: ``param_groups`` may have been edited since the
-    loop was built)."""
+    and the ``optimizer``'s learning rates as they are now (`check_learning_rates`:
+    ``param_groups`` may have been edited since the loop was built). The first batch is
+    checked against the loop's ``loss_fn``, ``forward`` and ``inputs=`` when it arrives,
+    before anything sees it (`hookloop.engine.position.EpochPass`): reading a sample here
+    would load one more than the training does, and on a resume one it trained on already."""
     check_fit_arguments(epochs, max_steps, min_epochs, min_steps)
     check_learning_rates(optimizer, " at fit start")
     check_callbacks(callbacks, host, val_data)  # a stack that cannot work: nothing ran yet
     check_fit_data(train_data, epochs - epoch, val_data)
-    check_batch_rule(_first_sample(train_data), loss_fn=loss_fn, forward=forward, inputs=inputs)
-
-
-def _first_sample(data: Any) -> Any:
-    """The first batch of a list, or the first sample of a DataLoader's map-style dataset,
-    read without iterating the data (and without changing any random stream); else None."""
-    if isinstance(data, (list, tuple)):
-        return data[0] if data else None
-    dataset = getattr(data, "dataset", None)
-    if isinstance(data, DataLoader) and not isinstance(dataset, IterableDataset) and \
-            length_of(dataset):
-        with untouched():
-            try:
-                return dataset[0]
-            except Exception:  # the loader will show its own error where it has one
-                return None
-    return None
 
 
 def check_fit_arguments(epochs: Any, max_steps: Any, min_epochs: Any = None,

@@ -16,6 +16,7 @@ from hookloop.engine.resumable import (
     StampedBatches,
     data_source,
     distributed_sampler,
+    prefetched_batches,
     epoch_order_key,
     global_batch,
     rest_of_epoch,
@@ -25,12 +26,13 @@ from hookloop.engine.resumable import (
     stateful_part,
     stateful_view,
 )
-from hookloop.engine.rng import (capture_rng, host_rng, loader_generators, restore_host_rng,
-                                  restore_rng)
+from hookloop.engine.rng import (capture_rng, host_rng, loader_generators, restore_generators,
+                                  restore_host_rng, restore_rng)
 from hookloop.errors import ConfigurationError
 from hookloop.runfile.format import (
     BATCH_IDX,
     DATA_STATE,
+    DRAWN_AHEAD,
     EPOCH,
     EPOCH_ORDER,
     EPOCH_RNG,
@@ -111,7 +113,8 @@ class Position:
                  "rng", "epoch_rng", "prefetch_rng", "validated", "generators", "host_now",
                  "host_mark", "_replay", "_live", "source", "workers_rng", "data_state",
                  "_stateful", "_batch_samples", "epoch_samples", "step_offset", "_base",
-                 "_loaded", "_order", "attached", "batches")
+                 "_loaded", "_order", "attached", "batches", "drawn_ahead",
+                 "_ahead")
 
     def __init__(self) -> None:
         self.epoch = self.batches_done = self.step = self.samples = 0
@@ -163,6 +166,12 @@ class Position:
         #: ``len()`` of the data `attach` was given (None: it has none): `Geometry` reads
         #: it while a fit runs, so the step geometry is one for the whole fit.
         self.batches: int | None = None
+        #: Batches the DataLoader's sampler had drawn past the position (its workers'
+        #: prefetch, `hookloop.engine.resumable.prefetched_batches`); None: not known (an older
+        #: file). A resume with another number of workers draws from the generators as
+        #: the interrupted run's sampler drew from them (`_batches`).
+        self.drawn_ahead: int | None = None
+        self._ahead = 0  # ... for the data attached now
 
     @property
     def public(self) -> RunPosition:
@@ -185,6 +194,7 @@ class Position:
         self.attached, self.batches = True, length_of(data)
         self.generators = loader_generators(data)
         self.source = data_source(data)
+        self._ahead = prefetched_batches(data) if self.source == "sampler" else 0
         self._stateful = stateful_view(data) if self.source == "stateful" else None
         self._batch_samples = global_batch(data)
         sampler = distributed_sampler(data) if self.source == "sampler" else None
@@ -226,6 +236,7 @@ class Position:
         self.epoch_samples = 0 if not batches_done else None if size is None else \
             base_samples + (batches_done - base_batches) * size
         self.validated = self.validated and step == self.step  # still that step's
+        self.drawn_ahead = self._ahead
         self.epoch, self.batches_done, self.step = epoch, batches_done, step
         self.loss_sum, self.samples = loss_sum, samples
         self.rng = capture_rng(self.generators, full=False)  # host_rng when read (parts)
@@ -266,17 +277,27 @@ class Position:
             if RNG_PYTHON not in self.rng:
                 self._add_host_rng()
             own[RNG] = self.rng
-            if self.batches_done and self.epoch_rng is not None:
-                own[EPOCH_RNG] = self.epoch_rng
-            if self.batches_done and self.prefetch_rng is not None:
-                own[PREFETCH_RNG] = self.prefetch_rng
-            if self.batches_done and self.host_mark is not None and RNG_PYTHON not in self.rng:
-                own[MARK_BATCHES], own[MARK_RNG] = self.host_mark
-            if self.batches_done and self.workers_rng is not None:
-                own[WORKERS_RNG] = [saved_rng(state) for state in self.workers_rng]
+            if self.batches_done:
+                own.update(self._inside_epoch())
         if self.batches_done and self.data_state is not None:
             own[DATA_STATE] = self.data_state
         return shared, own
+
+    def _inside_epoch(self) -> dict[str, Any]:
+        """The generators' states and counts of a position inside an epoch (for `parts`)."""
+        assert self.rng is not None
+        own: dict[str, Any] = {}
+        if self.epoch_rng is not None:
+            own[EPOCH_RNG] = self.epoch_rng
+        if self.prefetch_rng is not None:
+            own[PREFETCH_RNG] = self.prefetch_rng
+        if self.host_mark is not None and RNG_PYTHON not in self.rng:
+            own[MARK_BATCHES], own[MARK_RNG] = self.host_mark
+        if self.workers_rng is not None:
+            own[WORKERS_RNG] = [saved_rng(state) for state in self.workers_rng]
+        if self.drawn_ahead is not None:
+            own[DRAWN_AHEAD] = self.drawn_ahead
+        return own
 
     def _add_host_rng(self) -> None:
         """Python's and NumPy's generators into the position's snapshot, where they are
@@ -299,6 +320,8 @@ class Position:
         self.rng, self.epoch_rng = own.get(RNG), own.get(EPOCH_RNG)
         self.prefetch_rng = own.get(PREFETCH_RNG)
         self.workers_rng, self.data_state = own.get(WORKERS_RNG), own.get(DATA_STATE)
+        ahead = own.get(DRAWN_AHEAD)
+        self.drawn_ahead = None if ahead is None else int(ahead)
         mark = own.get(MARK_RNG)
         self.host_mark = None if mark is None else (int(own[MARK_BATCHES]), mark)
         samples, size = shared.get(EPOCH_SAMPLES), shared.get(GLOBAL_BATCH)
@@ -312,10 +335,12 @@ class Position:
         self._live = None
 
     def start_epoch(self, epoch: int, data: Any, window: int, device: Any,
-                    stop_due: Callable[[], bool]) -> EpochPass:
+                    stop_due: Callable[[], bool],
+                    check: Callable[[Any], None] | None = None) -> EpochPass:
         """The training pass of ``epoch`` over ``data`` (``window`` batches a step, the loss
         summed on ``device``): its batches past those already trained on; ``stop_due()``
-        says at a step boundary whether to end it there.
+        says at a step boundary whether to end it there; ``check(batch)`` is called with
+        its first batch, before the pass yields it (`EpochPass`).
 
         After `load` or `rewind`, the generators are put back as they were when the
         interrupted run created this epoch's iterator (same data order), the trained batches
@@ -337,23 +362,26 @@ class Position:
         replay, self._replay = self._replay, False
         total = length_of(data) if not phase else skip + (length_of(data) or 0)
         if live is not None and live[0] == epoch and skip and not replay:
-            return EpochPass(self, epoch, live[1], skip, total, window, stop_due, losses, phase)
+            return EpochPass(self, epoch, live[1], skip, total, window, stop_due, losses, phase,
+                             check)
         self._epoch_generators(skip, replay)
         # skip == total still iterates: a sampler may draw from the loader's generator when
         # its iterator is exhausted (RandomSampler does, after an even last batch).
+        later = generators  # put back below: not those `_batches` put back already
         if total is not None and skip > total:
             iterator: Iterator[Any] = iter(())
         elif phase:
             iterator = iter(data)  # the rest of the epoch: nothing of it was read
         else:
-            iterator = self._batches(data, skip, replay)
+            iterator, later = self._batches(data, skip, replay)
         if total is None and window > 1:
             if replay and skip and self.prefetch_rng is not None:
-                restore_rng(self.prefetch_rng, generators)
+                restore_rng(self.prefetch_rng, later)
             iterator = self._lookahead(iterator, generators)
         if replay and skip and self.rng is not None:
-            restore_rng(self.rng, generators)
-        return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses, phase)
+            restore_rng(self.rng, later)
+        return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses, phase,
+                         check)
 
     def _resharded(self, data: Any, skip: int) -> tuple[Any, int]:
         """``(data, 0)``; or, where the epoch resumes from a sample that does not start one
@@ -393,19 +421,32 @@ class Position:
 
         return Lookahead(iterator, snapshot=snapshot)
 
-    def _batches(self, data: Any, skip: int, replay: bool) -> Iterator[Any]:
+    def _batches(self, data: Any, skip: int, replay: bool
+                 ) -> tuple[Iterator[Any], list[torch.Generator]]:
         """An iterator over ``data`` past its first ``skip`` batches: a DataLoader's sampler
         advanced without reading a sample, data with a state loaded at it, else the batches
         fetched again. Python's and NumPy's generators unknown at the position (a save after
-        something drew) make a DataLoader replay too: the data's draws then repeat."""
+        something drew) make a DataLoader replay too: the data's draws then repeat.
+
+        And the generators the position's state is still to be put back in: none of the
+        DataLoader's where they were put back inside its sampler's draws, once the sampler
+        drew what the interrupted run's had drawn at the position (`drawn_ahead`), so that
+        its later draws come from them whatever the number of workers now prefetches (a
+        shuffling sampler draws the next permutation when it runs out: before the position
+        with workers, after it without)."""
         source, exact_host = self.source, RNG_PYTHON in (self.rng or {})
+        streamed = source == "sampler" and replay and bool(skip) and self.rng is not None \
+            and self.drawn_ahead is not None
+        later = [] if streamed else self.generators
         if source == "sampler":
             if skip and exact_host:
-                return sampler_batches(data, skip, self.workers_rng)
-            iterator = sampler_batches(data, 0, None)
+                return sampler_batches(data, skip, self.workers_rng,
+                                       self._put_back_after(0) if streamed else None), later
+            iterator = sampler_batches(data, 0, None,
+                                       self._put_back_after(skip) if streamed else None)
         elif source == "stateful" and (self.data_state is not None or not skip):
             return stateful_batches(data, self._stateful, skip, self.data_state,
-                                    self.workers_rng)
+                                    self.workers_rng), later
         else:
             iterator = iter(data)
         if skip:
@@ -415,7 +456,15 @@ class Position:
             if mark is not None and index == mark[0]:  # a validation drew up to here
                 restore_host_rng(mark[1])
             next(iterator)
-        return iterator
+        return iterator, later
+
+    def _put_back_after(self, batches: int) -> tuple[int, Callable[[], None]]:
+        """``ahead`` of `hookloop.engine.resumable.SkipBatches`: draw ``batches`` and the
+        batches the interrupted run's sampler had drawn past the position, then put the
+        DataLoader's generators back as they were at the position."""
+        rng, generators = self.rng, self.generators
+        assert rng is not None and self.drawn_ahead is not None
+        return batches + self.drawn_ahead, lambda: restore_generators(rng, generators)
 
 
 def _steps(start: int, end: int, window: int, phase: int, partial: bool) -> int:
@@ -456,12 +505,14 @@ class EpochPass:
     """
 
     __slots__ = ("_position", "epoch", "_iterator", "start", "_total", "_window", "_stop_due",
-                 "losses", "batches_done", "completed", "_at_boundary", "_phase")
+                 "losses", "batches_done", "completed", "_at_boundary", "_phase", "_check")
 
     def __init__(self, position: Position, epoch: int, iterator: Iterator[Any], start: int,
                  total: int | None, window: int, stop_due: Callable[[], bool],
-                 losses: LossSum, phase: int = 0) -> None:
+                 losses: LossSum, phase: int = 0,
+                 check: Callable[[Any], None] | None = None) -> None:
         self._position, self.epoch, self._iterator = position, epoch, iterator
+        self._check = check  # called with the first batch (the loop's forward rule's check)
         self._phase = phase  # the windows count from this batch (a resharded epoch's start)
         self.start, self._total, self._window, self._stop_due = start, total, window, stop_due
         #: The sample-weighted sum of this epoch's training losses, on the device.
@@ -476,7 +527,7 @@ class EpochPass:
         iterator, total, window, phase = self._iterator, self._total, self._window, self._phase
         lookahead = iterator if isinstance(iterator, Lookahead) else None
         boundary, batch_idx = True, self.start - 1
-        stop_due, position = self._stop_due, self._position
+        stop_due, position, check = self._stop_due, self._position, self._check
         while True:
             # A stop takes effect at a step boundary the loop took (`record`), never inside
             # a window, also one a callback drew with loop.state.step_boundary.
@@ -493,6 +544,9 @@ class EpochPass:
                 return
             if stopping:  # the data outlived its len(): keep it for a later fit
                 return self._suspend(itertools.chain([batch], iterator))
+            if check is not None:
+                self._check_first(check, batch)
+                check = None
             batch_idx += 1
             # Every batch ends a step without accumulation; else every window-th batch
             # and the one that ends the data.
@@ -502,6 +556,20 @@ class EpochPass:
             self.batches_done = batch_idx + 1
             self._at_boundary = False
             yield batch_idx, batch, boundary
+
+    def _check_first(self, check: Callable[[Any], None], batch: Any) -> None:
+        """``check(batch)`` on the pass's first batch, as it arrives: a batch the loop
+        cannot train on (a mapping with a ``loss_fn`` and no ``inputs=``) is refused before
+        any callback or the model sees it, and without loading a sample the training does
+        not (a resume loads none it trained on). A refused epoch that had just started puts
+        every generator back as it found them (the iterator drew its seeds)."""
+        try:
+            check(batch)
+        except ConfigurationError:
+            position = self._position
+            if not self.start and position.epoch_rng is not None:
+                restore_rng(position.epoch_rng, position.generators)
+            raise
 
     def _suspend(self, iterator: Iterator[Any]) -> None:
         self._position._live = (self.epoch, iterator)

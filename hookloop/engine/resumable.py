@@ -24,10 +24,11 @@ On another number of ranks (`reshard_problem`), a ``DataLoader`` drawing from a 
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import random
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ except ImportError:  # pragma: no cover - numpy ships with most torch installs
     _numpy = None
 
 __all__ = ["data_source", "stateful_part", "SkipBatches", "WorkerStamp", "ResumedWorkers",
-           "StampedBatches", "sampler_batches"]
+           "StampedBatches", "sampler_batches", "prefetched_batches"]
 
 
 def stateful_part(data: Any) -> Any:
@@ -88,16 +89,22 @@ class SkipBatches:
 
     The items are drawn when the iterator is first advanced, as the sampler's own would
     draw them (after the DataLoader drew its workers' base seed), or when `advance` is
-    called; the samples behind them are never read.
+    called; the samples behind them are never read. With ``ahead=(count, then)``, ``count``
+    more items are drawn at once and kept for the iterator to yield, then ``then()`` is
+    called: the sampler has drawn what the interrupted run's had at its position (its
+    workers' prefetch), and ``then`` puts the generators back as they were there, so that
+    what the sampler draws from here on (another number of workers prefetches another
+    number of batches) is drawn from them, as in the interrupted run.
     """
 
-    def __init__(self, sampler: Any, skip: int) -> None:
-        self.sampler, self.skip = sampler, skip
+    def __init__(self, sampler: Any, skip: int,
+                 ahead: tuple[int, Callable[[], None]] | None = None) -> None:
+        self.sampler, self.skip, self.ahead = sampler, skip, ahead
         self._pending: _Skipping | None = None
 
     def __iter__(self) -> Iterator[Any]:
         # Every iterator until one has skipped (torch's multi-worker iterator asks twice).
-        if not self.skip:
+        if not self.skip and self.ahead is None:
             return iter(self.sampler)
         self._pending = _Skipping(self)
         return self._pending
@@ -123,11 +130,17 @@ class _Skipping:
         iterator = self._iterator
         if iterator is None:
             owner = self._owner
-            skip, owner.skip, owner._pending = owner.skip, 0, None
+            skip, ahead = owner.skip, owner.ahead
+            owner.skip, owner.ahead, owner._pending = 0, None, None
             iterator = self._iterator = iter(owner.sampler)
             for _ in range(skip):
                 if next(iterator, _END) is _END:
                     break
+            if ahead is not None:
+                count, then = ahead
+                drawn = list(itertools.islice(iterator, count))
+                then()
+                iterator = self._iterator = itertools.chain(drawn, iterator)
         return iterator
 
     def __iter__(self) -> _Skipping:
@@ -248,10 +261,12 @@ def stamps_workers(loader: DataLoader) -> bool:
         getattr(loader, "in_order", True)
 
 
-def sampler_batches(loader: DataLoader, skip: int,
-                    states: list[dict[str, Any] | None] | None) -> Iterator[Any]:
+def sampler_batches(loader: DataLoader, skip: int, states: list[dict[str, Any] | None] | None,
+                    ahead: tuple[int, Callable[[], None]] | None = None) -> Iterator[Any]:
     """The batches of ``loader`` after its first ``skip``, none of them read; with stamped
-    workers (`stamps_workers`), a `StampedBatches` whose workers resume from ``states``.
+    workers (`stamps_workers`), a `StampedBatches` whose workers resume from ``states``;
+    with ``ahead``, the sampler draws that many batches more before it calls its function
+    (`SkipBatches`).
 
     The loader itself is left as it is: a shallow copy of it gets the skipping sampler and
     the worker-side functions (torch reads them when the iterator is created).
@@ -260,10 +275,9 @@ def sampler_batches(loader: DataLoader, skip: int,
     if skip and loader.num_workers > 0 and not stamped:
         _warn_workers("the loader's workers are persistent_workers=True or in_order=False, "
                       "whose generator states hookloop does not carry")
-    if not skip and not stamped:
+    skipping = _skipping(loader, skip, ahead)
+    if skipping is None and not stamped:
         return iter(loader)
-    skipping = SkipBatches(loader.batch_sampler if loader.batch_sampler is not None
-                           else loader.sampler, skip) if skip else None
     view = loader_view(loader, skipping) if skipping is not None else copy.copy(loader)
     if not stamped:
         iterator = iter(view)
@@ -284,6 +298,28 @@ def sampler_batches(loader: DataLoader, skip: int,
     if skipping is not None:
         skipping.advance()
     return StampedBatches(iterator, skip, list(states) if skip else [None] * workers)
+
+
+def _skipping(loader: DataLoader, skip: int, ahead: tuple[int, Callable[[], None]] | None
+              ) -> SkipBatches | None:
+    """The loader's index sampler skipping ``skip`` batches and drawing ``ahead``, or None
+    where it does neither."""
+    if not skip and ahead is None:
+        return None
+    return SkipBatches(loader.batch_sampler if loader.batch_sampler is not None
+                       else loader.sampler, skip, ahead)
+
+
+def prefetched_batches(data: Any) -> int:
+    """Batches of indices a DataLoader's iterator has drawn from its sampler past the
+    batches it delivered (up to the epoch's end): its workers' prefetch, ``prefetch_factor``
+    per worker (torch puts that many indices in the queues, and one more per batch
+    delivered); none without workers. What the loader's generators hold at a step boundary
+    depends on it (a shuffling sampler draws its next permutation when its iterator runs
+    out)."""
+    if not isinstance(data, DataLoader) or data.num_workers == 0:
+        return 0
+    return int(data.prefetch_factor or 0) * data.num_workers
 
 
 def stateful_view(data: Any) -> Any:

@@ -21,8 +21,8 @@ from hookloop.runfile.format import (  # its keys; the check of a saved state is
     rng_state_problem,
 )
 
-__all__ = ["capture_rng", "host_rng", "restore_rng", "restore_host_rng", "loader_generators",
-           "rng_state_problem"]
+__all__ = ["capture_rng", "host_rng", "restore_rng", "restore_host_rng", "restore_generators",
+           "loader_generators", "rng_state_problem"]
 
 try:  # numpy is optional
     import numpy as _numpy
@@ -75,11 +75,16 @@ def restore_rng(state: dict[str, Any], generators: Iterable[torch.Generator] = (
     """Put back what `capture_rng` returned (generators in the same order)."""
     restore_host_rng(state)
     torch.set_rng_state(state[RNG_TORCH].cpu())
-    for generator, saved in zip(generators, state.get(RNG_GENERATORS, ())):
-        generator.set_state(saved.cpu())
+    restore_generators(state, generators)
     if RNG_CUDA in state and torch.cuda.is_available():
         cuda_states = [s.cpu() for s in state[RNG_CUDA]][: torch.cuda.device_count()]
         torch.cuda.set_rng_state_all(cuda_states)
+
+
+def restore_generators(state: Mapping[str, Any], generators: Iterable[torch.Generator]) -> None:
+    """Put back only ``generators`` (a DataLoader's) of a `capture_rng` state, in order."""
+    for generator, saved in zip(generators, state.get(RNG_GENERATORS, ())):
+        generator.set_state(saved.cpu())
 
 
 def restore_host_rng(state: Mapping[str, Any]) -> None:

@@ -87,14 +87,16 @@ def _handler(name: str, cause: Cause, reason: str) -> Any:
 
 _fitting: Any = None  # shared with the DataLoader workers: how many fits run in this process
 _ended: Any = None  # ... and when the last one ended (time.monotonic(), the same clock)
+_exiting_now: Any = None  # ... and whether the interpreter is exiting (1 once it is)
 #: Seconds after a fit's end during which a worker still ignores the signals: a signal sent
 #: during the fit may reach a worker's handler only once the main process has left it.
 GRACE = 5.0
 
 
-def _shared() -> tuple[Any, Any]:
-    """The values shared with the workers: the running fits, the last fit's end."""
-    global _fitting, _ended
+def _shared() -> tuple[Any, Any, Any]:
+    """The values shared with the workers: the running fits, the last fit's end, whether
+    the interpreter is exiting."""
+    global _fitting, _ended, _exiting_now
     if _fitting is None:
         import atexit
         import multiprocessing  # only for a loop whose loaders have workers
@@ -102,32 +104,42 @@ def _shared() -> tuple[Any, Any]:
 
         _fitting = multiprocessing.RawValue("i", 0)
         _ended = multiprocessing.RawValue("d", float("-inf"))
+        _exiting_now = multiprocessing.RawValue("b", 0)
         # atexit runs its handlers last registered first: this one before multiprocessing's,
         # which terminates the (persistent) workers and joins them without a timeout. A
         # worker still in the grace after a fit would ignore that SIGTERM and the join
         # would wait forever; at the exit there is no fit whose signal it could be.
         atexit.register(_exiting)
-    return _fitting, _ended
+    return _fitting, _ended, _exiting_now
 
 
 def _exiting() -> None:
-    """At the interpreter's exit: the grace ends, the workers end on the next signal."""
-    if _ended is not None:
-        _ended.value = float("-inf")
+    """At the interpreter's exit: the grace ends, the workers end on the next signal, with
+    status 0 (see `_SparingWorkerInit._handle`)."""
+    if _exiting_now is not None:
+        _exiting_now.value = 1
 
 
 class _SparingWorkerInit:
     """A DataLoader's ``worker_init_fn``: the worker ignores ``numbers`` while its main
     process is inside a fit, then calls the loader's own ``worker_init_fn``."""
 
-    def __init__(self, numbers: tuple[int, ...], previous: Any, fitting: Any, ended: Any
-                 ) -> None:
-        self.numbers, self.previous, self.fitting, self.ended = numbers, previous, fitting, ended
+    def __init__(self, numbers: tuple[int, ...], previous: Any, fitting: Any, ended: Any,
+                 exiting: Any) -> None:
+        self.numbers, self.previous = numbers, previous
+        self.fitting, self.ended, self.exiting = fitting, ended, exiting
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.exiting.value:
+            # The main process is exiting: multiprocessing's exit handler terminates the
+            # (persistent) workers. Torch's own handler, which ours replaced, ends a worker
+            # its parent signals with status 0; ended by the signal instead, the worker
+            # would make torch's SIGCHLD handler in the main process print "DataLoader
+            # worker (pid N) is killed by signal: Terminated." at every such exit.
+            os._exit(0)
         if self.fitting.value > 0 or time.monotonic() - self.ended.value < GRACE:
             return  # the main process ends the launch at a step boundary, then stops us
-        signal.signal(signum, signal.SIG_DFL)  # the main process is exiting: end as asked
+        signal.signal(signum, signal.SIG_DFL)  # after the fit and its grace: end as asked
         os.kill(os.getpid(), signum)
 
     def __call__(self, worker_id: int) -> None:
@@ -158,11 +170,11 @@ def sparing_workers(loaders: tuple[Any, ...], numbers: list[int]) -> Iterator[No
     if not numbers or not spared:
         yield
         return
-    fitting, ended = _shared()
+    fitting, ended, exiting = _shared()
     for loader in spared:
         if not isinstance(loader.worker_init_fn, _SparingWorkerInit):
             loader.worker_init_fn = _SparingWorkerInit(tuple(numbers), loader.worker_init_fn,
-                                                       fitting, ended)
+                                                       fitting, ended, exiting)
     fitting.value += 1
     try:
         yield

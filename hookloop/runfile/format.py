@@ -78,6 +78,8 @@ REASON = "reason"  # of ``ended``
 TRAIN_LOSS_SUM, TRAIN_SAMPLES, DATA_STATE = "train_loss_sum", "train_samples", "data_state"
 RNG, EPOCH_RNG, PREFETCH_RNG, MARK_RNG = "rng", "epoch_rng", "prefetch_rng", "mark_rng"
 MARK_BATCHES, WORKERS_RNG = "mark_batches", "workers_rng"
+#: Batches the training DataLoader's sampler had drawn past the position (its prefetch).
+DRAWN_AHEAD = "drawn_ahead"
 # A generators' state (`hookloop.engine.rng.capture_rng`).
 RNG_TORCH, RNG_GENERATORS, RNG_CUDA = "torch", "generators", "cuda"
 RNG_PYTHON, RNG_NUMPY = "python", "numpy"
@@ -93,8 +95,8 @@ KEYS = (META, MODEL, OPTIMIZER, LOOP, RANKS, CALLBACKS, STATE, STATE_CLASSES, ME
         GLOBAL_BATCH, EPOCH_ORDER, STEP_OFFSET,
         BATCHES_PER_EPOCH, OPTIMIZER_CLASS, EPOCHS, MAX_STEPS, ENDED, STOP_HELD, HISTORY, REASON,
         TRAIN_LOSS_SUM, TRAIN_SAMPLES, DATA_STATE, RNG, EPOCH_RNG, PREFETCH_RNG, MARK_RNG,
-        MARK_BATCHES, WORKERS_RNG, RNG_TORCH, RNG_GENERATORS, RNG_CUDA, RNG_PYTHON, RNG_NUMPY,
-        FILE, SHARD_MARK)
+        MARK_BATCHES, WORKERS_RNG, DRAWN_AHEAD, RNG_TORCH, RNG_GENERATORS, RNG_CUDA, RNG_PYTHON,
+        RNG_NUMPY, FILE, SHARD_MARK)
 #: The keys that are also ordinary words with another meaning outside the run file (a
 #: device type, a module's name, a log column, a message's word): a module that uses one
 #: of them for that other meaning does not name the format.
@@ -397,7 +399,7 @@ def _check_loop_part(path: str, part: Any) -> None:
 def _check_rank_part(path: str, where: str, part: Any) -> None:
     """One rank's own part: loss sums, counters and its generators' states."""
     expect_field(path, where, part, isinstance(part, Mapping), "a dict")
-    for field in (TRAIN_SAMPLES, MARK_BATCHES):
+    for field in (TRAIN_SAMPLES, MARK_BATCHES, DRAWN_AHEAD):
         if field in part:
             _expect_int(path, f"{where}.{field}", part[field])
     if part.get(TRAIN_LOSS_SUM) is not None:

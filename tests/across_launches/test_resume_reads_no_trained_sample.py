@@ -175,7 +175,7 @@ def test_killed_twice_and_relaunched_ends_on_the_uninterrupted_weights(
     class Start(Callback):
         def on_fit_start(self, loop: Loop) -> None:
             seen.append(loop.position.batches_done + loop.position.epoch * 10)
-            reads.value = 0  # fit's check of the first sample read one before
+            reads.value = 0  # the reads of this launch only
     resumed = _run(name, workers, [Checkpoint(tmp_path, every_n_steps=1, resume=True), Start()],
                    window, val, 12345, reads)
     assert same_weights(resumed, expected), points
