@@ -280,8 +280,7 @@ class Loop(Geometry):
                 traceback; relaunch the same command to continue.
         """
         arguments.check_fit(epochs, max_steps, min_epochs, min_steps, self.callbacks, self,
-                            self.train_data, self.val_data, self._position.epoch,
-                            self.optimizer)  # before anything ran
+                            self.train_data, self.val_data, self._position.epoch, self.optimizer)
         dispatch.bind(self.callbacks, self)
         self.state.min_epochs, self.state.min_steps = min_epochs, min_steps
         with self._end.launch(self.train_data, self.val_data):  # Suspended once it ended
