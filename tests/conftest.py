@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import signal
 import stat
@@ -30,6 +31,11 @@ def _deterministic() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
 
+
+# platform caches what it asks the system once per process; MLflow asks for the processor
+# (``uname -p``) when its first run starts. Asked here, so a library's probe is not counted
+# as a process a test starts (`_processes_are_slow`), whichever test comes first.
+platform.processor()
 
 # Every test in these folders starts processes (torchrun, a relaunched script) by design.
 _SLOW_FOLDERS = ("across_launches", "distributed")

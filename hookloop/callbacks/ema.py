@@ -253,7 +253,20 @@ class EMA(Callback):
 
     # ------------------------------------------------------------------ events
     def on_fit_start(self, loop: Loop) -> None:
-        """Create the shadow (``ema = theta_0``) or place a loaded one on the model's device."""
+        """Create the shadow (``ema = theta_0``) or place a loaded one on the model's device;
+        with ``validate="both"``, refuse a producer of ``val_*`` metrics listed after this
+        callback: the EMA's pass (in this ``on_validation_end``) would run before that one
+        computed the model's values, and leave it the EMA's."""
+        if self.validate == "both":
+            later = loop.callbacks[loop.callbacks.index(self) + 1:]
+            late = [type(callback).__name__ for callback in later if not isinstance(callback, EMA)
+                    and any(name.startswith("val_") for name in callback.produces(loop))]
+            if late:
+                raise ConfigurationError(
+                    f"EMA(validate='both') runs its second validation, with the EMA weights, "
+                    f"at its on_validation_end, but {', '.join(late)} after it in the list "
+                    "computes its val_* metrics at its own, afterwards: they would be the "
+                    f"EMA's values. List EMA after {', '.join(late)}.")
         self._build(loop.unwrapped_model)
 
     def after_step(self, loop: Loop) -> None:

@@ -371,3 +371,23 @@ def test_a_monitor_of_an_ema_metric_before_the_ema_is_told_to_move() -> None:
                      train=data, val=val, seed=None)
     with pytest.raises(CallbackOrderError, match=r"ema_val_loss"):
         loop.fit(1)
+
+
+def test_validate_both_before_a_producer_of_val_metrics_is_told_to_move() -> None:
+    """Found in review: with ``[EMA(validate="both"), Metrics]`` the EMA's pass ran inside
+    EMA's on_validation_end, before Metrics computed ``val_acc``, which came out as the
+    EMA's value. Refused before the first batch, naming the producer; the order the docs
+    show trains."""
+    from hookloop.callbacks import Metrics
+
+    data, val = make_data(2), make_data(1, seed=9)
+    metric = {"neg_mse": lambda outputs, targets: -((outputs - targets) ** 2).mean()}
+    loop = make_loop([EMA(validate="both"), Metrics(**metric)], model=make_model(),
+                     train=data, val=val, seed=None)
+    with pytest.raises(ConfigurationError, match=r"List EMA after Metrics") as refused:
+        loop.fit(1)
+    assert "validate='both'" in str(refused.value) and loop.state.step == 0
+    loop = make_loop([Metrics(**metric), EMA(validate="both")], model=make_model(),
+                     train=data, val=val, seed=None)
+    loop.fit(1)
+    assert {"val_neg_mse", "ema_val_neg_mse"} <= set(loop.state.metrics)
