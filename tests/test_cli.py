@@ -117,6 +117,7 @@ def test_presets_check_runs_the_kit_on_a_preset() -> None:
     assert missing.returncode == 1 and "No preset named 'no_such_preset'" in missing.stderr
 
 
+@pytest.mark.slow
 def test_usage_error_comes_before_torch_is_imported() -> None:
     """Issue 37 item 6: `hookloop run --nproc two x.py` took 66 s on a cold machine to print
     argparse's error, because torch was imported before the arguments were read. The usage

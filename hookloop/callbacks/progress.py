@@ -418,7 +418,7 @@ class ProgressBar(Callback):
         return format_number(self._samples * distributed.data_parallel_size()
                              / max(seconds, 1e-9))
 
-    def _batch_info(self, loop: Loop, now: float) -> dict[str, str]:
+    def _batch_info(self, loop: Loop, now: float) -> dict[str, Any]:
         """The batch bar's fields: ``loss``, ``lr`` and ``speed`` (each may be empty).
 
         The speed is `ThroughputMonitor`'s ``samples_per_s`` when it has reported this epoch

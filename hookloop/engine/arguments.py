@@ -406,7 +406,7 @@ def _first_sample(data: Any) -> Any:
     read without iterating the data (and without changing any random stream); else None."""
     if isinstance(data, (list, tuple)):
         return data[0] if data else None
-    dataset = getattr(data, "dataset", None)
+    dataset: Any = getattr(data, "dataset", None)
     if isinstance(data, DataLoader) and not isinstance(dataset, IterableDataset) and \
             length_of(dataset):
         with untouched():

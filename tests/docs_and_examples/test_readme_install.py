@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from conftest import ROOT
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -71,6 +73,7 @@ def test_the_cpu_line_gives_up_on_an_unreachable_index_and_the_readme_gives_the_
     assert "cannot be reached" in after and "`pip install torch`" in after
 
 
+@pytest.mark.slow
 def test_the_cpu_line_ignores_a_mirror_in_any_pip_configuration(tmp_path) -> None:
     """Issue 37 item 7: an extra-index-url in a pip configuration (a mirror) was searched
     beside PyTorch's CPU index, and pip resolved a CUDA torch from it. The README's line,
