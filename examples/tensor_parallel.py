@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from hookloop import Callback, Loop, distributed
+from hookloop import Callback, Loop, Mesh, distributed
 from hookloop.callbacks import (
     FSDP,
     ActivationCheckpointing,
@@ -34,7 +34,6 @@ from hookloop.callbacks import (
     GradClip,
     TensorParallel,
 )
-from hookloop.parallel.mesh import Mesh
 
 VOCABULARY, LENGTH = 32, 12
 

@@ -109,7 +109,8 @@ class DevTools:
             if value:
                 return value
             time.sleep(0.2)
-        raise Failure(f"{what}: not within {DEADLINE_S:.0f} s (page {self.evaluate('location.href')})")
+        where = self.evaluate("location.href")
+        raise Failure(f"{what}: not within {DEADLINE_S:.0f} s (page {where})")
 
     def open(self, url: str) -> None:
         self.call("Page.navigate", url=url)

@@ -192,7 +192,8 @@ class FSDP(Callback):
             self._shard(loop, module)
             if self._launch.created_group:
                 destroy_at_exit(self._launch)
-        cast(Any, module).set_requires_gradient_sync(True)  # a window an exception cut short is over
+        # A window an exception cut short is over.
+        cast(Any, module).set_requires_gradient_sync(True)
         self._syncing = True
         sharded.set_layout(module, self.state_dict_layout)
         self._launch.shard_data(loop, self.mesh)

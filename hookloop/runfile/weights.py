@@ -201,7 +201,8 @@ def all_finite(weights: Mapping[str, Any], *, agree: bool = False) -> bool:
         False
     """
     tensors = [value for value in weights.values() if isinstance(value, torch.Tensor)]
-    checks = [torch.isfinite(cast(Any, value).to_local() if is_sharded_tensor(value) else value).all()
+    checks = [torch.isfinite(cast(Any, value).to_local() if is_sharded_tensor(value)
+                            else value).all()
               for value in tensors if value.is_floating_point()]
     finite = bool(torch.stack([check.cpu() for check in checks]).all()) if checks else True
     if agree or any(is_sharded_tensor(value) for value in tensors):
