@@ -2,16 +2,21 @@
 
 Every feature (mixed precision, DDP, clipping, accumulation, EMA, schedules, metrics, early
 stopping, checkpoints, logging) is an independent `Callback` stacked in a list.
+
+The package's names are imported on first use (PEP 562), so that ``import hookloop`` and
+the ``hookloop`` command do not import torch before they need it: a usage error of
+``hookloop run`` comes at once, not after torch's import.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
+import types
 import warnings
+from typing import TYPE_CHECKING
 
-from hookloop import distributed
-from hookloop.callback import Callback
-from hookloop.engine.describe import describe
+from hookloop.base.deprecation import install_moved_modules
 from hookloop.errors import (
     CallbackOrderError,
     CheckpointError,
@@ -24,13 +29,18 @@ from hookloop.errors import (
     Suspended,
     Terminated,
 )
-from hookloop.base.deprecation import install_moved_modules
-from hookloop.base.events import Event
-from hookloop.base.phase import Phase
-from hookloop.engine.state import LoopState
-from hookloop.loop import Loop
-from hookloop.lr_find import LRFindResult, lr_find
-from hookloop.runfile.loading import load_checkpoint
+
+if TYPE_CHECKING:
+    from hookloop import distributed
+    from hookloop.base.events import Event
+    from hookloop.base.phase import Phase
+    from hookloop.callback import Callback
+    from hookloop.engine.describe import describe
+    from hookloop.engine.state import LoopState
+    from hookloop.loop import Loop
+    from hookloop.lr_find import LRFindResult, lr_find
+    from hookloop.parallel.mesh import Mesh
+    from hookloop.runfile.loading import load_checkpoint
 
 __version__ = "0.1.0"
 
@@ -40,6 +50,49 @@ install_moved_modules()  # the modules' paths before the floors (issue 23), unti
 # hides DeprecationWarnings outside __main__), unless -W or PYTHONWARNINGS say otherwise.
 if not sys.warnoptions:
     warnings.filterwarnings("default", category=HookloopDeprecationWarning)
+
+#: The names imported on first use -> their module (the module itself for ``distributed``).
+_LAZY = {
+    "Callback": "hookloop.callback",
+    "Event": "hookloop.base.events",
+    "LRFindResult": "hookloop.lr_find",
+    "Loop": "hookloop.loop",
+    "LoopState": "hookloop.engine.state",
+    "Mesh": "hookloop.parallel.mesh",
+    "Phase": "hookloop.base.phase",
+    "describe": "hookloop.engine.describe",
+    "distributed": "hookloop.distributed",
+    "load_checkpoint": "hookloop.runfile.loading",
+    "lr_find": "hookloop.lr_find",
+}
+
+if not TYPE_CHECKING:  # type checkers read the imports above; a typo stays an error there
+
+    def __getattr__(name: str) -> object:
+        if name not in _LAZY:
+            raise AttributeError(f"module 'hookloop' has no attribute {name!r}")
+        module = importlib.import_module(_LAZY[name])
+        value = module if name == "distributed" else getattr(module, name)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+class _Package(types.ModuleType):
+    """The package's module: ``hookloop.lr_find`` stays the function when its module of the
+    same name is imported after it (the import system sets the module on its package)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "lr_find" and isinstance(value, types.ModuleType):
+            value = value.lr_find
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __all__ = [
     "Callback",
@@ -54,6 +107,7 @@ __all__ = [
     "LogWriteError",
     "Loop",
     "LoopState",
+    "Mesh",
     "NonFiniteError",
     "Phase",
     "Suspended",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from hookloop.engine.boundary import BoundaryStates
 from hookloop.engine.cadence import Cadence
 from hookloop.engine.data import LossSum
 from hookloop.engine.describe import describe
-from hookloop.engine.dispatch import Table, Wrapper
+from hookloop.engine.dispatch import MaybeTable, Table, Wrapper
 from hookloop.engine.forward import ForwardRule, Selector, check_loss, predict_dtype
 from hookloop.engine.geometry import Geometry
 from hookloop.engine.ordering import check_callbacks
@@ -144,8 +144,8 @@ class Loop(Geometry):
         #: ``fn(callback, event, method) -> callable`` wrapping every dispatched method
         #: (set by a profiler or tracer in its ``setup``); None dispatches the methods as they are.
         self.handler_wrapper: Wrapper | None = None
-        self._phases, self._epoch_completed, self._table = Phases(), False, None
-        self._position = Position()  # where the weights are, in data terms (see state_dict)
+        self._phases, self._epoch_completed, self._table = Phases(), False, cast(MaybeTable, None)
+        self._position: Position = Position()  # where the weights are, in data terms (state_dict)
         # _boundary: the callbacks' states at the last step boundary
         self._cadence, self._stepper, self._boundary = Cadence(), OptimizerStep(), BoundaryStates()
         self._end = run_end.RunEnd(self.state, self._position, lambda: self.total_steps)
@@ -544,7 +544,7 @@ class Loop(Geometry):
         train_loss = batches.train_loss()
         if train_loss is not None:
             state.metrics["train_loss"] = train_loss
-        return batches.completed
+        return bool(batches.completed)
 
     def _forward(self, batch: Any, batches: EpochPass, table: Table) -> torch.Tensor:
         """Outputs and loss of a training batch; returns the loss to backpropagate."""
@@ -584,7 +584,7 @@ class Loop(Geometry):
         # snapshot is taken again, so that a resume draws what follows it.
         batches.record(self.state.step, validated=True)
 
-    def _validate_pass(self, data: Iterable[Any], prefix: str, limit: int | None = None,
+    def _validate_pass(self, data: Any, prefix: str, limit: int | None = None,
                        events: Table | None = None) -> None:
         """One pass over (the first ``limit`` batches of) ``data`` without gradients; the
         events go to ``events`` (default: the loop's table), the contexts come from the loop's."""

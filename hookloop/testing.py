@@ -54,7 +54,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -161,7 +161,7 @@ def _make(factory: Factory, directory: str) -> Callback:
     try:
         parameters = inspect.signature(factory).parameters
     except (TypeError, ValueError):
-        parameters = {}
+        parameters = inspect.Signature().parameters  # none
     required = [p for p in parameters.values() if p.default is p.empty
                 and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     os.makedirs(directory, exist_ok=True)
@@ -243,7 +243,7 @@ class _Capture(Callback):
     """First in the stack: the callbacks' states at fit start, right after the restore."""
 
     def __init__(self, callbacks: Sequence[Callback]) -> None:
-        self.callbacks, self.states = list(callbacks), {}
+        self.callbacks, self.states = list(callbacks), dict[str, Any]()
 
     def on_fit_start(self, loop: Any) -> None:
         self.states = _states(self.callbacks)
@@ -574,7 +574,7 @@ def check_preset(name: str, *, seed: int = 0, relaunch: bool = False,
     from hookloop import presets
 
     presets.get(name, **arguments)  # refused now, by name, when it cannot be used
-    factory = _PresetFactory(name, arguments)
+    factory = cast(Factory, _PresetFactory(name, arguments))  # the kit takes a stack's too
     with _folder(None) as root:
         previous = os.getcwd()
         os.chdir(root)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -123,3 +125,25 @@ def test_presets_check_runs_the_kit_on_a_preset() -> None:
     assert "hookloop presets check debug: every check of hookloop.testing passed" in result.stdout
     missing = _run("presets", "check", "no_such_preset")
     assert missing.returncode == 1 and "No preset named 'no_such_preset'" in missing.stderr
+
+
+@pytest.mark.slow
+def test_usage_error_comes_before_torch_is_imported() -> None:
+    """Issue 37 item 6: `hookloop run --nproc two x.py` took 66 s on a cold machine to print
+    argparse's error, because torch was imported before the arguments were read. The usage
+    line now comes without torch in the process, and within a second as a console script."""
+    code = ("import sys\nfrom hookloop.cli import main\ntry:\n    main(['run', '--nproc', 'two', "
+            "'x.py'])\nexcept SystemExit as end:\n    print(end.code, 'torch' in sys.modules)")
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120, env=subprocess_env())
+    assert probe.stdout.split() == ["2", "False"], probe.stderr
+    assert "usage: hookloop run" in probe.stderr and "--nproc" in probe.stderr
+    # The wall time of the real command (a second try absorbs a busy machine's hiccup).
+    for _ in range(2):
+        started = time.perf_counter()
+        result = _run("run", "--nproc", "two", "x.py")
+        elapsed = time.perf_counter() - started
+        if elapsed < 1.0:
+            break
+    assert result.returncode == 2 and "usage: hookloop run" in result.stderr, result.stderr
+    assert elapsed < 1.0, f"the usage error took {elapsed:.2f} s"

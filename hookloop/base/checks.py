@@ -20,7 +20,7 @@ import math
 import os
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -87,6 +87,16 @@ def check_flag(label: str, value: Any, *, hint: str = "") -> bool:
     return value
 
 
+@overload
+def check_number(label: str, value: Any, *, minimum: float | None = ...,
+                 above: float | None = ..., below: float | None = ...,
+                 maximum: float | None = ..., optional: Literal[False] = ...,
+                 hint: str = ...) -> float: ...
+@overload
+def check_number(label: str, value: Any, *, minimum: float | None = ...,
+                 above: float | None = ..., below: float | None = ...,
+                 maximum: float | None = ..., optional: bool,
+                 hint: str = ...) -> float | None: ...
 def check_number(label: str, value: Any, *, minimum: float | None = None,
                  above: float | None = None, below: float | None = None,
                  maximum: float | None = None, optional: bool = False,
@@ -150,13 +160,16 @@ def check_duration(label: str, value: Any, *, hint: str = "") -> float:
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
     elif isinstance(value, str) and (match := _SLURM_TIME.match(value.strip())):
-        days, first, second, third = (int(part) if part else None for part in match.groups())
+        days, first_field, second, third = (int(part) if part else None
+                                            for part in match.groups())
+        first = first_field or 0  # always matched: the pattern requires it
+        fields: tuple[tuple[str, int | None, int], ...]
         if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
             fields = (("hours", first, 24), ("minutes", second, 60), ("seconds", third, 60))
             seconds = float(days * 86400 + first * 3600 + (second or 0) * 60 + (third or 0))
         elif third is not None:  # HH:MM:SS
             fields = (("minutes", second, 60), ("seconds", third, 60))
-            seconds = float(first * 3600 + (second or 0) * 60 + third)
+            seconds = float(first * 3600 + (second or 0) * 60 + (third or 0))
         else:  # MM or MM:SS
             fields = (("seconds", second, 60),)
             seconds = float(first * 60 + (second or 0))

@@ -160,7 +160,7 @@ class ActivationCheckpointing(Callback):
             if current is not None and vars(block).get("forward") is current:
                 continue  # a second fit: checkpointed already
             patched = _CheckpointedForward(block.forward, self._context_fn)
-            block.forward = patched  # type: ignore[method-assign]
+            block.forward = patched
             _checkpointed[block] = patched
         self.blocks = blocks
 

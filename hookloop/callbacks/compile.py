@@ -7,7 +7,7 @@ import types
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -168,7 +168,7 @@ class Compile(Callback):
     def _compiled_module(self, module: nn.Module) -> nn.Module:
         entry = self._compiled.get(id(module))
         if entry is None or entry[0] is not module:
-            entry = (module, torch.compile(module, **self.torch_compile_kwargs))
+            entry = (module, cast(nn.Module, torch.compile(module, **self.torch_compile_kwargs)))
             self._compiled[id(module)] = entry
         return entry[1]
 

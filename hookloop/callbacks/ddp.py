@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch.distributed as dist
 from torch import nn
@@ -214,7 +214,7 @@ class DDP(Callback):
         # DDP's forward may broadcast buffers on the first call after training: a collective
         # that a rank with fewer (or no) validation batches would never join.
         wrapper = loop.model
-        loop.model = wrapper.module
+        loop.model = cast(nn.Module, wrapper.module)
         try:
             yield
         finally:

@@ -424,7 +424,7 @@ class EMA(Callback):
             "decay": self.decay,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a shadow; it is placed on the model's device at fit start (the loop
         loads it before ``on_fit_start``), or at once when a model is known already."""
         shadow = dict(state.get("shadow") or {})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -192,7 +192,8 @@ class FSDP(Callback):
             self._shard(loop, module)
             if self._launch.created_group:
                 destroy_at_exit(self._launch)
-        module.set_requires_gradient_sync(True)  # a window an exception cut short is over
+        # A window an exception cut short is over.
+        cast(Any, module).set_requires_gradient_sync(True)
         self._syncing = True
         sharded.set_layout(module, self.state_dict_layout)
         self._launch.shard_data(loop, self.mesh)
@@ -242,7 +243,7 @@ class FSDP(Callback):
         # does nothing under FSDP.)
         boundary = loop.state.step_boundary
         if boundary != self._syncing and sharded.is_sharded_module(loop.unwrapped_model):
-            loop.unwrapped_model.set_requires_gradient_sync(boundary)
+            cast(Any, loop.unwrapped_model).set_requires_gradient_sync(boundary)
             self._syncing = boundary
         return None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -129,8 +129,9 @@ class GradClip(Callback):
         if self.max_norm is not None:
             loop.state.grad_norm = clip_grad_norm(params, self.max_norm, self.norm_type)
         else:
-            loop.state.grad_norm = total_norm([param.grad for param in params], self.norm_type)
-            torch.nn.utils.clip_grad_value_(params, self.max_value)
+            grads = [param.grad for param in params if param.grad is not None]  # all of them
+            loop.state.grad_norm = total_norm(grads, self.norm_type)
+            torch.nn.utils.clip_grad_value_(params, cast(float, self.max_value))
 
     def _warn_no_grad(self, loop: Loop) -> None:
         if self._warned_no_grad:

@@ -508,7 +508,7 @@ class LRScheduler(Callback):
         schedule also ``factory_total_steps``, the total it was built for."""
         if self._scheduler is None or not callable(getattr(self._scheduler, "state_dict", None)):
             return {}
-        state = self._scheduler.state_dict()
+        state: dict[str, Any] = self._scheduler.state_dict()
         if self._factory is not None and self._built_total is not None:
             state = {**state, _TOTAL_KEY: self._built_total}
         return state

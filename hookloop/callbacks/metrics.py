@@ -48,6 +48,8 @@ def _targets_key(batch: Mapping[Any, Any]) -> Any:
 def _missing_targets(metrics: Metrics, error: Exception, batch: Any, outputs: Any) -> str:
     """The error of a metric that failed on a batch without targets: the batch's real keys
     and both places to say where the targets are (the loop's rule, or these metrics')."""
+    rule: str | None
+    function: str | None
     if isinstance(batch, Mapping) and batch:
         key = _targets_key(batch)
         what = (f"{with_article(type(batch).__name__)} with the keys "

@@ -135,7 +135,7 @@ class MLflowLogger(Tracker):
             experiment_id = (client.create_experiment(self.experiment) if found is None
                              else found.experiment_id)
         run = client.create_run(experiment_id, run_name=self.run_name, tags=self.tags)
-        return run.info.run_id
+        return str(run.info.run_id)
 
     def _already_sent(self) -> dict[str, int]:
         client, run_id = self._client, self.run_id

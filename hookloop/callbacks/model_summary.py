@@ -226,7 +226,7 @@ class ModelSummary(Callback):
         self.summary = None
         self._pending = self.input_size is None
         if not self._pending:
-            self._summarize(loop, f"a random input of size {tuple(self.input_size)}",
+            self._summarize(loop, f"a random input of size {tuple(self.input_size or ())}",
                             input_size=self.input_size)
 
     def on_batch_start(self, loop: Loop) -> None:

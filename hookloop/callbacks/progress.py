@@ -42,7 +42,9 @@ def _remaining_column() -> Any:
     class Remaining(ProgressColumn):
         def render(self, task: Any) -> Text:
             done = task.completed - task.fields.get("done_before", 0)
-            if task.total is not None and task.completed >= task.total:
+            if task.fields.get("stopped"):  # a fit that stopped early has no time left to show
+                text = ""
+            elif task.total is not None and task.completed >= task.total:
                 text = "0:00:00"
             elif task.total is None or done <= 0 or not task.elapsed:
                 text = "-:--:--"
@@ -52,6 +54,21 @@ def _remaining_column() -> Any:
             return Text(text, style="progress.remaining")
 
     return Remaining()
+
+
+def _eta_label_column() -> Any:
+    """The ETA's label: ``eta``, or ``stopped`` on a bar a fit left unfinished (an early
+    stop, ``max_steps``), whose last frame stays on the screen: an ETA there was stale."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class Label(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            return Text("stopped" if task.fields.get("stopped") else "eta")
+
+    from rich.table import Column
+
+    return Label(table_column=Column(justify="right"))  # "    eta" under "stopped"
 
 
 def _display(console: Console, refresh_per_second: float) -> Progress:
@@ -73,7 +90,7 @@ def _display(console: Console, refresh_per_second: float) -> Progress:
 
     bar = BarColumn(bar_width=BAR_WIDTH[0])
     head = (TextColumn("[bold]{task.description}"), bar, MofNCompleteColumn())
-    elapsed, eta = (TimeElapsedColumn(),), (TextColumn("eta"), _remaining_column())
+    elapsed, eta = (TimeElapsedColumn(),), (_eta_label_column(), _remaining_column())
     loss, lr, speed = (TextColumn(f"{{task.fields[{name}]}}") for name in ("loss", "lr", "speed"))
     layouts = [head + elapsed + eta + (loss, lr, speed), head + elapsed + eta + (loss, speed),
                head + elapsed + eta + (loss,), head + eta + (loss,), head + (loss,), head]
@@ -366,7 +383,11 @@ class ProgressBar(Callback):
         self._stop()
 
     def on_fit_end(self, loop: Loop) -> None:
-        """Stop the bars."""
+        """Stop the bars; those the fit left unfinished say ``stopped`` instead of an ETA."""
+        if self._progress is not None:
+            for task in self._progress.tasks:
+                if task.visible and (task.total is None or task.completed < task.total):
+                    self._progress.update(task.id, stopped=True)
         self._stop()
 
     # ------------------------------------------------------------------ inside
@@ -398,7 +419,7 @@ class ProgressBar(Callback):
         return format_number(self._samples * distributed.data_parallel_size()
                              / max(seconds, 1e-9))
 
-    def _batch_info(self, loop: Loop, now: float) -> dict[str, str]:
+    def _batch_info(self, loop: Loop, now: float) -> dict[str, Any]:
         """The batch bar's fields: ``loss``, ``lr`` and ``speed`` (each may be empty).
 
         The speed is `ThroughputMonitor`'s ``samples_per_s`` when it has reported this epoch

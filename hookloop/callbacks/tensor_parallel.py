@@ -6,7 +6,7 @@ from __future__ import annotations
 import fnmatch
 import weakref
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from torch import nn
 
@@ -156,7 +156,7 @@ class TensorParallel(Callback):
         """The mesh this callback places the model on."""
         if self.mesh is None:
             self.mesh = Mesh(dp_shard=1, tp="auto")
-        return self.mesh
+        return cast(Mesh, self.mesh)
 
     def setup(self, loop: Loop) -> None:
         if not callable(self.plan):

@@ -131,7 +131,8 @@ class _Count:
     __slots__ = ("start", "paused", "paused_at", "samples", "batches", "tokens")
 
     def __init__(self, start: float | None = None) -> None:
-        self.start, self.paused, self.paused_at = start, 0.0, None
+        self.start, self.paused = start, 0.0
+        self.paused_at: float | None = None
         self.samples = self.batches = 0
         self.tokens: int | torch.Tensor = 0
 

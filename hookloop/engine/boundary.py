@@ -60,7 +60,7 @@ class BoundaryStates:
         copy the states, for where ``position`` is now. Nothing to copy costs nothing."""
         if self.callbacks:
             self._states, self._at = [copy.deepcopy(callback.state_dict())
-                                      for callback in self.callbacks], tuple(position.public)
+                                      for callback in self.callbacks], (*position.public,)
 
     def rewind(self, at: tuple[int, int, int]) -> None:
         """After an exception, the position at ``at``: put the copied states back, when

@@ -32,11 +32,11 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
                  else move_to_device(value, device) for value in batch]
         return moved if kind is list else tuple(moved)
     if isinstance(batch, Mapping):
-        moved = {key: move_to_device(value, device) for key, value in batch.items()}
+        mapped = {key: move_to_device(value, device) for key, value in batch.items()}
         if type(batch) is dict:
-            return moved
+            return mapped
         try:
-            return type(batch)(moved)
+            return type(batch)(mapped)  # type: ignore[call-arg]  # a dict subclass takes one
         except TypeError:
             return moved
     if isinstance(batch, tuple):
@@ -170,7 +170,7 @@ class LossMark(NamedTuple):
     total: torch.Tensor
     losses: list[torch.Tensor]
     sizes: list[int]
-    count: int
+    count: int  # type: ignore[assignment]  # the field, over tuple's count() method
 
     def resolved(self) -> torch.Tensor:
         """The sample-weighted sum at that moment, on the device."""

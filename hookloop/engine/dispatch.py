@@ -9,17 +9,18 @@ process groups); their own errors become notes on the first exception.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from hookloop.base.events import Event
 from hookloop.callback import Callback
 from hookloop.engine.ordering import overrides
 from hookloop.errors import ConfigurationError, Terminated
 
-__all__ = ["Table", "Wrapper", "Handlers", "annotate", "bind"]
+__all__ = ["Table", "MaybeTable", "Wrapper", "Handlers", "add_note", "annotate", "bind"]
 
 _NULL_CONTEXT = nullcontext()
 _LISTS = tuple(event.value for event in Event) + (
@@ -43,6 +44,10 @@ class Table:
     """
 
     __slots__ = _LISTS + ("step", "host")
+
+    if TYPE_CHECKING:  # the event lists, set by name in __init__ (one per event and hook)
+
+        def __getattr__(self, name: str) -> Handlers: ...
 
     def __init__(self, callbacks: Sequence[Callback], host: object, wrap: Wrapper | None = None,
                  *, main: bool = True) -> None:
@@ -109,11 +114,11 @@ class Table:
                 annotate(error, handler)
                 note = f"hookloop: {_owner(handler)}.on_fit_end also raised {error!r}"
                 if failure is not None:
-                    failure.add_note(note)
+                    add_note(failure, note)
                 elif first is None:
                     first = error
                 else:
-                    first.add_note(note)
+                    add_note(first, note)
         if first is not None:
             raise first
 
@@ -132,11 +137,24 @@ class Table:
                 raise  # a second Ctrl-C while handling the first: stop at once
             except Terminated as signal:  # preempted while handling: finish, then exit
                 terminated = terminated or signal
-                exc.add_note(f"hookloop: SIGTERM arrived during {_owner(handler)}.on_exception")
+                add_note(exc, f"hookloop: SIGTERM arrived during {_owner(handler)}.on_exception")
             except Exception as error:  # keep going: the first exception is what matters
-                exc.add_note(f"hookloop: {_owner(handler)}.on_exception also raised {error!r}")
+                add_note(exc, f"hookloop: {_owner(handler)}.on_exception also raised {error!r}")
         self.emit_fit_end(exc)
         return terminated
+
+
+#: A table, or None where none is built yet (the loop's before its first fit).
+MaybeTable = Optional[Table]
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``; Python 3.10 has no ``add_note``: the same ``__notes__`` list
+    (PEP 678), which 3.10's traceback does not print, but which a reader of ``exc`` finds."""
+    if sys.version_info >= (3, 11):
+        exc.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        setattr(exc, "__notes__", [*getattr(exc, "__notes__", []), note])
 
 
 def annotate(exc: BaseException, handler: Callable[..., Any]) -> None:
@@ -144,7 +162,7 @@ def annotate(exc: BaseException, handler: Callable[..., Any]) -> None:
     if not getattr(exc, "_hookloop_noted", False):
         owner = type(getattr(handler, "__self__", None)).__name__
         event = getattr(handler, "__name__", "?")
-        exc.add_note(f"hookloop: raised in callback {owner} at event {event}")
+        add_note(exc, f"hookloop: raised in callback {owner} at event {event}")
         try:
             exc._hookloop_noted = True  # type: ignore[attr-defined]
         except AttributeError:  # pragma: no cover - exceptions with __slots__

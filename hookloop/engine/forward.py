@@ -85,9 +85,9 @@ def _loss_of(outputs: Any, called: str) -> torch.Tensor:
 
 #: Failures that say nothing about the batch (a full device, a broken process group): raised
 #: as they are, whatever the inputs look like (code that catches them must still see them).
-_NOT_THE_BATCH = tuple(kind for kind in (torch.cuda.OutOfMemoryError,
-                                         getattr(torch.distributed, "DistError", None))
-                       if isinstance(kind, type))
+_NOT_THE_BATCH: tuple[type[BaseException], ...] = tuple(
+    kind for kind in (torch.cuda.OutOfMemoryError, getattr(torch.distributed, "DistError", None))
+    if isinstance(kind, type))
 
 
 def _call(model: Any, call: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
@@ -388,7 +388,7 @@ def _cast(value: Any, dtype: torch.dtype | None) -> Any:
     if isinstance(value, Mapping):
         cast = {key: _cast(item, dtype) for key, item in value.items()}
         try:
-            return cast if type(value) is dict else type(value)(cast)
+            return cast if type(value) is dict else type(value)(cast)  # type: ignore[call-arg]
         except TypeError:
             return cast
     if isinstance(value, tuple) and hasattr(value, "_fields"):
@@ -431,7 +431,7 @@ def _joined_mappings(outputs: list[Any], first: Mapping[Any, Any]) -> Any:
     """Mappings of the same keys, each entry `concatenate`d, in ``first``'s type if it can."""
     joined = {key: concatenate([item[key] for item in outputs]) for key in first}
     try:
-        return type(first)(joined) if type(first) is not dict else joined
+        return type(first)(joined) if type(first) is not dict else joined  # type: ignore[call-arg]
     except TypeError:
         return joined
 

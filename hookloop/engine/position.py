@@ -67,9 +67,10 @@ class RunPosition(NamedTuple):
     batches_done: int
     step: int
 
-    #: Deprecated: ``batches_done`` (the old name; removed in hookloop 0.3).
-    batch_idx = deprecated_alias("loop.position.batches_done", lambda self: self.batches_done,
-                                 old="loop.position.batch_idx")
+    @property
+    def batch_idx(self) -> int:
+        """Deprecated: ``batches_done`` (the old name; removed in hookloop 0.3)."""
+        return self.batches_done  # for type checkers: the alias set below, which warns, runs
 
     @property
     def resumed_mid_epoch(self) -> bool:
@@ -78,6 +79,12 @@ class RunPosition(NamedTuple):
         exception or a stop). ``on_epoch_start`` fires again for such an epoch; a callback
         that must act once per epoch skips it then. Same as ``batches_done > 0``."""
         return self.batches_done > 0
+
+
+# A NamedTuple's body holds only fields and methods (for type checkers): the alias replaces
+# the typed property there.
+setattr(RunPosition, "batch_idx", deprecated_alias(  # noqa: B010
+    "loop.position.batches_done", lambda self: self.batches_done, old="loop.position.batch_idx"))
 
 
 class Position:
@@ -261,7 +268,7 @@ class Position:
     def parts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(shared, own)``: what every rank agrees on, and what is this rank's own
         (its generators and the loss sums of its shard). Tensors and plain values only."""
-        shared = {EPOCH: self.epoch, BATCH_IDX: self.batches_done, STEP: self.step,
+        shared: dict[str, Any] = {EPOCH: self.epoch, BATCH_IDX: self.batches_done, STEP: self.step,
                   VALIDATED: self.validated}
         if self.epoch_samples is not None and self._batch_samples is not None:
             shared.update({EPOCH_SAMPLES: self.epoch_samples, GLOBAL_BATCH: self._batch_samples})
@@ -270,7 +277,7 @@ class Position:
         if self.step_offset:
             shared[STEP_OFFSET] = self.step_offset
         own: dict[str, Any] = {
-            TRAIN_LOSS_SUM: None if self.loss_sum is None else self._loss_total().detach().cpu(),
+            TRAIN_LOSS_SUM: None if (total := self._loss_total()) is None else total.detach().cpu(),
             TRAIN_SAMPLES: self.samples,
         }
         if self.rng is not None:
@@ -577,7 +584,7 @@ class EpochPass:
 
     def record(self, step: int, *, validated: bool = False) -> None:
         """At a step boundary: the weights are those after `batches_done` batches."""
-        iterator = self._iterator
+        iterator: Any = self._iterator
         kind = type(iterator)
         prefetch = iterator.pending_snapshot if kind is Lookahead else None
         workers = list(iterator.states) if kind is StampedBatches else None

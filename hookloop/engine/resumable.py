@@ -49,7 +49,7 @@ from hookloop.runfile.format import (
 try:  # numpy is optional
     import numpy as _numpy
 except ImportError:  # pragma: no cover - numpy ships with most torch installs
-    _numpy = None
+    _numpy = None  # type: ignore[assignment]
 
 __all__ = ["data_source", "stateful_part", "SkipBatches", "WorkerStamp", "ResumedWorkers",
            "StampedBatches", "sampler_batches", "prefetched_batches"]
@@ -210,11 +210,11 @@ class ResumedWorkers:
         role = (self.skip + worker_id) % workers
         state = self.states[role]
         if state is None:  # that worker had made no batch: torch's seeds for it
-            seed_worker_as(role, info.seed - worker_id)
+            seed_worker_as(role, info.seed - worker_id)  # type: ignore[union-attr]  # in a worker
         if self.init is not None:
             self.init(worker_id)
         if state is not None:
-            restore_rng(saved_rng(state))
+            restore_rng(saved_rng(state))  # type: ignore[arg-type]  # not None: state is not
 
 
 class StampedBatches:

@@ -27,7 +27,7 @@ __all__ = ["capture_rng", "host_rng", "restore_rng", "restore_host_rng", "restor
 try:  # numpy is optional
     import numpy as _numpy
 except ImportError:  # pragma: no cover - numpy ships with most torch installs
-    _numpy = None
+    _numpy = None  # type: ignore[assignment]
 
 
 def loader_generators(data: Any) -> list[torch.Generator]:
@@ -65,7 +65,8 @@ def host_rng() -> dict[str, Any]:
     python_version, python_state, python_gauss = random.getstate()
     state: dict[str, Any] = {RNG_PYTHON: [python_version, list(python_state), python_gauss]}
     if _numpy is not None:
-        kind, keys, position, has_gauss, cached = _numpy.random.get_state()
+        numpy_state: Any = _numpy.random.get_state()  # the legacy tuple
+        kind, keys, position, has_gauss, cached = numpy_state
         state[RNG_NUMPY] = [kind, torch.from_numpy(keys.astype("int64")), int(position),
                           int(has_gauss), float(cached)]
     return state

@@ -4,6 +4,9 @@ on."""
 
 from __future__ import annotations
 
+import shutil
+import sys
+import textwrap
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -18,7 +21,17 @@ if TYPE_CHECKING:
     from hookloop.engine.position import Position
     from hookloop.engine.state import LoopState
 
-__all__ = ["RunEnd"]
+__all__ = ["RunEnd", "say"]
+
+
+def say(line: str) -> None:
+    """Print one of the loop's own lines; on a terminal, broken between words at its width
+    and the rest indented (a terminal cuts a longer line at its last column, mid-word)."""
+    if sys.stdout.isatty():
+        line = textwrap.fill(line, max(40, shutil.get_terminal_size().columns),
+                             subsequent_indent="  ", break_long_words=False,
+                             break_on_hyphens=False)
+    print(line, flush=True)
 
 
 class RunEnd:
@@ -66,9 +79,9 @@ class RunEnd:
         elif self.held is None:  # the first reason is kept, as a stop keeps its own
             self.held = reason or "loop.stop() was called"
             if distributed.is_main():
-                print(f"hookloop: {self.held.rstrip('.')}; {self._minimum()} is not reached "
-                      f"({self._position.epoch} epochs done, step {self._state.step}): "
-                      "training goes on until it is, then stops.", flush=True)
+                say(f"hookloop: {self.held.rstrip('.')}; {self._minimum()} is not reached "
+                    f"({self._position.epoch} epochs done, step {self._state.step}): "
+                    "training goes on until it is, then stops.")
 
     def minimum_reached(self) -> bool:
         """``fit(min_epochs=..., min_steps=...)`` are reached: epochs completed (at the
@@ -112,9 +125,9 @@ class RunEnd:
         elif agreed is not None:
             self.requested, self.reason, self.suspension = True, agreed.reason, agreed
             if distributed.is_main():
-                print(f"hookloop: ending this launch at step {self._state.step} "
-                      f"({agreed.reason}); the process exits with status {agreed.status} "
-                      "once the checkpoint is written.", flush=True)
+                say(f"hookloop: ending this launch at step {self._state.step} "
+                    f"({agreed.reason}); the process exits with status {agreed.status} "
+                    "once the checkpoint is written.")
         return self.requested
 
     def check_steps(self) -> None:
@@ -199,12 +212,12 @@ class RunEnd:
         why = (self.reason or "loop.stop() was called") if self.requested else \
             _all_epochs(state.epochs)
         if self._goes_on():
-            print(f"hookloop: this launch ended at epoch {state.epoch + 1}/{state.epochs}, "
-                  f"step {state.step}: {why.rstrip('.')}; the run goes on, relaunch the same "
-                  "command to continue it.", flush=True)
+            say(f"hookloop: this launch ended at epoch {state.epoch + 1}/{state.epochs}, "
+                f"step {state.step}: {why.rstrip('.')}; the run goes on, relaunch the same "
+                "command to continue it.")
             return
-        print(f"hookloop: training ended at epoch {state.epoch + 1}/{state.epochs}, step "
-              f"{state.step}: {why.rstrip('.')}.", flush=True)
+        say(f"hookloop: training ended at epoch {state.epoch + 1}/{state.epochs}, step "
+            f"{state.step}: {why.rstrip('.')}.")
 
     def _idle_reason(self, epochs: int, max_steps: int | None, epochs_done: int,
                      step: int) -> str | None:

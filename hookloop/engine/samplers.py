@@ -88,7 +88,7 @@ class UnpaddedDistributedSampler(Sampler[int]):
         return max(0, math.ceil((len(self.dataset) - self.rank) / self.num_replicas))
 
 
-def _loader_parts(loader: DataLoader, owner: str) -> tuple[Sampler[Any], int | None, bool]:
+def _loader_parts(loader: DataLoader, owner: str) -> tuple[Any, int | None, bool]:
     """The index sampler, batch size and drop_last of a DataLoader, batch sampler unwrapped."""
     if loader.batch_size is None and loader.batch_sampler is not None:
         if type(loader.batch_sampler) is not BatchSampler:
@@ -266,6 +266,7 @@ def set_epoch(loader: Any, epoch: int) -> None:
     """
     sampler = getattr(loader, "sampler", None)
     batch_sampler = getattr(loader, "batch_sampler", None)
+    candidate: Any
     for candidate in (sampler, getattr(batch_sampler, "sampler", None)):
         if callable(getattr(candidate, "set_epoch", None)):
             candidate.set_epoch(epoch)

@@ -80,10 +80,10 @@ class Mesh:
 
     def sizes(self, world: int) -> dict[str, int]:
         """The size of every dimension for ``world`` processes ("auto" worked out)."""
-        fixed = math.prod(size for size in self.requested.values() if size != "auto")
+        fixed = math.prod(size for size in self.requested.values() if isinstance(size, int))
         sizes: dict[str, int] = {}
         for name, size in self.requested.items():
-            sizes[name] = world // fixed if size == "auto" else size  # type: ignore[assignment]
+            sizes[name] = size if isinstance(size, int) else world // fixed  # else "auto"
         if math.prod(sizes.values()) != world or min(sizes.values()) < 1:
             raise ConfigurationError(
                 f"{self!r} does not fit {world} process(es): dp_replicate x dp_shard x tp "

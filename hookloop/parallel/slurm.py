@@ -49,7 +49,9 @@ class SlurmTask(NamedTuple):
 def _split_top_level(text: str) -> list[str]:
     """Split at the commas and spaces outside brackets: ``"a[1,2],b c"`` -> ``["a[1,2]",
     "b", "c"]`` (some sites and tools write a node list separated by spaces)."""
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in text:
         if (char == "," or char.isspace()) and depth == 0:
             parts.append("".join(current))

@@ -182,7 +182,7 @@ class Vote:
         if self._late:  # a CUDA result of the previous boundary: complete by now
             self._late = False
             self._event.synchronize()
-            seen |= self._decode(self._host)
+            seen |= self._decode(self._host)  # type: ignore[arg-type]  # set with _late
         summed, self._carried = self._carried, None
         if summed is None:
             summed = self._dedicated()

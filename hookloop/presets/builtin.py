@@ -9,7 +9,7 @@ import functools
 import inspect
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -128,7 +128,7 @@ def standard(
     if early_stopping and monitor:  # monitor=None switches early stopping off
         patience = check_int("presets.standard early_stopping", early_stopping,
                              hint="Use None for no early stopping.")
-        callbacks.append(EarlyStopping(monitor=monitor, mode=resolved, patience=patience))
+        callbacks.append(EarlyStopping(monitor=monitor, mode=resolved or "auto", patience=patience))
     if tensorboard:
         from hookloop.callbacks import TensorBoard
 
@@ -293,7 +293,7 @@ def _schedule_factory(schedule: Any, warmup: int | float) -> Callable[..., Any]:
     from hookloop import schedules
 
     if callable(schedule):
-        return schedule
+        return cast(Callable[..., Any], schedule)
     if schedule not in _SCHEDULES:
         raise ConfigurationError(
             f"schedule={schedule!r}: use one of {', '.join(map(repr, _SCHEDULES))}, a factory "

@@ -310,7 +310,7 @@ class CheckpointFiles:
             single: ``save_top_k=1``: ``best.pt`` is the only file.
         """
         found = self.recover(ranking.entries, single=single) if distributed.is_main() else None
-        kept, newer = distributed.broadcast_object(found)
+        kept, newer = distributed.broadcast_object(found)  # type: ignore[misc]  # rank 0's
         ranking.load_state_dict(kept)
         dropped, top = ranking.merge(newer), ranking.best
         if distributed.is_main():

@@ -33,7 +33,7 @@ import os
 import sys
 import zipfile
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -142,7 +142,7 @@ def run_payload(*, model: Mapping[str, Any], optimizer: Mapping[str, Any],
                 position: Mapping[str, Any], ranks: list[Any], world_size: int,
                 batches_per_epoch: int | None, optimizer_object: torch.optim.Optimizer,
                 epochs: int, max_steps: int | None, ended: Mapping[str, Any] | None,
-                held: str | None, history: list[Mapping[str, Any]],
+                held: str | None, history: Sequence[Mapping[str, Any]],
                 callbacks: Mapping[str, Any], extra: Mapping[str, Any],
                 extra_classes: Mapping[str, str]) -> dict[str, Any]:
     """`Loop.state_dict`'s layout: ``position`` is what every rank shares of
@@ -276,7 +276,7 @@ def _check_meta(path: str, payload: Mapping[str, Any]) -> str:
 
 def _check_parts(path: str, payload: Mapping[str, Any]) -> None:
     """``model`` (names to tensors), ``callbacks``, ``metrics`` and ``ranks``."""
-    model = payload.get(MODEL)
+    model: Any = payload.get(MODEL)
     expect_field(path, MODEL, model, isinstance(model, Mapping), "a mapping of weights")
     for name, value in model.items():
         expect_field(path, f"{MODEL} (a key)", name, isinstance(name, str), "a str")

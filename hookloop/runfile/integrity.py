@@ -200,7 +200,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python one: its BUILD can be
                 "never does")
         pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
 
-    dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.BUILD[0]] = load_build  # type: ignore[assignment]  # this class's BUILD
 
 
 def _is_dtype(name: str) -> bool:

@@ -86,7 +86,8 @@ class TopK:
             step: The optimizer step it was reached at.
             file: The name of the file holding its weights, or None.
         """
-        entry = {VALUE: float(value), EPOCH: int(epoch), STEP: int(step), FILE: file}
+        entry: dict[str, Any] = {VALUE: float(value), EPOCH: int(epoch), STEP: int(step),
+                                 FILE: file}
         replaced = []
         same = self.at_step(entry[STEP])
         if same is not None:

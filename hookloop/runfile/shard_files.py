@@ -235,8 +235,8 @@ def write_directory(payload: Mapping[str, Any], path: str, *, group: Any = None)
             "lists/tuples/dicts of them; convert that value in the state_dict that returns it.")
     directory = os.path.dirname(path) or "."
     main = distributed.is_main()
-    temporary = distributed.broadcast_object(
-        os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}{TEMP_SUFFIX}") if main else None,
+    temporary: str = distributed.broadcast_object(  # rank 0's name, on every rank
+        os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}{TEMP_SUFFIX}") if main else "",
         group=group)
     save_id = integrity.new_save_id()
     try:

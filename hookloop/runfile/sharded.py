@@ -352,7 +352,7 @@ def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimize
                        "model's optimizer must hold only its parameters")
     groups = [{**group, PARAMS: [order[number] for number in group[PARAMS]]}
               for group in state[PARAM_GROUPS]]
-    by_name = {STATE: {order[int(number)]: value for number, value in state[STATE].items()},
+    by_name: Any = {STATE: {order[int(number)]: value for number, value in state[STATE].items()},
                PARAM_GROUPS: groups}
     optimizer.zero_grad(set_to_none=True)  # torch fills a fresh state with a zero-grad step
     set_optimizer_state_dict(module, optimizer, by_name, options=_options(full_state_dict=True))

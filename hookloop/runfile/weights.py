@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -143,7 +143,7 @@ def load_model_weights(path: str, model: nn.Module, weights: Mapping[str, Any], 
 
 def load_optimizer_state(path: str, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     try:
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(dict(state))
     except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as error:
         raise CheckpointError(
             f"{path}: the optimizer state does not fit this optimizer ({error}). Create the "
@@ -201,7 +201,8 @@ def all_finite(weights: Mapping[str, Any], *, agree: bool = False) -> bool:
         False
     """
     tensors = [value for value in weights.values() if isinstance(value, torch.Tensor)]
-    checks = [torch.isfinite(value.to_local() if is_sharded_tensor(value) else value).all()
+    checks = [torch.isfinite(cast(Any, value).to_local() if is_sharded_tensor(value)
+                            else value).all()
               for value in tensors if value.is_floating_point()]
     finite = bool(torch.stack([check.cpu() for check in checks]).all()) if checks else True
     if agree or any(is_sharded_tensor(value) for value in tensors):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 import time
 import types
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from rich.console import Console
 
 from hookloop import Callback, Loop
-from hookloop.callbacks import Compile, Metrics, ProgressBar, ThroughputMonitor
+from hookloop.callbacks import Compile, EarlyStopping, Metrics, ProgressBar, ThroughputMonitor
 from hookloop.callbacks import progress as progress_module
 from hookloop.callbacks import throughput as throughput_module
 
@@ -211,3 +212,43 @@ def test_compile_has_the_role_the_display_reads() -> None:
     (123456.7, "123457"), (2.5e7, "2.500e+07"), (0.0, "0.000"), (-0.25, "-0.2500")])
 def test_numbers_have_four_significant_digits(value: float, shown: str) -> None:
     assert progress_module.format_number(value) == shown
+
+
+class Terminal(io.StringIO):
+    """sys.stdout as a terminal of the width COLUMNS says."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_an_early_stopped_run_ends_with_no_eta_and_whole_words(
+        clock: Clock, width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37 item 8: after an early stop the epochs bar kept "eta 0:00:02", and the
+    loop's end line, longer than the terminal, was cut by it mid-word."""
+    stdout = Terminal()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    monkeypatch.setenv("COLUMNS", str(width))
+    screen = Console(file=io.StringIO(), force_terminal=True, width=width, color_system=None)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    data = [(torch.randn(4, 5), torch.randint(0, 3, (4,))) for _ in range(4)]
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.0), data, val_data=data[:2],
+                loss_fn=F.cross_entropy, device="cpu",
+                callbacks=[Tick(clock), EarlyStopping("val_loss", patience=1),
+                           ProgressBar(console=screen, refresh_per_second=20)])
+    loop.fit(6)  # lr 0: val_loss never improves, the stop comes after epoch 2 of 6
+    assert loop.state.epoch + 1 == 2 and loop.state.step == 8
+    raw = screen.file.getvalue().replace("\x1b[?25l", "").replace("\x1b[?25h", "")
+    last = [line.rstrip() for line in REDRAW.split(raw)[-1].splitlines() if line.strip()]
+    assert len(last) == 2 and all(len(line) <= width for line in last), last
+    assert re.fullmatch(rf"epochs +━+ +2/6 {TIME} stopped", last[0]), last
+    assert re.fullmatch(rf"epoch 2/6 +━+ 4/4 {TIME} +eta 0:00:00 loss .*", last[1]), last
+    best = min(row["val_loss"] for row in loop.state.history)
+    said = (f"hookloop: training ended at epoch 2/6, step 8: EarlyStopping: val_loss did not "
+            f"improve for 1 validations (best {best:.6g} at epoch 1).")
+    lines = stdout.getvalue().splitlines()
+    assert len(said) > width and len(lines) > 1  # it had to be broken
+    assert all(len(line) <= width for line in lines), lines
+    assert lines[0].startswith("hookloop: ") and all(line.startswith("  ") for line in lines[1:])
+    assert " ".join(line.strip() for line in lines) == said  # broken between words only

@@ -50,3 +50,21 @@ def test_every_callback_page_is_linked_from_the_index() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     learn_more = readme.split("## Learn more", 1)[1]
     assert "](docs/index.md#built-in-callbacks)" in learn_more
+
+
+def test_every_page_is_reachable_from_the_index() -> None:
+    """Issue 37: docs/lr-find.md was linked from nowhere. Every page under docs/ is reached
+    from docs/index.md by following the pages' relative links."""
+    link = re.compile(r"\]\(([\w./-]+\.md)(?:#[\w-]*)?\)")
+    docs = ROOT / "docs"
+    seen: set[Path] = set()
+    todo = [docs / "index.md"]
+    while todo:
+        page = todo.pop().resolve()
+        if page in seen or not page.is_file() or docs.resolve() not in page.parents:
+            continue
+        seen.add(page)
+        todo += [page.parent / target for target in link.findall(page.read_text("utf-8"))]
+    pages = {path.resolve() for path in docs.glob("**/*.md")}
+    unreached = sorted(path.relative_to(docs.resolve()).as_posix() for path in pages - seen)
+    assert unreached == [], f"pages no link from docs/index.md reaches: {unreached}"

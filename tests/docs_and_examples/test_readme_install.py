@@ -59,7 +59,7 @@ def test_the_cpu_line_gives_up_on_an_unreachable_index_and_the_readme_gives_the_
     import sys
 
     line = next(line for line in install_block() if "download.pytorch.org/whl/cpu" in line)
-    command = shlex.split(line.split("#", 1)[0])
+    command = [word for word in shlex.split(line.split("#", 1)[0]) if "=" not in word[:20]]
     assert command[:2] == ["pip", "install"] and "--timeout" in command and "--retries" in command
     # The same command against an index nothing listens on (the discard port of this host).
     unreachable = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-cache-dir",
@@ -74,3 +74,36 @@ def test_the_cpu_line_gives_up_on_an_unreachable_index_and_the_readme_gives_the_
     assert "No matching distribution found for torch" in output, output
     after = README.split("download.pytorch.org/whl/cpu", 1)[1].split("## Why", 1)[0]
     assert "cannot be reached" in after and "`pip install torch`" in after
+
+
+@pytest.mark.slow
+def test_the_cpu_line_ignores_a_mirror_in_any_pip_configuration(tmp_path) -> None:
+    """Issue 37 item 7: an extra-index-url in a pip configuration (a mirror) was searched
+    beside PyTorch's CPU index, and pip resolved a CUDA torch from it. The README's line,
+    run as written with a mirror in the user's and the global pip.conf and in PIP_*
+    variables, looks in PyTorch's index only (pip's "Looking in indexes" line)."""
+    import shlex
+    import subprocess
+    import sys
+
+    line = next(line for line in install_block() if "download.pytorch.org/whl/cpu" in line)
+    words = shlex.split(line.split("#", 1)[0])
+    assignments = dict(word.split("=", 1) for word in words if "=" in word[:20])
+    command = [word for word in words if "=" not in word[:20]]
+    assert command[:2] == ["pip", "install"]
+    mirror = "[global]\nextra-index-url = http://127.0.0.1:9/mirror-from-config\n"
+    for folder in (tmp_path / "home" / ".config" / "pip", tmp_path / "xdg" / "pip"):
+        folder.mkdir(parents=True)
+        (folder / "pip.conf").write_text(mirror, encoding="utf-8")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"),
+           "XDG_CONFIG_DIRS": str(tmp_path / "xdg"),
+           "PIP_EXTRA_INDEX_URL": "http://127.0.0.1:9/mirror-from-env", **assignments}
+    # PyTorch's index swapped for one nothing listens on: the test needs no network.
+    arguments = ["http://127.0.0.1:9/simple" if word.startswith("https://download") else word
+                 for word in command[2:]]
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run",
+                             "--no-cache-dir", "--ignore-installed", *arguments],
+                            capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    output = result.stdout + result.stderr
+    assert "Looking in indexes: http://127.0.0.1:9/simple\n" in output, output
+    assert "mirror-from" not in output, output
