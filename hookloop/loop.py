@@ -481,7 +481,7 @@ class Loop(Geometry):
             if not nested:
                 check_callbacks(self.callbacks, self, self.val_data)
                 dispatch.bind(self.callbacks, self)
-            table = self._table if nested else self._setup()
+            table = cast(Table, self._table) if nested else self._setup()
             data = self.val_data if data is None else data
             with untouched(self.model, self._position.generators, data=(self.train_data, data)):
                 yield table, data

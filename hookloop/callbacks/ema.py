@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -349,7 +349,7 @@ class EMA(Callback):
         self._second_pass = True
         try:  # the callbacks after this one see the val pass's last batch, as without it
             with state.kept(*_BATCH_FIELDS):
-                loop.evaluate(loop.val_data, prefix="ema_val")
+                loop.evaluate(cast(Iterable[Any], loop.val_data), prefix="ema_val")
         finally:
             self._second_pass = False
 

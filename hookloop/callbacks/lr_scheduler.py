@@ -447,9 +447,9 @@ class LRScheduler(Callback):
                 self._refuse_rate(loop, f"set param group {index}'s learning rate to "
                                         f"{rate!r} {where}")
         if read and self._device_lowest is not None:
-            lowest, self._device_lowest = float(self._device_lowest), None  # once per epoch
-            if lowest < 0:
-                self._refuse_rate(loop, f"set a learning rate below 0 (lowest {lowest!r}, or "
+            lowest_rate, self._device_lowest = float(self._device_lowest), None  # once an epoch
+            if lowest_rate < 0:
+                self._refuse_rate(loop, f"set a learning rate below 0 (lowest {lowest_rate!r}, or "
                                         f"non-finite) during epoch {loop.state.epoch + 1}, "
                                         f"{where}; a rate on the device is read once per epoch")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from hookloop import distributed
 from hookloop.base.checks import check_choice, check_duration, check_number
@@ -102,7 +102,7 @@ class TimeLimit(Callback):
         #: this callback's creation with ``start="created"``.
         self.started = process_start() if start == "process" else time.monotonic()
         # The SLURM job's end is asked at fit start (rank 0, once), every rank agreeing.
-        self._ask_job, self._job_end = False, None
+        self._ask_job, self._job_end = False, cast(float | None, None)
         #: Seconds from the budget's start to its end (None: the SLURM job's end, not asked
         #: yet).
         self.duration: float | None = None
@@ -154,7 +154,7 @@ class TimeLimit(Callback):
         if isinstance(answer, str):
             raise ConfigurationError(answer)
         self._job_end, self._ask_job = answer, False
-        self.duration = self._budget_until(answer)
+        self.duration = self._budget_until(cast(float, answer))
 
     def _known_duration(self) -> float:
         """`duration`; before the fit that asks squeue, asked now on this rank alone."""

@@ -19,6 +19,7 @@ from hookloop.base.modules import unwrap
 from hookloop.engine.data import length_of
 
 if TYPE_CHECKING:
+    from hookloop.base.phase import Phases
     from hookloop.engine.state import LoopState
 
 __all__ = ["Geometry"]
@@ -46,7 +47,7 @@ class Geometry:
     partial_window_steps: bool
     state: LoopState
     _position: Any  # the loop's `hookloop.engine.position.Position`
-    _phases: Any  # the loop's `hookloop.base.phase.Phases`
+    _phases: Phases  # the loop's
 
     def _set_mode(self, training: bool) -> bool:
         """``model.train(training)``, then the mode read back: a model's own ``train`` (one

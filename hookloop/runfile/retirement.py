@@ -104,9 +104,9 @@ class Retirement:
             raise self._refused("it is not a rollback's plan ('into' and a 'move' list)")
         into = plan.get("into")
         problem = entry_problem(into)
-        if problem is None and not _RETIRED.fullmatch(into):
+        if problem is None and not _RETIRED.fullmatch(str(into)):
             problem = f"{into!r} is not a {RETIRED_PREFIX}... folder"
-        folder = os.path.join(self.dirpath, into) if problem is None else ""
+        folder = os.path.join(self.dirpath, str(into)) if problem is None else ""
         if folder and (os.path.islink(folder)
                        or (os.path.lexists(folder) and not os.path.isdir(folder))):
             problem = f"{into!r} is not a folder of the directory (a link or a file)"
