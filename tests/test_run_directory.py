@@ -89,7 +89,7 @@ def test_a_journal_pulling_a_file_from_outside_is_refused_and_moves_nothing(
     ({"into": "retired-after-step=00000001", "move": ["linked.pt"]}, "symbolic link"),
     ({"into": "retired-after-step=00000001/..", "move": ["epoch.pt"]}, "separator"),
     ({"into": "../retired-after-step=00000001", "move": ["epoch.pt"]}, "separator"),
-    ({"into": "outlet", "move": ["epoch.pt"]}, "'outlet' is not a retired-after-step="),
+    ({"into": "outlet", "move": ["epoch.pt"]}, "'outlet' does not name a retirement folder"),
     ({"into": "retired-after-step=00000002", "move": ["epoch.pt"]}, "a link or a file"),
     ({"into": 5, "move": ["epoch.pt"]}, "5 is not a file name"),
     ({"into": "retired-after-step=00000001", "move": "epoch.pt"}, "a 'move' list"),

@@ -105,7 +105,7 @@ class Retirement:
         into = plan.get("into")
         problem = entry_problem(into)
         if problem is None and not _RETIRED.fullmatch(str(into)):
-            problem = f"{into!r} is not a {RETIRED_PREFIX}... folder"
+            problem = f"{into!r} does not name a retirement folder ({RETIRED_PREFIX}...)"
         folder = os.path.join(self.dirpath, str(into)) if problem is None else ""
         if folder and (os.path.islink(folder)
                        or (os.path.lexists(folder) and not os.path.isdir(folder))):
