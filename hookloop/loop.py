@@ -523,17 +523,17 @@ class Loop(Geometry):
             self._step_validation(batches)  # the run stopped during the one due at this step
         for batch_idx, batch, state.step_boundary in batches:
             batch = current_batch(state, batch, batch_idx, self.device, self._rule())
-            if table.on_batch_start:
-                table.emit(table.on_batch_start)
+            for handler in table.on_batch_start:  # called inline: no emit call per event
+                handler(self)
             with table.entered(table.train_step_context):
                 loss = self._forward(batch, batches, table)
                 loss.backward()
-            if table.after_backward:
-                table.emit(table.after_backward)
+            for handler in table.after_backward:
+                handler(self)
             if state.step_boundary:
                 self._step(batches, table)
-            if table.on_batch_end:
-                table.emit(table.on_batch_end)
+            for handler in table.on_batch_end:
+                handler(self)
             if state.step_boundary:
                 self._boundary.mark(self._position)
         train_loss = batches.train_loss()
@@ -548,11 +548,11 @@ class Loop(Geometry):
             outputs, loss = self._rule().compute(self.model, batch)
         check_loss(loss, training=True)
         state.outputs, state.loss = outputs, loss
-        if table.after_forward:
-            table.emit(table.after_forward)
-            if state.loss is not loss:  # replaced by a callback (a penalty term)
-                check_loss(state.loss, training=True, replaced=True)
-                loss = state.loss
+        for handler in table.after_forward:
+            handler(self)
+        if state.loss is not loss:  # replaced by a callback (a penalty term)
+            check_loss(state.loss, training=True, replaced=True)
+            loss = state.loss
         batches.losses.add(loss, state.batch_size, self._loss_weight)
         for scale in table.scale_loss:
             loss = table.call(scale, loss)
@@ -563,8 +563,8 @@ class Loop(Geometry):
         if stepper.take(self.optimizer, self.scaler, table):
             state.step += 1
         batches.record(state.step)  # the weights now match this position
-        if stepper.stepped and table.after_step:
-            table.emit(table.after_step)
+        for handler in table.after_step if stepper.stepped else ():
+            handler(self)
         self.optimizer.zero_grad(set_to_none=True)
         self._end.check_steps()
         if stepper.stepped and self._cadence.after_step(state.step):
