@@ -61,7 +61,7 @@ class Table:
         callbacks = [callback for callback in callbacks if main or not callback.rank_zero_only]
 
         for name in _LISTS:
-            setattr(self, name, tuple(entry(c, name) for c in callbacks if overrides(c, name)))
+            setattr(self, name, tuple(entry(c, name) for c in callbacks if _listens(c, name)))
         routers = [c for c in callbacks if overrides(c, "optimizer_step")]
         self.step = entry(routers[0], "optimizer_step") if routers else None
         self.host = host
@@ -165,6 +165,14 @@ class Table:
                 exc.add_note(f"hookloop: {_owner(handler)}.on_exception also raised {error!r}")
         self.emit_fit_end(exc)
         return terminated
+
+
+def _listens(callback: Callback, name: str) -> bool:
+    """Whether ``callback`` is called at event ``name``: it overrides the method, and does not
+    name the event in its ``_silent_events`` (read when the table is built, after ``setup``:
+    a view whose settings make a per-batch method a no-op, as TensorBoard's graph tracing
+    when ``graph=False``, costs no call per batch)."""
+    return overrides(callback, name) and name not in getattr(callback, "_silent_events", ())
 
 
 def annotate(exc: BaseException, handler: Callable[..., Any], event: str | None = None) -> None:
