@@ -26,10 +26,14 @@ Variants (each ends on its reference's weights, checked in the worker with torch
   CSV every 50 steps and a progress line per epoch (by hand: a SummaryWriter, a csv
   writer, a print).
 
-The worker-stamp line: instructions of ``hookloop.engine.resumable.raw_rng`` (what a
-DataLoader worker adds to each batch, `WorkerStamp`) over those of making a cheap batch of
-32 samples (32 ``__getitem__`` of a map-style dataset that returns a small tensor pair,
-collated by torch's ``default_collate``), both counted in this process the same way.
+The worker-stamp line: what a DataLoader worker adds to each batch it makes (`WorkerStamp`:
+reading its generators' states, and pickling them with the batch for the worker's queue:
+a stamped collate pickled, minus the same collate pickled alone), in a worker's steady
+state (its first, whole stamp is not counted), over the instructions of making a cheap
+batch of 32 samples (32 ``__getitem__`` of a map-style dataset that returns a small tensor
+pair, collated by torch's ``default_collate``), all counted in this process the same way;
+and the stamp of a dataset that draws from Python's and NumPy's generators at every batch
+(their states then travel in full).
 """
 
 from __future__ import annotations
@@ -224,7 +228,14 @@ def instrument_on() -> None:
 
 
 def stamp_regions() -> list[str]:
-    """Count a cheap batch and a worker stamp, `STAMP_ROUNDS` of each, as two regions."""
+    """Count, `STAMP_ROUNDS` times each, as regions: making a cheap batch; the worker's
+    stamp (`WorkerStamp` over a collate, pickled as the worker's queue pickles it) and the
+    same collate pickled alone; and the stamp again when the dataset draws from Python's
+    and NumPy's generators at every batch (those states then travel in full)."""
+    import pickle
+    import random
+
+    import numpy
     import torch
     from torch.utils.data import Dataset, default_collate
 
@@ -240,26 +251,28 @@ def stamp_regions() -> list[str]:
         def __getitem__(self, index: int) -> Any:
             return self.inputs[index], index % 10
 
-    dataset = Cheap()
-    stamp = WorkerStamp(default_collate)
-    indices = list(range(32))
-    for _ in range(3):  # warm-up of both
-        default_collate([dataset[i] for i in indices])
-        stamp([dataset[i] for i in indices])
-    sys.getswitchinterval()
-    for _ in range(STAMP_ROUNDS):
-        default_collate([dataset[i] for i in indices])
-    sys.getallocatedblocks()
+    dataset, stamp, indices = Cheap(), WorkerStamp(default_collate), list(range(32))
     samples = [dataset[i] for i in indices]
-    sys.getswitchinterval()
-    for _ in range(STAMP_ROUNDS):
-        stamp(samples)
-    sys.getallocatedblocks()
-    sys.getswitchinterval()
-    for _ in range(STAMP_ROUNDS):
-        default_collate(samples)
-    sys.getallocatedblocks()
-    return ["stamp:batch", "stamp:stamp+collate", "stamp:collate"]
+
+    def draw() -> None:
+        random.random()
+        numpy.random.random()
+
+    regions = {
+        "stamp:batch": lambda: default_collate([dataset[i] for i in indices]),
+        "stamp:stamp": lambda: pickle.dumps(stamp(samples)),
+        "stamp:collate": lambda: pickle.dumps(default_collate(samples)),
+        "stamp:stamp-drawing": lambda: (draw(), pickle.dumps(stamp(samples))),
+        "stamp:collate-drawing": lambda: (draw(), pickle.dumps(default_collate(samples))),
+    }
+    for name, work in regions.items():
+        for _ in range(3):  # warm-up: the worker's first, whole stamp is not counted
+            work()
+        sys.getswitchinterval()
+        for _ in range(STAMP_ROUNDS):
+            work()
+        sys.getallocatedblocks()
+    return list(regions)
 
 
 def count_worker(names: Sequence[str], warmup: int, count: int, out: Path) -> None:
@@ -310,8 +323,9 @@ def dumps(directory: Path) -> list[int]:
 
 
 def python_binary() -> str:
-    """The interpreter itself, not a launcher script (pyenv's shims) valgrind would follow."""
-    return os.path.realpath(sys.executable)
+    """This interpreter (``sys.executable`` is the binary, also under pyenv's shell-script
+    shims; a virtual environment's link is kept, so its site-packages are seen)."""
+    return sys.executable
 
 
 def measure(names: Sequence[str], warmup: int, count: int,
@@ -343,9 +357,10 @@ def measure(names: Sequence[str], warmup: int, count: int,
     counted = dict(zip(regions, totals))
     rows = {name: counted[name] / count for name in names}
     batch = counted["stamp:batch"] / STAMP_ROUNDS
-    stamp = (counted["stamp:stamp+collate"] - counted["stamp:collate"]) / STAMP_ROUNDS
+    stamp = (counted["stamp:stamp"] - counted["stamp:collate"]) / STAMP_ROUNDS
+    drawing = (counted["stamp:stamp-drawing"] - counted["stamp:collate-drawing"]) / STAMP_ROUNDS
     return {"per_batch": rows, "same": told["same"], "batch": batch, "stamp": stamp,
-            "warmup": warmup, "count": count}
+            "stamp_drawing": drawing, "warmup": warmup, "count": count}
 
 
 def available(names: Sequence[str]) -> list[str]:
@@ -375,7 +390,10 @@ def report(found: dict[str, Any]) -> list[str]:
         lines.append(f"\nhookloop+stack+views over hand+stack (no views): "
                      f"{rows['hookloop+stack+views'] / rows['hand+stack']:.4f}x")
     lines.append(f"\nworker stamp: {found['stamp']:,.0f} instructions per batch, a cheap batch "
-                 f"of 32 samples {found['batch']:,.0f}: {found['stamp'] / found['batch']:.3f}x")
+                 f"of 32 samples {found['batch']:,.0f}: {found['stamp'] / found['batch']:.3f}x "
+                 f"(a dataset that draws from Python and NumPy at every batch: "
+                 f"{found['stamp_drawing']:,.0f}, "
+                 f"{found['stamp_drawing'] / found['batch']:.3f}x)")
     return lines
 
 
