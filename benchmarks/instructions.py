@@ -54,7 +54,8 @@ from typing import Any
 import overhead as bench
 
 ZERO, DUMP = "sys_getswitchinterval", "sys_getallocatedblocks"
-PEERS = {"ignite": "ignite", "torchtnt": "torchtnt", "lightning": "pytorch_lightning"}
+PEERS = {"ignite": "ignite.engine", "torchtnt": "torchtnt.framework",
+         "lightning": "pytorch_lightning"}
 REFERENCE = {"hand": "hand", "hookloop": "hand", "ignite": "hand", "torchtnt": "hand",
              "lightning": "hand", "hookloop+listen10": "hand", "hookloop+listen50": "hand",
              "hand+stack": "hand+stack", "hookloop+stack": "hand+stack",
@@ -364,10 +365,18 @@ def measure(names: Sequence[str], warmup: int, count: int,
 
 
 def available(names: Sequence[str]) -> list[str]:
-    import importlib.util
+    """``names`` less the peers that are not installed, or do not import (torchtnt 0.2 needs
+    ``pkg_resources``, gone from setuptools 81)."""
+    import importlib
 
-    return [name for name in names
-            if name not in PEERS or importlib.util.find_spec(PEERS[name]) is not None]
+    def imports(module: str) -> bool:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - any failure to import leaves the peer out
+            return False
+        return True
+
+    return [name for name in names if name not in PEERS or imports(PEERS[name])]
 
 
 def report(found: dict[str, Any]) -> list[str]:
@@ -407,7 +416,7 @@ def main(names: Sequence[str] | None, warmup: int, count: int,
     print(f"hookloop instruction count: python {sys.version.split()[0]}, valgrind's callgrind, "
           f"{count} batches after {warmup} of warm-up, one process")
     if skipped:
-        print(f"not run (not installed): {', '.join(skipped)}")
+        print(f"not run (not installed, or not importable): {', '.join(skipped)}")
     found = measure(chosen, warmup, count, keep)
     print("\n".join(report(found)))
     if json_path:
