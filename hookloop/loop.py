@@ -27,7 +27,7 @@ from hookloop.engine.cadence import Cadence
 from hookloop.engine.data import LossSum
 from hookloop.engine.describe import describe
 from hookloop.engine.dispatch import Table, Wrapper
-from hookloop.engine.forward import ForwardRule, Selector, check_loss, predict_dtype
+from hookloop.engine.forward import ForwardRule, Selector, check_loss, new_rule, predict_dtype
 from hookloop.engine.geometry import Geometry
 from hookloop.engine.ordering import check_callbacks
 from hookloop.engine.position import EpochPass, Position, RunPosition
@@ -463,7 +463,7 @@ class Loop(Geometry):
 
     # ------------------------------------------------------------------ inside
     def _rule(self) -> ForwardRule:  # read at each use: a callback may swap loss_fn or forward
-        return ForwardRule(self, self.forward, self.loss_fn, self.inputs, self.targets)
+        return new_rule((self, self.forward, self.loss_fn, self.inputs, self.targets))
 
     def _parts(self) -> run_state.RunParts:  # the values the run's state is made of
         return run_state.RunParts(self.unwrapped_model, self.optimizer, self.callbacks,
