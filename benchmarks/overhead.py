@@ -568,6 +568,9 @@ def main() -> int:
         if args.warmup % WINDOW or args.count % WINDOW:
             parser.error(f"--warmup and --count must be multiples of {WINDOW} (the window)")
         names = args.variants.split(",") if args.variants else None
+        if args.no_peers:
+            names = [name for name in names or instructions.ORDER
+                     if name not in instructions.PEERS]
         unknown = [name for name in names or () if name not in instructions.REFERENCE]
         if unknown:
             parser.error(f"unknown variants {unknown}; known: {instructions.ORDER}")
