@@ -33,11 +33,13 @@ state (its first, whole stamp is not counted), over the instructions of making a
 batch of 32 samples (32 ``__getitem__`` of a map-style dataset that returns a small tensor
 pair, collated by torch's ``default_collate``), all counted in this process the same way;
 and the stamp of a dataset that draws from Python's and NumPy's generators at every batch
-(their states then travel in full).
+(their states then travel in full). Python's garbage collector is off in these regions (a
+collection of the whole heap landing in one of them would be counted as its cost).
 """
 
 from __future__ import annotations
 
+import gc
 import glob
 import json
 import os
@@ -61,7 +63,7 @@ REFERENCE = {"hand": "hand", "hookloop": "hand", "ignite": "hand", "torchtnt": "
              "hand+stack": "hand+stack", "hookloop+stack": "hand+stack",
              "hand+stack+views": "hand+stack", "hookloop+stack+views": "hand+stack"}
 ORDER = list(REFERENCE)
-STAMP_ROUNDS = 20
+STAMP_ROUNDS = 50
 
 
 class Marked:
@@ -266,13 +268,18 @@ def stamp_regions() -> list[str]:
         "stamp:stamp-drawing": lambda: (draw(), pickle.dumps(stamp(samples))),
         "stamp:collate-drawing": lambda: (draw(), pickle.dumps(default_collate(samples))),
     }
-    for name, work in regions.items():
-        for _ in range(3):  # warm-up: the worker's first, whole stamp is not counted
-            work()
-        sys.getswitchinterval()
-        for _ in range(STAMP_ROUNDS):
-            work()
-        sys.getallocatedblocks()
+    gc.collect()
+    gc.disable()  # a collection of the whole heap landing in one region would be its cost
+    try:
+        for name, work in regions.items():
+            for _ in range(3):  # warm-up: the worker's first, whole stamp is not counted
+                work()
+            sys.getswitchinterval()
+            for _ in range(STAMP_ROUNDS):
+                work()
+            sys.getallocatedblocks()
+    finally:
+        gc.enable()
     return list(regions)
 
 
