@@ -46,8 +46,14 @@ _PYTHON_OFFSET = object.__basicsize__  # the index and the words follow the obje
 _RAW_BYTES = 4 * _WORDS + 4
 
 
+def _words(address: int) -> Any:
+    """The raw words at ``address`` as a ctypes array: ``.raw`` copies them into bytes (one
+    memory copy, no foreign call)."""
+    return (ctypes.c_char * _RAW_BYTES).from_address(address)
+
+
 def _python_raw() -> bytes:
-    return ctypes.string_at(id(random._inst) + _PYTHON_OFFSET, _RAW_BYTES)  # type: ignore[attr-defined]
+    return _words(id(random._inst) + _PYTHON_OFFSET).raw  # type: ignore[attr-defined]
 
 
 def _python_raw_readable() -> bool:
@@ -71,7 +77,7 @@ def _numpy_address() -> int | None:
     if type(generator).__name__ != "MT19937":
         return None
     address = generator.ctypes.state_address
-    raw = ctypes.string_at(address, _RAW_BYTES)
+    raw = _words(address).raw
     state = generator.state["state"]
     same = bytes(memoryview(raw[:-4])) == state["key"].astype("uint32").tobytes() and \
         int.from_bytes(raw[-4:], sys.byteorder, signed=True) == int(state["pos"])
@@ -85,15 +91,17 @@ class StateReads:
     (forked, or unpickled without this state: `__getstate__`), so each worker's first
     stamp is whole."""
 
-    __slots__ = ("_python_ok", "_python_raw", "_python", "_numpy_generator", "_numpy_address",
-                 "_numpy_raw", "_numpy")
+    __slots__ = ("_python_ok", "_python_owner", "_python_words", "_python_raw", "_python",
+                 "_numpy_generator", "_numpy_words", "_numpy_raw", "_numpy")
 
     def __init__(self) -> None:
         self._python_ok: bool | None = None  # unknown until the first stamp
+        self._python_owner: Any = None  # the generator `_python_words` reads (kept alive)
+        self._python_words: Any = None
         self._python_raw: tuple[bytes, Any] | None = None
         self._python: Any = None
-        self._numpy_generator: Any = None
-        self._numpy_address: int | None = None
+        self._numpy_generator: Any = None  # the generator `_numpy_words` reads (kept alive)
+        self._numpy_words: Any = None
         self._numpy_raw: bytes | None = None
         self._numpy: Any = None
 
@@ -108,7 +116,10 @@ class StateReads:
             self._python_ok = _python_raw_readable()
         if not self._python_ok:
             return random.getstate()
-        raw = (_python_raw(), random._inst.gauss_next)  # type: ignore[attr-defined]
+        owner = random._inst  # type: ignore[attr-defined]
+        if owner is not self._python_owner:
+            self._python_owner, self._python_words = owner, _words(id(owner) + _PYTHON_OFFSET)
+        raw = (self._python_words.raw, owner.gauss_next)
         if raw == self._python_raw:
             return SAME
         self._python_raw, self._python = raw, random.getstate()
@@ -120,10 +131,11 @@ class StateReads:
         generator = _numpy.random.mtrand._rand._bit_generator
         if generator is not self._numpy_generator:  # the first stamp, or another generator
             self._numpy_generator, self._numpy_raw = generator, None
-            self._numpy_address = _numpy_address()
-        if self._numpy_address is None:
+            address = _numpy_address()
+            self._numpy_words = None if address is None else _words(address)
+        if self._numpy_words is None:
             return _numpy.random.get_state()
-        raw = ctypes.string_at(self._numpy_address, _RAW_BYTES)
+        raw = self._numpy_words.raw
         # A cached normal value (has_gauss) can be used up without moving the words.
         if raw == self._numpy_raw and not self._numpy[3]:
             return SAME
