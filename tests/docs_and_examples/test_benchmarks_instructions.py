@@ -3,12 +3,13 @@ per batch counted by callgrind (not seconds, which a loaded machine moves), on a
 region of the tiny workload, every variant ending on its reference's weights.
 
 Two of the project's targets (issue 38) are met and guarded as they are: at most 3k
-instructions per listening callback per batch (2,750 measured), and a worker's generator
-stamp within 0.1x of making a cheap batch (0.057x). Two are not met yet and are guarded at
-the level reached, so that they do not get worse: hookloop bare over the hand-written loop
-(target 1.01x, 1.048x measured over 200 batches: about 10.5k of its 48k instructions are
-the torch generator state recorded at every step boundary), and the standard stack with
-its views over the same stack by hand without views (target 1.01x, 1.049x measured).
+instructions per listening callback per batch (2,725 to 2,783 measured), and a worker's
+generator stamp within 0.1x of making a cheap batch (0.076x). Two are not met yet and are
+guarded at the level reached, so that they do not get worse: hookloop bare over the
+hand-written loop (target 1.01x, 1.046x to 1.052x over 200 batches: about 10.5k of its
+47k to 52k instructions are the torch generator state recorded at every step boundary),
+and the standard stack with its views over the same stack by hand without views (target
+1.01x, 1.049x).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pytest
 from conftest import ROOT, subprocess_env
 
 VARIANTS = "hand,hookloop,hookloop+listen50,hand+stack,hookloop+stack+views"
-BARE, VIEWS = 1.06, 1.08  # reached: 1.048x, 1.049x over 200 batches (1.065x over 40)
+BARE, VIEWS = 1.06, 1.08  # reached: 1.046-1.052x, 1.049x over 200 batches (1.065x over 40)
 
 
 @pytest.mark.slow
