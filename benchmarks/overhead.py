@@ -539,7 +539,18 @@ def main() -> int:
     parser.add_argument("--import-runs", type=int, default=None,
                         help="processes per import measurement (default 7; quick 2)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions per batch with valgrind's callgrind instead "
+                             "of timing (tiny workload; see benchmarks/instructions.py)")
+    parser.add_argument("--warmup", type=int, default=50,
+                        help="instruction mode: batches before the counted ones")
+    parser.add_argument("--count", type=int, default=200,
+                        help="instruction mode: batches counted")
+    parser.add_argument("--callgrind-dir", default=None,
+                        help="instruction mode: keep callgrind's files here (one per variant, "
+                             "in the order run) for callgrind_annotate")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # jobs, as JSON
+    parser.add_argument("--count-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -547,6 +558,23 @@ def main() -> int:
         for workload, batches, names, tag in json.loads(args.worker):
             work(WORKLOADS[workload], batches, names, Path(args.out), tag)
         return 0
+    if args.count_worker is not None:
+        import instructions
+        instructions.count_worker(json.loads(args.count_worker), args.warmup, args.count,
+                                  Path(args.out))
+        return 0
+    if args.instructions:
+        import instructions
+        if args.warmup % WINDOW or args.count % WINDOW:
+            parser.error(f"--warmup and --count must be multiples of {WINDOW} (the window)")
+        names = args.variants.split(",") if args.variants else None
+        if args.no_peers:
+            names = [name for name in names or instructions.ORDER
+                     if name not in instructions.PEERS]
+        unknown = [name for name in names or () if name not in instructions.REFERENCE]
+        if unknown:
+            parser.error(f"unknown variants {unknown}; known: {instructions.ORDER}")
+        return instructions.main(names, args.warmup, args.count, args.json, args.callgrind_dir)
 
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
     names = args.variants.split(",") if args.variants else [variant.name for variant in VARIANTS]

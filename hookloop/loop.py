@@ -27,7 +27,7 @@ from hookloop.engine.cadence import Cadence
 from hookloop.engine.data import LossSum
 from hookloop.engine.describe import describe
 from hookloop.engine.dispatch import MaybeTable, Table, Wrapper
-from hookloop.engine.forward import ForwardRule, Selector, check_loss, predict_dtype
+from hookloop.engine.forward import ForwardRule, Selector, check_loss, new_rule, predict_dtype
 from hookloop.engine.geometry import Geometry
 from hookloop.engine.ordering import check_callbacks
 from hookloop.engine.position import EpochPass, Position, RunPosition
@@ -462,7 +462,7 @@ class Loop(Geometry):
 
     # ------------------------------------------------------------------ inside
     def _rule(self) -> ForwardRule:  # read at each use: a callback may swap loss_fn or forward
-        return ForwardRule(self, self.forward, self.loss_fn, self.inputs, self.targets)
+        return new_rule((self, self.forward, self.loss_fn, self.inputs, self.targets))
 
     def _parts(self) -> run_state.RunParts:  # the values the run's state is made of
         return run_state.RunParts(self.unwrapped_model, self.optimizer, self.callbacks,
@@ -528,17 +528,17 @@ class Loop(Geometry):
             self._step_validation(batches)  # the run stopped during the one due at this step
         for batch_idx, batch, state.step_boundary in batches:
             batch = current_batch(state, batch, batch_idx, self.device, self._rule())
-            if table.on_batch_start:
-                table.emit(table.on_batch_start)
+            for handler in table.on_batch_start:  # called inline: no emit call per event
+                handler(self)
             with table.entered(table.train_step_context):
                 loss = self._forward(batch, batches, table)
                 loss.backward()
-            if table.after_backward:
-                table.emit(table.after_backward)
+            for handler in table.after_backward:
+                handler(self)
             if state.step_boundary:
                 self._step(batches, table)
-            if table.on_batch_end:
-                table.emit(table.on_batch_end)
+            for handler in table.on_batch_end:
+                handler(self)
             if state.step_boundary:
                 self._boundary.mark(self._position)
         train_loss = batches.train_loss()
@@ -553,10 +553,10 @@ class Loop(Geometry):
             outputs, loss = self._rule().compute(self.model, batch)
         loss = check_loss(loss, training=True)  # a DTensor loss: its plain value, from here on
         state.outputs, state.loss = outputs, loss
-        if table.after_forward:
-            table.emit(table.after_forward)
-            if state.loss is not loss:  # replaced by a callback (a penalty term)
-                loss = state.loss = check_loss(state.loss, training=True, replaced=True)
+        for handler in table.after_forward:
+            handler(self)
+        if state.loss is not loss:  # replaced by a callback (a penalty term)
+            loss = state.loss = check_loss(state.loss, training=True, replaced=True)
         batches.losses.add(loss, state.batch_size, self._loss_weight)
         for scale in table.scale_loss:
             loss = table.call(scale, loss)
@@ -567,8 +567,8 @@ class Loop(Geometry):
         if stepper.take(self.optimizer, self.scaler, table):
             state.step += 1
         batches.record(state.step)  # the weights now match this position
-        if stepper.stepped and table.after_step:
-            table.emit(table.after_step)
+        for handler in table.after_step if stepper.stepped else ():
+            handler(self)
         self.optimizer.zero_grad(set_to_none=True)
         self._end.check_steps()
         if stepper.stepped and self._cadence.after_step(state.step):

@@ -222,6 +222,8 @@ class ProgressBar(Callback):
         self._speed_start = 0.0  # the epoch's start, or the end of the compiling batch
         self._samples = 0
         self._batches = 0
+        self._countdown = 1  # batch ends until the clock is read again (`_next_read`)
+        self._last_read = (0.0, -1)  # (time, batches) at the latest clock read: the pace
         self._val_batches = 0
         self._validated_step = -1  # the step of a validation not shown yet
         self._after_validation = False  # the next on_batch_end ends the batch that validated
@@ -266,6 +268,7 @@ class ProgressBar(Callback):
         self._epoch_start = self._speed_start = time.perf_counter()
         self._next_refresh = self._epoch_start + (0.0 if self._bars else self.plain_every_s)
         self._samples = self._batches = 0
+        self._countdown, self._last_read = 1, (self._epoch_start, -1)  # no pace yet
         if self._progress is not None:
             state = loop.state
             description = f"epoch {state.epoch + 1}/{state.epochs}"
@@ -277,10 +280,22 @@ class ProgressBar(Callback):
     def on_batch_end(self, loop: Loop) -> None:
         """Count samples; at most ``refresh_per_second`` times a second, read and show the loss.
 
+        A quiet batch only counts: the clock is read every few batch ends (`_next_read`), so
+        a fast step pays no clock read, formatting or rich call between two refreshes.
+
         A validation inside the epoch (``val_every_n_steps``) gets its own line of
         ``val_*`` metrics once it is known not to be at the epoch's last batch: at once when
         the data has a length, else at the next batch (the epoch's row shows the others).
         """
+        state = loop.state
+        self._samples += state.batch_size
+        self._batches = state.batch_idx + 1
+        self._countdown -= 1
+        if self._countdown <= 0:
+            self._refresh(loop)
+
+    def _refresh(self, loop: Loop) -> None:
+        """The clock's turn (or a validation's line to print): show what is due."""
         batch_idx, ended_validating = loop.state.batch_idx, self._after_validation
         if ended_validating:  # the validation's batches moved state.batch_idx
             batch_idx, self._after_validation = self._train_batch_idx, False
@@ -289,11 +304,11 @@ class ProgressBar(Callback):
             if not ended_validating or (total is not None and batch_idx < total - 1):
                 self._print_validation(loop, self._validated_step)
                 self._validated_step = -1
-        self._samples += loop.state.batch_size
         self._batches = batch_idx + 1
         now = time.perf_counter()
         compiled = self._warm_up_done(now)
         if now < self._next_refresh and not compiled:
+            self._next_read(now)
             return
         if self._progress is not None:
             self._next_refresh = now + 1.0 / self.refresh_per_second
@@ -309,6 +324,20 @@ class ProgressBar(Callback):
                 parts.append(f"compiled in {now - self._warm_up_start:.1f}s")
             parts += [part for part in self._batch_info(loop, now).values() if part]
             self._print("  ".join(parts))
+        self._next_read(now)
+
+    def _next_read(self, now: float) -> None:
+        """When to read the clock again: after half the batches that the pace so far
+        (since the latest read) fits before the next refresh, at least the next one. The
+        reads come closer as the refresh nears (a pace that slows down is seen in time);
+        a step of microseconds reads it a few times per refresh, not once per batch."""
+        then, batches = self._last_read
+        done = self._batches - batches
+        pace = done / (now - then) if now > then and done > 0 and batches >= 0 else 0.0
+        self._last_read = (now, self._batches)
+        self._countdown = max(1, int(0.5 * (self._next_refresh - now) * pace))
+        if self._validated_step >= 0:  # a validation's line waits for the next batch end
+            self._countdown = 1
 
     def on_validation_start(self, loop: Loop) -> None:
         """Show the validation bar."""
@@ -336,6 +365,7 @@ class ProgressBar(Callback):
         """Hide the validation bar; note the step of a validation inside fit."""
         if loop.phase is Phase.VALIDATE:
             self._validated_step, self._after_validation = loop.state.step, True
+            self._countdown = 1  # the next batch end prints its line and counts from its batch
         if self._progress is not None and "val" in self._tasks:
             self._progress.update(self._tasks["val"], completed=self._val_batches, visible=False)
 

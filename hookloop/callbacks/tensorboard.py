@@ -298,6 +298,11 @@ class TensorBoard(Callback):
         elif first and not self._continued:  # another callback opened the writer first
             self._add_session_start(loop)
 
+    @property
+    def _silent_events(self) -> tuple[str, ...]:
+        """Without ``graph``, nothing to do at a batch start: not called there."""
+        return () if self.graph else ("on_batch_start",)
+
     def on_batch_start(self, loop: Loop) -> None:
         """Trace the graph from the first batch, once, when asked."""
         if self.graph and not self._graph_done:
@@ -305,9 +310,13 @@ class TensorBoard(Callback):
             self._add_graph(loop)
 
     def after_step(self, loop: Loop) -> None:
-        """Every ``every_n_steps``: loss, learning rates, grad norm, loss scale (one read)."""
+        """Every ``every_n_steps``: loss, learning rates, grad norm, loss scale (one read).
+
+        Another step without histograms returns at once: one modulo, nothing built."""
         state = loop.state
         step = state.step
+        if step % self.every_n_steps and self.histograms_every_n_epochs is None:
+            return
         if step_due(loop, self.every_n_steps):
             for tag, number in read_values(step_values(loop)).items():
                 self._scalar(tag, number, step)

@@ -8,6 +8,7 @@ targets)``; an ``(inputs, targets)`` pair with ``loss_fn``; a mapping batch:
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -20,8 +21,9 @@ from hookloop.errors import ConfigurationError, with_article
 if TYPE_CHECKING:
     from hookloop.engine.dispatch import Table
 
-__all__ = ["ForwardRule", "check_loss", "plain_loss", "concatenate", "model_inputs", "select",
-           "check_batch_rule", "Selector", "input_problem", "target_problem", "predict_dtype"]
+__all__ = ["ForwardRule", "new_rule", "check_loss", "plain_loss", "concatenate", "model_inputs",
+           "select", "check_batch_rule", "Selector", "input_problem", "target_problem",
+           "predict_dtype"]
 
 #: How ``Loop(inputs=..., targets=...)`` names a part of a batch: a key (or an index of a
 #: tuple batch), or a function of the batch.
@@ -97,9 +99,26 @@ def _call(model: Any, call: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
     except _NOT_THE_BATCH:
         raise
     except (RuntimeError, TypeError) as error:  # torch's "mat1 and mat2", "must be Tensor"
-        problem = input_problem(model, args, kwargs)
-        if problem is None:
-            raise
+        _raise_input_problem(model, args, kwargs, error)
+        raise
+
+
+def _call_one(model: Any, inputs: Any) -> Any:
+    """``model(inputs)``: `_call` for the inputs of a pair, without building its arguments."""
+    try:
+        return model(inputs)
+    except _NOT_THE_BATCH:
+        raise
+    except (RuntimeError, TypeError) as error:
+        _raise_input_problem(model, (inputs,), {}, error)
+        raise
+
+
+def _raise_input_problem(model: Any, args: Any, kwargs: Any, error: BaseException) -> None:
+    """A `ConfigurationError` naming what in the inputs the model could not run on, when
+    that is known (else the caller raises ``error`` as it is)."""
+    problem = input_problem(model, args, kwargs)
+    if problem is not None:
         raise ConfigurationError(f"The model could not run on the batch: {problem}") from error
 
 
@@ -239,9 +258,10 @@ class ForwardRule(NamedTuple):
             if loss_fn is None:
                 return outputs, _loss_of(outputs, f"model(inputs) (inputs={self.inputs!r})")
             return outputs, _loss(loss_fn, outputs, self.targets_of(batch))
-        if loss_fn is not None and is_pair(batch):
-            outputs = _call(model, ((batch[0],), {}))
-            return outputs, _loss(loss_fn, outputs, self.targets_of(batch))
+        if loss_fn is not None and is_pair(batch):  # the usual batch: no helper per item
+            outputs = _call_one(model, batch[0])
+            targets = batch[1] if self.targets is None else self.targets_of(batch)
+            return outputs, _loss(loss_fn, outputs, targets)
         if isinstance(batch, Mapping):
             self.check_batch(batch)
             outputs = model(**batch)
@@ -292,6 +312,11 @@ class ForwardRule(NamedTuple):
                     result = self.predict(model(), batch, forward)
                 outputs.append(_cast(move_to_device(result, cpu), dtype))
         return concatenate(outputs)
+
+
+#: ``new_rule((host, forward, loss_fn, inputs, targets))``: a `ForwardRule` built in C (the
+#: loop builds one per use, twice a batch; calling the class runs a Python ``__new__``).
+new_rule = functools.partial(tuple.__new__, ForwardRule)
 
 
 def check_loss(loss: Any, training: bool, replaced: bool = False) -> torch.Tensor:

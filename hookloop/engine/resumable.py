@@ -37,6 +37,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from hookloop.base.compat import loader_view, seed_worker_as
 from hookloop.engine.rng import restore_rng
+from hookloop.engine.worker_rng import SAME, StateReads, resolved
 from hookloop.runfile.format import (
     EPOCH_ORDER,
     EPOCH_SAMPLES,
@@ -156,7 +157,9 @@ _END = object()
 
 class WorkerStamp:
     """A worker-side ``collate_fn``: the batch, and the worker's generator states right after
-    it was made (torch's, Python's and NumPy's, `raw_rng`).
+    it was made (torch's, Python's and NumPy's, as `raw_rng` gives them; Python's and NumPy's
+    are `hookloop.engine.worker_rng.SAME` when they did not move since the worker's previous
+    batch, `hookloop.engine.worker_rng.StateReads`).
 
     The main process strips the states off (`StampedBatches`) and keeps, for each worker,
     the states after its latest batch: what a resume hands to the worker that makes the
@@ -165,9 +168,16 @@ class WorkerStamp:
 
     def __init__(self, collate: Any) -> None:
         self.collate = collate
+        self._reads = StateReads()  # this worker's previous states (each worker has a copy)
 
     def __call__(self, samples: Any) -> tuple[Any, tuple[Any, ...]]:
-        return self.collate(samples), raw_rng()
+        return self.collate(samples), self._reads.stamp()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"collate": self.collate}  # a worker started by spawn reads afresh
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.collate, self._reads = state["collate"], StateReads()
 
 
 def raw_rng() -> tuple[Any, ...]:
@@ -237,7 +247,9 @@ class StampedBatches:
     def __next__(self) -> Any:
         batch, stamp = next(self._iterator)
         states = self.states
-        states[self._index % len(states)] = stamp
+        slot = self._index % len(states)
+        # SAME: a generator that did not move since this worker's previous batch.
+        states[slot] = resolved(stamp, states[slot]) if SAME in stamp else stamp
         self._index += 1
         return batch
 

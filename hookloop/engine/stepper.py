@@ -82,8 +82,8 @@ class OptimizerStep:
 
         ``scaler``: AMP's ``GradScaler`` or None; ``table``: the fit's dispatch table."""
         self.cancelled = False
-        if table.before_step:
-            table.emit(table.before_step)
+        for handler in table.before_step:  # inline, as the loop calls the per-batch events
+            handler(table.host)
         self.stepped = False
         if self.cancelled:
             return False

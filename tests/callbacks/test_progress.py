@@ -143,3 +143,38 @@ def test_notebook_console_gets_bars() -> None:
         assert bar._bars and bar._progress is not None
     finally:
         bar._stop()
+
+
+def test_quiet_batches_read_no_clock_and_the_lines_still_come_on_time(monkeypatch) -> None:
+    """400 batches of 10 fake ms, a plain line every 1 s: the lines come at the batches a
+    per-batch clock would print them (every 100 batches), and the clock is read a few times
+    per line, not once per batch (a fast step pays only a counter)."""
+    import types
+
+    from hookloop.callbacks import progress as progress_module
+
+    class Clock:
+        now, reads = 0.0, 0
+
+        def perf_counter(self) -> float:
+            self.reads += 1
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(progress_module, "time", types.SimpleNamespace(
+        perf_counter=clock.perf_counter))
+
+    class Tick(Callback):
+        def on_batch_end(self, loop: Loop) -> None:  # runs before the bar's (listed first)
+            clock.now += 0.01
+
+    screen = console(False)
+    data = classification_batches(400, seed=1)
+    build_loop([Tick(), ProgressBar(console=screen, plain_every_s=1.0)],
+               model=lambda: torch.nn.Linear(5, 3), train=data, optimizer=sgd(0.05),
+               loss_fn=F.cross_entropy).fit(1)
+    lines = screen.file.getvalue().splitlines()
+    batches = [int(re.search(r"batch (\d+)/400", line)[1]) for line in lines if "batch " in line]
+    assert len(batches) == 3 and all(abs(batch - 100 * n) <= 3 for n, batch in
+                                     zip((1, 2, 3), batches)), batches
+    assert clock.reads < 60, clock.reads

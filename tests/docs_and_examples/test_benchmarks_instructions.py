@@ -1,0 +1,51 @@
+"""The instruction mode of ``benchmarks/overhead.py`` as a regression guard: instructions
+per batch counted by callgrind (not seconds, which a loaded machine moves), on a short
+region of the tiny workload, every variant ending on its reference's weights.
+
+Two of the project's targets (issue 38) are met and guarded as they are: at most 3k
+instructions per listening callback per batch (2,725 to 2,783 measured), and a worker's
+generator stamp within 0.1x of making a cheap batch (0.076x). Two are not met yet and are
+guarded at the level reached, so that they do not get worse: hookloop bare over the
+hand-written loop (target 1.01x, 1.046x to 1.052x over 200 batches: about 10.5k of its
+47k to 52k instructions are the torch generator state recorded at every step boundary),
+and the standard stack with its views over the same stack by hand without views (target
+1.01x, 1.049x).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, subprocess_env
+
+VARIANTS = "hand,hookloop,hookloop+listen50,hand+stack,hookloop+stack+views"
+BARE, VIEWS = 1.06, 1.08  # reached: 1.046-1.052x, 1.049x over 200 batches (1.065x over 40)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_instruction_ratios_stay_within_their_guards(tmp_path: Path) -> None:
+    saved = tmp_path / "counts.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--instructions",
+         "--variants", VARIANTS, "--warmup", "20", "--count", "100", "--json", str(saved)],
+        env=subprocess_env(), capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = json.loads(saved.read_text())
+    per_batch = found["per_batch"]
+    assert set(per_batch) == set(VARIANTS.split(","))
+    assert all(found["same"].values()), found["same"]
+    assert "| hookloop | hand |" in result.stdout and "worker stamp:" in result.stdout
+    assert per_batch["hookloop"] / per_batch["hand"] <= BARE, per_batch
+    assert per_batch["hookloop+stack+views"] / per_batch["hand+stack"] <= VIEWS, per_batch
+    # 50 of them: a count of one variant moves by a few thousand instructions a batch
+    # (allocator, interpreter caches), a tenth of what 10 listeners add.
+    per_listener = (per_batch["hookloop+listen50"] - per_batch["hookloop"]) / 50
+    assert per_listener <= 3000, per_listener
+    assert found["stamp"] / found["batch"] <= 0.1, (found["stamp"], found["batch"])
