@@ -17,7 +17,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from hookloop.base.events import Event
 from hookloop.callback import Callback
@@ -158,7 +158,7 @@ class Table:
             if getattr(function, "__code__", None) is trace.tb_next.tb_frame.f_code:
                 for name in INLINE:
                     if any(handler is listed for listed in getattr(self, name)):
-                        annotate(exc, handler, name)
+                        annotate(exc, cast(Callable[..., Any], handler), name)
                         return
             trace = trace.tb_next
 

@@ -29,7 +29,7 @@ import math
 import random
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
@@ -249,7 +249,7 @@ class StampedBatches:
         states = self.states
         slot = self._index % len(states)
         # SAME: a generator that did not move since this worker's previous batch.
-        states[slot] = resolved(stamp, states[slot]) if SAME in stamp else stamp
+        states[slot] = cast(Any, resolved(stamp, states[slot]) if SAME in stamp else stamp)
         self._index += 1
         return batch
 

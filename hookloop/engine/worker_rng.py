@@ -34,7 +34,7 @@ import torch
 try:  # numpy is optional
     import numpy as _numpy
 except ImportError:  # pragma: no cover - numpy ships with most torch installs
-    _numpy = None
+    _numpy = None  # type: ignore[assignment]
 
 __all__ = ["SAME", "StateReads", "resolved"]
 
@@ -119,7 +119,7 @@ class StateReads:
         owner = random._inst  # type: ignore[attr-defined]
         if owner is not self._python_owner:
             self._python_owner, self._python_words = owner, _words(id(owner) + _PYTHON_OFFSET)
-        raw = (self._python_words.raw, owner.gauss_next)
+        raw = (self._python_words.raw, owner.gauss_next)  # type: ignore[attr-defined]
         if raw == self._python_raw:
             return SAME
         self._python_raw, self._python = raw, random.getstate()
