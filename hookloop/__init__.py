@@ -11,6 +11,8 @@ the ``hookloop`` command do not import torch before they need it: a usage error 
 from __future__ import annotations
 
 import importlib
+import os
+import pkgutil
 import sys
 import types
 import warnings
@@ -70,6 +72,14 @@ if not TYPE_CHECKING:  # type checkers read the imports above; a typo stays an e
 
     def __getattr__(name: str) -> object:
         if name not in _LAZY:
+            # A module, as the eager __init__ of 0.1 left it imported: a subpackage with its
+            # modules (hookloop.parallel.mesh.Mesh, as the 0.1 docs spelled it).
+            if not name.startswith("_") and name in _SUBMODULES:
+                module = importlib.import_module(f"hookloop.{name}")
+                for found in pkgutil.iter_modules(getattr(module, "__path__", [])):
+                    if not found.name.startswith("_"):
+                        importlib.import_module(f"hookloop.{name}.{found.name}")
+                return module
             raise AttributeError(f"module 'hookloop' has no attribute {name!r}")
         module = importlib.import_module(_LAZY[name])
         value = module if name == "distributed" else getattr(module, name)
@@ -77,8 +87,14 @@ if not TYPE_CHECKING:  # type checkers read the imports above; a typo stays an e
         return value
 
 
+#: The modules and subpackages directly under the package (no import: their file names).
+_SUBMODULES = frozenset(
+    entry.name.removesuffix(".py") for entry in os.scandir(os.path.dirname(__file__))
+    if entry.name.endswith(".py") or os.path.isfile(os.path.join(entry.path, "__init__.py")))
+
+
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted({*__all__, *_LAZY, *(name for name in globals() if name.startswith("__"))})
 
 
 class _Package(types.ModuleType):

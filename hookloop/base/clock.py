@@ -3,7 +3,8 @@ a job's wall time starts there, not when a callback was created.
 
 On Linux the start is read from ``/proc/self/stat`` (``starttime``, in clock ticks since
 boot) against the clock since boot; elsewhere, the time this module was first imported
-(with ``import hookloop``, so after the interpreter and torch's import, which it misses).
+(when hookloop's loop or a callback that times first loads it: after the interpreter's
+start, which it misses).
 """
 
 from __future__ import annotations

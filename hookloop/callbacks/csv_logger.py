@@ -125,14 +125,14 @@ class CSVLogger(Callback):
     @property
     def _silent_events(self) -> tuple[str, ...]:
         """Without ``every_n_steps``, nothing to do after a step: not called there."""
-        return ("after_step",) if self.every_n_steps is None else ()
+        own = type(self).after_step is CSVLogger.after_step  # a subclass's override is called
+        return ("after_step",) if self.every_n_steps is None and own else ()
 
     def after_step(self, loop: Loop) -> None:
         """Every ``every_n_steps`` steps, keep the loss tensor (read at the next write);
         another step returns at once (one modulo)."""
         state, every = loop.state, self.every_n_steps
-        assert every is not None  # silent after_step otherwise
-        if state.step % every == 0 and state.loss is not None:
+        if every is not None and state.step % every == 0 and state.loss is not None:
             lr = loop.optimizer.param_groups[0]["lr"] if loop.optimizer.param_groups else math.nan
             self._steps.append((state.epoch, state.step, state.loss.detach(), float(lr)))
 

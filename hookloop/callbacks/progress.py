@@ -328,14 +328,18 @@ class ProgressBar(Callback):
 
     def _next_read(self, now: float) -> None:
         """When to read the clock again: after half the batches that the pace so far
-        (since the latest read) fits before the next refresh, at least the next one. The
+        (since the latest read) fits before the next refresh, at most a quarter second's
+        worth, at least the next one. The
         reads come closer as the refresh nears (a pace that slows down is seen in time);
         a step of microseconds reads it a few times per refresh, not once per batch."""
         then, batches = self._last_read
         done = self._batches - batches
         pace = done / (now - then) if now > then and done > 0 and batches >= 0 else 0.0
         self._last_read = (now, self._batches)
-        self._countdown = max(1, int(0.5 * (self._next_refresh - now) * pace))
+        # Looked ahead at most a quarter second: steps that slow down by a factor f delay a
+        # line by at most f/4 s, however long the refresh interval (plain_every_s=60).
+        ahead = min(0.5 * (self._next_refresh - now), 0.25)
+        self._countdown = max(1, int(ahead * pace))
         if self._validated_step >= 0:  # a validation's line waits for the next batch end
             self._countdown = 1
 
@@ -413,10 +417,13 @@ class ProgressBar(Callback):
         self._stop()
 
     def on_fit_end(self, loop: Loop) -> None:
-        """Stop the bars; those the fit left unfinished say ``stopped`` instead of an ETA."""
+        """Stop the bars; those the fit left unfinished say ``stopped`` instead of an ETA (a
+        bar of data without a length: when the fit cut its epoch short)."""
         if self._progress is not None:
             for task in self._progress.tasks:
-                if task.visible and (task.total is None or task.completed < task.total):
+                unfinished = (not loop.epoch_completed if task.total is None
+                              else task.completed < task.total)
+                if task.visible and unfinished:
                     self._progress.update(task.id, stopped=True)
         self._stop()
 

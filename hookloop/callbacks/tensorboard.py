@@ -301,7 +301,8 @@ class TensorBoard(Callback):
     @property
     def _silent_events(self) -> tuple[str, ...]:
         """Without ``graph``, nothing to do at a batch start: not called there."""
-        return () if self.graph else ("on_batch_start",)
+        own = type(self).on_batch_start is TensorBoard.on_batch_start  # else a subclass's
+        return () if self.graph or not own else ("on_batch_start",)
 
     def on_batch_start(self, loop: Loop) -> None:
         """Trace the graph from the first batch, once, when asked."""

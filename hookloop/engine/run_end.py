@@ -27,7 +27,8 @@ __all__ = ["RunEnd", "say"]
 def say(line: str) -> None:
     """Print one of the loop's own lines; on a terminal, broken between words at its width
     and the rest indented (a terminal cuts a longer line at its last column, mid-word)."""
-    if sys.stdout.isatty():
+    isatty = getattr(sys.stdout, "isatty", None)  # a stand-in stdout may have none
+    if isatty is not None and isatty():
         line = textwrap.fill(line, max(40, shutil.get_terminal_size().columns),
                              subsequent_indent="  ", break_long_words=False,
                              break_on_hyphens=False)

@@ -252,3 +252,26 @@ def test_an_early_stopped_run_ends_with_no_eta_and_whole_words(
     assert all(len(line) <= width for line in lines), lines
     assert lines[0].startswith("hookloop: ") and all(line.startswith("  ") for line in lines[1:])
     assert " ".join(line.strip() for line in lines) == said  # broken between words only
+
+
+def test_a_run_over_data_without_a_length_that_ends_normally_is_not_called_stopped(
+        clock: Clock) -> None:
+    """Found in review: a bar over data without a length has no total, and every such bar
+    said ``stopped`` at the end of a fit that trained all its epochs."""
+
+    class Batches:  # no __len__
+        def __iter__(self) -> Iterator[Any]:
+            generator = torch.Generator().manual_seed(0)
+            for _ in range(4):
+                yield torch.randn(4, 5, generator=generator), torch.randint(0, 3, (4,))
+
+    screen = Console(file=io.StringIO(), force_terminal=True, width=100, color_system=None)
+    model = torch.nn.Linear(5, 3)
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), Batches(),
+                loss_fn=F.cross_entropy, device="cpu",
+                callbacks=[Tick(clock), ProgressBar(console=screen, refresh_per_second=20)])
+    loop.fit(2)
+    raw = screen.file.getvalue().replace("\x1b[?25l", "").replace("\x1b[?25h", "")
+    last = [line.rstrip() for line in REDRAW.split(raw)[-1].splitlines() if line.strip()]
+    assert last and not any("stopped" in line for line in last), last
+    assert any(re.match(r"epoch 2/2 .* 4/\?", line) for line in last), last

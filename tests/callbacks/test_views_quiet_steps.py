@@ -53,3 +53,36 @@ def test_views_are_called_where_their_settings_need_it(tmp_path: Path) -> None:
                      CSVLogger(os.path.join(tmp_path, "log.csv"), every_n_steps=2)], tmp_path)
     assert called["TensorBoard", "on_batch_start"] == 4
     assert called["CSVLogger", "after_step"] == 4
+
+
+def test_a_subclass_overriding_a_quiet_event_is_called_and_a_setting_changed_mid_fit_holds(
+        tmp_path: Path) -> None:
+    """Found in review: the silent events were inherited, so a subclass's own
+    ``on_batch_start``/``after_step`` was never called; and CSVLogger asserted when its
+    ``every_n_steps`` was set to None during a fit."""
+    seen: Counter = Counter()
+
+    class MyBoard(TensorBoard):
+        def on_batch_start(self, loop: Loop) -> None:
+            seen["board"] += 1
+            super().on_batch_start(loop)
+
+    class MyCSV(CSVLogger):
+        def after_step(self, loop: Loop) -> None:
+            seen["csv"] += 1
+            super().after_step(loop)
+
+    _calls([MyBoard(str(tmp_path / "tb")), MyCSV(tmp_path / "log.csv")], tmp_path)
+    assert seen == {"board": 4, "csv": 4}
+
+    csv = CSVLogger(tmp_path / "every.csv", every_n_steps=1)
+
+    class Quieten(Callback):
+        def on_epoch_start(self, loop: Loop) -> None:
+            if loop.state.epoch == 1:
+                csv.every_n_steps = None
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), classification_batches(4, seed=1),
+         loss_fn=F.cross_entropy, device="cpu", callbacks=[Quieten(), csv]).fit(2)
