@@ -58,3 +58,19 @@ def test_a_worker_s_first_stamp_is_whole_and_a_lost_previous_one_is_named() -> N
     assert SAME not in stamp and _same(stamp, _full())
     with pytest.raises(RuntimeError, match="in_order=True"):
         resolved((b"", SAME, SAME), None)
+
+
+def test_the_words_read_are_those_of_the_generator_the_module_draws_from(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: the words were read at ``random._inst``, which a program may rebind
+    (to any object: the read would then run past it) while ``random.random`` still draws
+    from the original generator. They are read from the module functions' own generator,
+    and only where it has the C generator's layout."""
+    reads = StateReads()
+    previous = reads.stamp()  # a first stamp is whole
+    monkeypatch.setattr(random, "_inst", object())  # not a generator at all
+    random.random()  # draws from the module's generator: its state moved
+    stamp = reads.stamp()
+    assert stamp[1] is not SAME
+    assert resolved(stamp, previous)[1] == random.getstate()
+    assert reads.stamp()[1] is SAME  # nothing drew since

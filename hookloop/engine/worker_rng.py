@@ -52,17 +52,28 @@ def _words(address: int) -> Any:
     return (ctypes.c_char * _RAW_BYTES).from_address(address)
 
 
+def _c_random(owner: Any) -> bool:
+    """Whether ``owner`` is CPython's C generator (or a subclass): its words are where
+    `_python_raw` reads them, inside the object."""
+    import _random
+
+    return isinstance(owner, _random.Random) and \
+        type(owner).__basicsize__ >= _PYTHON_OFFSET + _RAW_BYTES
+
+
+def _python_generator() -> Any:
+    """The generator the ``random`` module's functions draw from."""
+    return getattr(random.getstate, "__self__", None)
+
+
 def _python_raw() -> bytes:
-    return _words(id(random._inst) + _PYTHON_OFFSET).raw  # type: ignore[attr-defined]
+    return _words(id(_python_generator()) + _PYTHON_OFFSET).raw
 
 
 def _python_raw_readable() -> bool:
     """Whether Python's generator keeps its index and words where `_python_raw` reads them:
     checked against ``random.getstate()`` (CPython only, the object at least that big)."""
-    import _random
-
-    if sys.implementation.name != "cpython" or \
-            _random.Random.__basicsize__ < _PYTHON_OFFSET + _RAW_BYTES:
+    if sys.implementation.name != "cpython" or not _c_random(_python_generator()):
         return False
     raw = _python_raw()
     words = list(memoryview(raw[4:]).cast("I"))
@@ -116,10 +127,14 @@ class StateReads:
             self._python_ok = _python_raw_readable()
         if not self._python_ok:
             return random.getstate()
-        owner = random._inst  # type: ignore[attr-defined]
+        # The generator the module's functions draw from (random._inst may be rebound
+        # without them); its words are read only where it is the C generator's layout.
+        owner: Any = _python_generator()
         if owner is not self._python_owner:
+            if not _c_random(owner):
+                return random.getstate()
             self._python_owner, self._python_words = owner, _words(id(owner) + _PYTHON_OFFSET)
-        raw = (self._python_words.raw, owner.gauss_next)  # type: ignore[attr-defined]
+        raw = (self._python_words.raw, owner.gauss_next)
         if raw == self._python_raw:
             return SAME
         self._python_raw, self._python = raw, random.getstate()
