@@ -19,7 +19,9 @@ outside CPython). Exactness: a generator whose words and position did not move d
 nothing, with one exception that is kept exact: NumPy's legacy normal draws keep a cached
 value (``has_gauss``) that is used up without moving the words, so while a cached value
 exists the full state is read at every batch; Python's cached ``gauss_next`` is compared
-as it is.
+as it is. Not seen: a dataset that calls ``numpy.random.set_state`` with the same words
+and position but a cached value that was not there (only ``set_state`` can add one without
+a draw); such a dataset keeps exact stamps by drawing once after it, or by its own state.
 """
 
 from __future__ import annotations
