@@ -36,7 +36,7 @@ import torch
 from hookloop.base.os_errors import describe_os_error
 from hookloop.errors import CheckpointError, CheckpointWriteError
 from hookloop.runfile.format import BYTES, FILES, SAVE_ID, SHA256
-from hookloop.runfile.storage import link_outside
+from hookloop.runfile.storage import link_out_of, link_target
 
 __all__ = ["DIGEST", "FILES_KEY", "SAVE_ID_KEY", "cause_of", "check_files", "control_flow",
            "file_digest", "new_save_id", "read_error", "read_metadata", "record_files",
@@ -269,19 +269,16 @@ def refuse_links(directory: str) -> None:
     Raises:
         CheckpointError: naming the link and its target.
     """
-    root = os.path.dirname(os.path.abspath(directory))
     try:
-        names = sorted(os.listdir(directory))
+        linked = link_out_of(directory)
     except OSError:
         return  # the read that follows names the cause
-    for name in names:
-        target = link_outside(os.path.join(directory, name), root)
-        if target is not None:
-            where = f"outside {root}" if os.path.lexists(target) else "which does not exist"
-            raise CheckpointError(
-                f"{os.path.join(directory, name)}: is a symbolic link to {target}, {where}; "
-                "hookloop reads only files inside the checkpoint directory. Copy the "
-                "file in (or the checkpoint out of that directory) to use it.")
+    if linked is not None:
+        path, target = linked
+        raise CheckpointError(
+            f"{path}: is {link_target(target, os.path.dirname(os.path.abspath(directory)))}; "
+            "hookloop reads only files inside the checkpoint directory. Copy the file in (or "
+            "the checkpoint out of that directory) to use it.")
 
 
 def verified_reader(path: str) -> Any:

@@ -25,7 +25,7 @@ __all__ = ["TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "write_atomic",
            "write_text_atomic", "link_atomic", "fsync_directory", "describe_os_error",
            "prepare_directory", "regular_checkpoint_files", "verify_archive",
            "entry_problem", "link_outside", "read_own_text",
-           "checkpoint_directories"]
+           "checkpoint_directories", "link_out_of", "link_target"]
 
 TEMP_PREFIX = ".tmp-"
 TEMP_SUFFIX = ".part"
@@ -344,24 +344,42 @@ def checkpoint_directories(dirpath: str, names: Iterable[str]) -> set[str]:
         path = os.path.join(dirpath, name)
         if os.path.islink(path) or not os.path.isdir(path):
             continue
-        with suppress(OSError):
-            for entry in sorted(os.listdir(path)):
-                target = link_outside(os.path.join(path, entry), dirpath)
-                if target is not None:
-                    _warn_outside(os.path.join(path, entry), target, dirpath)
-                    break
-            else:
+        with suppress(OSError):  # an entry that cannot be listed is not picked
+            linked = link_out_of(path)
+            if linked is None:
                 found.add(name)
+            else:
+                _warn_outside(*linked, dirpath)
     return found
 
 
-def _warn_outside(path: str, target: str, directory: str) -> None:
+def link_out_of(directory: str) -> tuple[str, str] | None:
+    """``(path, target)`` of the first entry of the checkpoint ``directory`` (a ``.dcp``)
+    that is a symbolic link leading out of the folder holding it, else None: the one rule
+    for a rotating file (`regular_checkpoint_files`) applied to each file inside.
+
+    Raises:
+        OSError: ``directory`` cannot be listed.
+    """
+    root = os.path.dirname(os.path.abspath(directory))
+    for name in sorted(os.listdir(directory)):
+        target = link_outside(os.path.join(directory, name), root)
+        if target is not None:
+            return os.path.join(directory, name), target
+    return None
+
+
+def link_target(target: str, directory: str) -> str:
+    """How a message names where a link out of ``directory`` leads."""
     where = f"outside {directory}" if os.path.lexists(target) else "which does not exist"
+    return f"a symbolic link to {target}, {where}"
+
+
+def _warn_outside(path: str, target: str, directory: str) -> None:
     warnings.warn(
-        f"Checkpoint: skipping {path}: it is a symbolic link to {target}, "
-        f"{where}; resume=True only reads files inside the checkpoint directory. Copy "
-        "the file in, or pass Checkpoint(resume=path) to resume from it on purpose.",
-        RuntimeWarning, stacklevel=4)
+        f"Checkpoint: skipping {path}: it is {link_target(target, directory)}; resume=True "
+        "only reads files inside the checkpoint directory. Copy the file in, or pass "
+        "Checkpoint(resume=path) to resume from it on purpose.", RuntimeWarning, stacklevel=4)
 
 
 def link_atomic(source: str, path: str) -> None:
