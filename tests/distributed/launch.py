@@ -28,9 +28,10 @@ TIMEOUT = 150  # seconds per launch; a healthy one takes ~10 s on 2 busy cores
 
 def start(script: Path, *args: str, processes: int = 2) -> subprocess.Popen[str]:
     """Start ``script`` on 2 processes (or ``processes``) without waiting; its own process
-    group, for a kill."""
+    group, for a kill. Each process runs it through ``without_finalizing.py`` (why: there)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={processes}", str(script), *args]
+               f"--nproc_per_node={processes}", str(SCRIPTS / "without_finalizing.py"), str(script),
+               *args]
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env["PYTHONPATH"]])
     env.pop("RANK", None)
