@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from builders import regression_dataset
+from conftest import ROOT
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -631,6 +632,6 @@ def test_the_digests_stop_damage_not_a_rewritten_record_as_the_docs_say(
     hookloop.load_checkpoint(other, expected)
     assert all(torch.equal(value, expected.state_dict()[name])
                for name, value in swapped.state_dict().items())
-    page = (Path(__file__).parent.parent / "docs" / "callbacks" / "checkpoint.md").read_text()
+    page = (ROOT / "docs" / "callbacks" / "checkpoint.md").read_text()
     assert "What the digests guarantee, and what they do not." in page
     assert "rewrite that record to match other files, and then other weights" in page

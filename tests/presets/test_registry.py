@@ -208,7 +208,7 @@ def test_the_presets_tests_pass_with_a_third_party_preset_installed(tmp_path: Pa
                 "describe_reports")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selected,
-         "tests/test_presets.py", "tests/test_cli.py"],
+         "tests/presets/test_presets.py", "tests/test_cli.py"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     passed = int(result.stdout.rsplit(" passed", 1)[0].split()[-1])

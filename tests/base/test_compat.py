@@ -18,7 +18,7 @@ from hookloop import Callback, Loop
 from hookloop.base import compat
 from hookloop.callbacks import AMP
 
-PACKAGE = Path(__file__).resolve().parent.parent / "hookloop"
+PACKAGE = Path(__file__).resolve().parents[2] / "hookloop"
 
 #: Private attributes of torch objects (an optimizer, a GradScaler, a SummaryWriter, a
 #: compiled module, a scheduler, a sampler) that hookloop has used or might.

@@ -132,6 +132,6 @@ def test_the_modules_moved_into_floors_import_by_their_old_paths_with_a_warning(
         print(len(MOVED_MODULES), "moved")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parent.parent)
+                          timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "39 moved" in done.stdout

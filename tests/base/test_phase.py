@@ -20,7 +20,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from hookloop import Callback, Loop, Phase
 from hookloop.callbacks import EarlyStopping, LRScheduler, TensorBoard
 
-CALLBACKS = Path(__file__).resolve().parent.parent / "hookloop" / "callbacks"
+CALLBACKS = Path(__file__).resolve().parents[2] / "hookloop" / "callbacks"
 BATCHES = 4
 
 
