@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import contextlib
 import errno
 import io
 import json
@@ -42,8 +43,14 @@ class SmallDisk:
         self.real_open = builtins.open
 
     def used(self) -> int:
-        return sum(os.path.getsize(os.path.join(folder, name))
-                   for folder, _, names in os.walk(self.root) for name in names)
+        total = 0
+        for folder, _, names in os.walk(self.root):
+            for name in names:
+                # A view's temporary file may be renamed or removed between the listing and
+                # the size (the writer threads write while the loop writes): it takes no room.
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.path.getsize(os.path.join(folder, name))
+        return total
 
     def open(self, file: Any, mode: str = "r", buffering: int = -1, encoding: str | None = None,
              errors: str | None = None, newline: str | None = None, *args: Any,
