@@ -26,10 +26,10 @@ from hookloop import distributed
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.runfile.directory_lock import DirectoryLock
 from hookloop.runfile.loading import read_checkpoint
+from hookloop.runfile.ranking import FILE
 from hookloop.runfile.retirement import RETIRED_PREFIX, Retirement
 from hookloop.runfile.format import (
     EPOCH,
-    FILE,
     FORMAT,
     FORMAT_FIELD,
     KIND,
@@ -63,7 +63,7 @@ from hookloop.runfile.storage import (
 )
 
 if TYPE_CHECKING:
-    from hookloop.runfile.ranking import TopK
+    from hookloop.runfile.ranking import TopK  # noqa: F811 - the type, beside FILE
 
 # file_meta and read_checkpoint are run_file's and loading's, named here as before.
 __all__ = ["CheckpointFiles", "RETIRED_PREFIX", "file_meta", "read_checkpoint"]

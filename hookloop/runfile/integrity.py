@@ -35,19 +35,23 @@ import torch
 
 from hookloop.base.os_errors import describe_os_error
 from hookloop.errors import CheckpointError, CheckpointWriteError
-from hookloop.runfile.format import BYTES, FILES, SAVE_ID, SHA256
 from hookloop.runfile.storage import link_out_of, link_target
 
-__all__ = ["DIGEST", "FILES_KEY", "SAVE_ID_KEY", "cause_of", "check_files", "control_flow",
+__all__ = ["DIGEST", "KEYS", "FILES_KEY", "SAVE_ID_KEY", "cause_of", "check_files", "control_flow",
            "file_digest", "new_save_id", "read_error", "read_metadata", "record_files",
            "refuse_links",
            "safe_planner", "verified_reader", "write_error", "writer"]
 
+#: Keys of the ``hookloop`` entry of a directory's plain part, written, checked and read
+#: here: the save's id, and each file's ``{"bytes": size, "sha256": digest}``.
+SAVE_ID, FILES = "save_id", "files"
+BYTES, SHA256 = "bytes", "sha256"  # of each entry of FILES
+KEYS = (SAVE_ID, FILES, BYTES, SHA256)
+#: Keys that are also ordinary words elsewhere.
+SHARED_WORDS = frozenset((FILES, BYTES))
 #: The ``hashlib`` algorithm of the digests recorded for a directory's files (its name is
-#: the key of each file's digest, `hookloop.runfile.format.SHA256`).
+#: the key of each file's digest).
 DIGEST = SHA256
-#: Keys of the ``hookloop`` entry of a directory's plain part: the save's id, and each
-#: file's ``{"bytes": size, "sha256": digest}`` (the format is `hookloop.runfile.format`'s).
 SAVE_ID_KEY, FILES_KEY = SAVE_ID, FILES
 _CHUNK = 1 << 22
 # What DCP's .metadata holds (torch 2.4 to 2.13): its dataclasses, torch's sizes, dtypes and

@@ -10,9 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from hookloop.runfile.format import EPOCH, FILE, STEP, VALUE
+from hookloop.runfile.format import EPOCH, STEP, VALUE
 
-__all__ = ["TopK"]
+__all__ = ["KEYS", "TopK"]
+
+#: A ranking entry (`TopK`): the envelope's value, epoch and step, and the scored file.
+FILE = "file"
+KEYS = (FILE,)
+SHARED_WORDS = frozenset(KEYS)
 
 #: ``better(value, other)``: True when ``value`` beats ``other`` (`hookloop.monitor.Monitor.better`).
 Better = Callable[[float, float], bool]
