@@ -30,7 +30,7 @@ from hookloop.engine.dispatch import MaybeTable, Table, Wrapper
 from hookloop.engine.forward import ForwardRule, Selector, check_loss, new_rule, predict_dtype
 from hookloop.engine.geometry import Geometry
 from hookloop.engine.ordering import check_callbacks
-from hookloop.engine.position import EpochPass, Position, RunPosition
+from hookloop.engine.position import EpochPass, Position
 from hookloop.engine.position_part import PositionPart, RankPart
 from hookloop.engine.state import LoopState, LoopStatePart, current_batch
 from hookloop.engine.status import Status

@@ -4,7 +4,7 @@ this epoch not trained on yet, and where the weights are."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch

@@ -377,6 +377,17 @@ class CheckpointFiles:
             f"{then}; or pass Checkpoint(resume=path) to pick a file.")
 
     # ---------------------------------------------------------------- writing
+    def prepare_on_every_rank(self) -> None:
+        """`prepare` on rank 0; every rank learns whether it may use the directory, so none
+        waits for it in vain.
+
+        Raises:
+            ConfigurationError: on every rank, saying why rank 0 may not use it.
+        """
+        if refused := distributed.broadcast_object(self.prepare() if distributed.is_main()
+                                                   else None):
+            raise ConfigurationError(refused)
+
     def prepare(self) -> str | None:
         """At a fit's setup: create and probe the directory and hold it for this process;
         then delete the temporary files a killed save left and finish a rollback a kill

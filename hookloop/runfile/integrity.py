@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hookloop.base.os_errors import describe_os_error
+from hookloop.base.os_errors import describe_os_error, write_failure
 from hookloop.errors import CheckpointError, CheckpointWriteError
 from hookloop.runfile.storage import link_out_of, link_target
 
@@ -389,13 +389,12 @@ def _errno(error: BaseException) -> int | None:
 
 def write_error(path: str, error: BaseException, doing: str) -> CheckpointWriteError:
     """`CheckpointWriteError` for a failed write of the sharded checkpoint ``path``."""
-    failure = CheckpointWriteError(
-        f"Cannot write the sharded checkpoint {path}: {doing} failed: {cause_of(error)}. "
+    return write_failure(CheckpointWriteError, error, lambda cause: (
+        f"Cannot write the sharded checkpoint {path}: {doing} failed: {cause}. "
         "Nothing was written under that name; the earlier checkpoints are intact. Fix the "
         "cause (free space, permissions, a directory every rank can reach) and run again; "
-        "Checkpoint(..., resume=True) continues from the newest complete one.")
-    failure.errno = _errno(error)
-    return failure
+        "Checkpoint(..., resume=True) continues from the newest complete one."),
+        cause=cause_of(error), code=_errno(error))
 
 
 def read_error(path: str, error: BaseException) -> CheckpointError:

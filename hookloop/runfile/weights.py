@@ -6,7 +6,7 @@ before a save."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -26,7 +26,7 @@ from hookloop.runfile.sharded import (
     optimizer_state,
 )
 
-__all__ = ["KEYS", "Weights", "check_optimizer_fits", "check_weight_dtypes",
+__all__ = ["KEYS", "Weights", "finite_model_state", "non_finite_weights_advice", "run_is_finite", "check_optimizer_fits", "check_weight_dtypes",
            "weight_differences", "load_model_weights", "load_optimizer_state", "load_weights",
            "all_finite"]
 
@@ -307,6 +307,42 @@ def all_finite(weights: Mapping[str, Any], *, agree: bool = False) -> bool:
     if agree or any(is_sharded_tensor(value) for value in tensors):
         finite = not distributed.any_true(not finite)
     return finite
+
+
+def run_is_finite(run: Mapping[str, Any], *, agree: bool) -> bool:
+    """`all_finite` of the weights of ``run`` (`hookloop.loop.Loop.state_dict`)."""
+    return all_finite(run[MODEL], agree=agree)
+
+
+def finite_model_state(module: nn.Module) -> dict[str, Any] | None:
+    """``module``'s state as a checkpoint saves it (gathered, or shards under FSDP), or None
+    where it is not finite (every rank asks, and every rank gets the same answer)."""
+    weights = model_state(module)
+    return weights if all_finite(weights, agree=True) else None
+
+
+def non_finite_weights_advice(callbacks: Sequence[Any]) -> str:
+    """What to tell a user whose weights became non-finite, given the stack they run.
+
+    For `Checkpoint`'s "weights are not finite" warning: advise adding `TerminateOnNaN`
+    only when it is not there already.
+
+    Example:
+        >>> non_finite_weights_advice([])[:24]
+        'Add TerminateOnNaN() to '
+    """
+    # By class name, as ordering constraints name classes: the core imports no callback.
+    present = [callback for callback in callbacks
+               if any(cls.__name__ == "TerminateOnNaN" for cls in type(callback).__mro__)]
+    if not present:
+        return ("Add TerminateOnNaN() to stop before a non-finite loss or gradient reaches "
+                "the weights.")
+    if not getattr(present[0], "check_gradients", True):
+        return ("TerminateOnNaN(check_gradients=False) only watches the loss; a finite loss "
+                "with non-finite gradients passed it. Use TerminateOnNaN() to check both.")
+    return ("TerminateOnNaN is in the stack and saw finite losses and gradients, so the "
+            "optimizer step itself (a learning rate or eps that overflows), a callback that "
+            "writes the weights, or weights that were non-finite from the start made them so.")
 
 
 register_check(Weights.check_file)
