@@ -265,8 +265,7 @@ class Position:
         live, self._live = self._live, None
         skip = self.batches_done if self.epoch == epoch else 0
         data, phase = self._resharded(data, skip)
-        losses = LossSum(device, *((self.loss_total(), self.samples)
-                                   if skip and self.loss_sum is not None else ()))
+        losses = self._losses(device, skip)
         replay, self._replay = self._replay, False
         total = length_of(data) if not phase else skip + (length_of(data) or 0)
         if live is not None and live[0] == epoch and skip and not replay:
@@ -290,6 +289,17 @@ class Position:
             restore_rng(self.rng, later)
         return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses, phase,
                          check)
+
+    def _losses(self, device: Any, skip: int) -> LossSum:
+        """The epoch's loss sum, from the position's where the epoch resumes inside."""
+        return LossSum(device, *((self.loss_total(), self.samples)
+                                 if skip and self.loss_sum is not None else ()))
+
+    def _streams(self, skip: int, replay: bool) -> bool:
+        """A replay inside the epoch whose DataLoader sampler redraws what the interrupted
+        run's had drawn (`drawn_ahead`), the generators put back inside its draws."""
+        return self.source == "sampler" and replay and bool(skip) and self.rng is not None \
+            and self.drawn_ahead is not None
 
     def _resharded(self, data: Any, skip: int) -> tuple[Any, int]:
         """``(data, 0)``; or, where the epoch resumes from a sample that does not start one
@@ -343,8 +353,7 @@ class Position:
         shuffling sampler draws the next permutation when it runs out: before the position
         with workers, after it without)."""
         source, exact_host = self.source, RNG_PYTHON in (self.rng or {})
-        streamed = source == "sampler" and replay and bool(skip) and self.rng is not None \
-            and self.drawn_ahead is not None
+        streamed = self._streams(skip, replay)
         later = [] if streamed else self.generators
         if source == "sampler":
             if skip and exact_host:
