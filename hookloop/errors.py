@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from hookloop.base.os_errors import describe_os_error
+from hookloop.base.os_errors import write_failure
 
 __all__ = ["HookloopError", "CallbackOrderError", "CheckpointError", "CheckpointWriteError",
            "LogWriteError",
@@ -106,16 +106,11 @@ class LogWriteError(HookloopError, OSError):
     @classmethod
     def of(cls, view: str, path: str, error: BaseException) -> LogWriteError:
         """The error for ``view`` failing to write ``path`` because of ``error``."""
-        cause = describe_os_error(error) if isinstance(error, OSError) else (
-            f"{type(error).__name__}: {error}")
-        failure = cls(
+        return write_failure(cls, error, lambda cause: (
             f"{view} could not write {path}: {cause}. Training stops here; a Checkpoint in "
             "the stack saves the last completed step on the way out. Free space (or fix the "
             "directory) and run again: with Checkpoint(..., resume=True) the run continues "
-            "where it stopped.")
-        failure.errno = getattr(error, "errno", None)
-        failure.filename = path
-        return failure
+            "where it stopped."), filename=path)
 
     def __str__(self) -> str:
         # OSError would show "[Errno 28] None: 'path'" once errno and filename are set.

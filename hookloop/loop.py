@@ -21,7 +21,7 @@ from torch import nn
 from hookloop import distributed
 from hookloop.base.phase import Phase, Phases
 from hookloop.callback import Callback
-from hookloop.engine import arguments, dispatch, run_end, run_state, sanity
+from hookloop.engine import arguments, dispatch, run_end, sanity
 from hookloop.engine.boundary import BoundaryStates
 from hookloop.engine.cadence import Cadence
 from hookloop.engine.data import LossSum
@@ -30,21 +30,28 @@ from hookloop.engine.dispatch import MaybeTable, Table, Wrapper
 from hookloop.engine.forward import ForwardRule, Selector, check_loss, new_rule, predict_dtype
 from hookloop.engine.geometry import Geometry
 from hookloop.engine.ordering import check_callbacks
-from hookloop.engine.position import EpochPass, Position, RunPosition
-from hookloop.engine.state import LoopState, current_batch
+from hookloop.engine.position import EpochPass, Position
+from hookloop.engine.position_part import PositionPart, RankPart
+from hookloop.engine.state import LoopState, LoopStatePart, current_batch
+from hookloop.engine.status import Status
+from hookloop.engine.stateful import CallbackStates, ExtraStates, as_mapping, check_callback_states
 from hookloop.engine.stepper import OptimizerStep
 from hookloop.engine.untouched import untouched
 from hookloop.errors import ConfigurationError
+from hookloop.runfile.format import RANKS, RunPart, merged
+from hookloop.runfile.weights import Weights
 
 
 __all__ = ["Loop"]
 
 
-class Loop(Geometry):
+class Loop(Geometry, Status):
     """A training loop that emits events; every feature is a `Callback` in ``callbacks``.
 
     Its step geometry (``batches_per_epoch``, ``steps_per_epoch``, ``total_steps``) and
-    ``unwrapped_model`` come from `hookloop.engine.geometry.Geometry`.
+    ``unwrapped_model`` come from `hookloop.engine.geometry.Geometry`; what it reports of
+    itself (``phase``, ``fitting``, ``position``, ``stop_requested``...) from
+    `hookloop.engine.status.Status`.
 
     Args:
         model: The module to train. Moved to ``device`` when ``fit`` starts.
@@ -150,6 +157,15 @@ class Loop(Geometry):
         self._cadence, self._stepper, self._boundary = Cadence(), OptimizerStep(), BoundaryStates()
         self._end = run_end.RunEnd(self.state, self._position, lambda: self.total_steps)
         self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
+        # The run's parts, registered once: each writes, checks and reads its own keys.
+        self._weights = Weights(lambda: self.unwrapped_model, lambda: self.optimizer)
+        self._ranks = RankPart(self._position, lambda: self.device)  # gathered at a save
+        self._parts: tuple[RunPart, ...] = (
+            self._weights, PositionPart(self._position, lambda: self.train_data,
+                                        lambda: self.batches_per_epoch),
+            LoopStatePart(self.state, lambda: self._position.public), self._end,
+            ExtraStates(self.extra_state, self._weights),
+            CallbackStates(lambda: self.callbacks, self._weights), self._ranks)
 
     # ------------------------------------------------------------------ control
     def stop(self, reason: str | None = None, *, resumable: bool = False,
@@ -176,77 +192,9 @@ class Loop(Geometry):
         """
         self._end.stop(reason, resumable=resumable, force=force)
 
-    @property
-    def stop_requested(self) -> bool:
-        """True once `stop` was called in this fit, or once every rank agreed to end the
-        launch (a resumable stop is True from the boundary where all agreed); a stop held by
-        ``fit(min_epochs=, min_steps=)`` is True from where they are reached."""
-        return self._end.release()
-
-    @property
-    def stop_reason(self) -> str | None:
-        """The reason given to `stop` in this fit (None before a stop, or without one)."""
-        return self._end.reason
-
-    @property
-    def stop_resumable(self) -> bool:
-        """True when the stop ends only this launch and the run goes on (a signal,
-        ``TimeLimit``, ``stop(resumable=True)``): a logger keeps its run open."""
-        return self._end.suspension is not None
-
     def cancel_step(self) -> None:
         """From ``before_step``: skip the coming optimizer step (gradients are dropped)."""
         self._stepper.cancelled = True
-
-    @property
-    def epoch_completed(self) -> bool:
-        """In ``on_epoch_end``: True when the training pass ran through all the data.
-
-        False for an epoch that `stop` cut short: callbacks that act once per epoch (epoch
-        schedulers) skip such an epoch.
-        """
-        return self._epoch_completed
-
-    @property
-    def phase(self) -> Phase:
-        """What the loop is running now: a `Phase` (``TRAIN``, ``VALIDATE``...).
-
-        ``loop.phase is Phase.VALIDATE`` is the validation that counts (inside ``fit``, not
-        the sanity check, not an ``evaluate`` pass).
-        """
-        return self._phases.current
-
-    @property
-    def fitting(self) -> bool:
-        """True inside `fit` (from ``setup`` to ``on_fit_end``), outside the passes a
-        callback runs itself with `validate`, `evaluate` or `predict`."""
-        return self._phases.current.fitting
-
-    @property
-    def sanity_checking(self) -> bool:
-        """True during the short validation before training (``sanity_val_batches``).
-
-        Callbacks that decide on metrics (best checkpoint, early stopping, plateau
-        schedules, loggers) ignore that pass; its metrics are discarded.
-        """
-        return self._phases.current is Phase.SANITY_CHECK
-
-    @property
-    def optimizer_stepped(self) -> bool:
-        """True when the optimizer really stepped at the current step boundary.
-
-        Observed through an optimizer step hook: False after a step a GradScaler skipped
-        (inf/NaN gradients) or a callback cancelled. Valid from the step to the next boundary.
-        """
-        return self._stepper.stepped
-
-    @property
-    def position(self) -> RunPosition:
-        """Where the weights are: ``(epoch, batches_done, step)`` of the last step boundary.
-
-        ``batches_done`` batches of ``epoch`` were trained on; a checkpoint resumes here.
-        """
-        return self._position.public
 
     # --------------------------------------------------------------- public API
     def fit(self, epochs: int, *, max_steps: int | None = None, min_epochs: int | None = None,
@@ -302,7 +250,7 @@ class Loop(Geometry):
                 table.emit(table.on_fit_start)
                 if idle is not None and distributed.is_main():
                     print(f"hookloop: {idle}", flush=True)
-                run_state.check_callback_states(self.callbacks, self.extra_state)
+                check_callback_states(self.callbacks, self.extra_state)
                 if idle is None and self._cadence.at_start:  # before the first step
                     self._validate_pass(self.val_data, "val")
                     position.mark_validated()
@@ -439,7 +387,9 @@ class Loop(Geometry):
             gather: Under DDP, gather every rank's own part (a collective: every rank must
                 call it). False keeps this rank's only (for the exception path).
         """
-        return run_state.capture(self._parts(), gather=gather)
+        self._weights.layout(gather)  # decided once a save: whether its states are shards
+        return merged([*(part.state_dict() for part in self._parts if part is not self._ranks),
+                       {RANKS: self._ranks.gathered(gather)}])
 
     def load_state_dict(self, state: Mapping[str, Any], *, source: str | None = None) -> None:
         """Continue the run of `state_dict` at the next ``fit`` (or ``validate``).
@@ -457,17 +407,25 @@ class Loop(Geometry):
                 not fit this run: another model architecture, another optimizer class or
                 param-group layout.
         """
-        self._restore = (run_state.check_mapping(state, source),
+        self._restore = (as_mapping(state, source),
                          source or "the state given to Loop.load_state_dict")
 
     # ------------------------------------------------------------------ inside
     def _rule(self) -> ForwardRule:  # read at each use: a callback may swap loss_fn or forward
         return new_rule((self, self.forward, self.loss_fn, self.inputs, self.targets))
 
-    def _parts(self) -> run_state.RunParts:  # the values the run's state is made of
-        return run_state.RunParts(self.unwrapped_model, self.optimizer, self.callbacks,
-            self.extra_state, self.state, self._position, self._end, self.batches_per_epoch,
-            self.device, self.train_data, self.fitting)
+    def _load_pending(self) -> None:
+        """At setup: the state `load_state_dict` asked for, checked by every part before any
+        part loads it. A fit consumes it; a pass alone (validate...) leaves it for the next
+        fit, whose setup builds what only a fit builds (a scheduler from its factory)."""
+        if self._restore is None:
+            return
+        saved, source = self._restore
+        for part in self._parts:
+            part.check(saved, source)
+        for part in self._parts:
+            part.load_state_dict(saved, source)
+        self._restore = None if self.fitting else self._restore
 
     @contextmanager
     def _alone(self, phase: Phase, data: Any) -> Iterator[tuple[Table, Any]]:
@@ -495,7 +453,7 @@ class Loop(Geometry):
         setups.emit(setups.setup)
         arguments.check_setup(self.accumulation_steps, self.train_data, self.val_data)
         self.model.to(self.device)
-        self._restore = run_state.apply(self._parts(), self._restore)
+        self._load_pending()
         self._table = Table(self.callbacks, self, self.handler_wrapper, main=distributed.is_main())
         self._stepper.prepare(self.state, self._rule, lambda: self.model, self.accumulation_steps)
         self._position.attach(self.train_data, self.accumulation_steps, self.partial_window_steps)

@@ -15,8 +15,9 @@ its floor. This test reads that table and checks the code against it:
 - no module over 400 logic lines; no module importing more than 10 of the package's
   modules (loop.py and the two packages that only re-export, ``hookloop`` and
   ``hookloop.callbacks``, are exempt); no function over 20 branches;
-- every key of the run file's format is spelled in one module, ``hookloop/runfile/format.py``
-  (its ``KEYS``): no other module holds one of those strings as a constant.
+- each key of the run file is spelled in exactly one module, the module of the part that
+  reads it (its ``KEYS``; the envelope's are ``hookloop/runfile/format.py``'s): no other
+  module holds one of those strings as a constant.
 """
 
 from __future__ import annotations
@@ -300,46 +301,75 @@ def _string_constants(tree: ast.AST) -> Iterator[ast.Constant]:
             yield node
 
 
-def _format_constant(name: str) -> frozenset[str]:
-    """A module-level tuple or set of the format module (``KEYS``, ``SHARED_WORDS``), read
-    from its source with the names it refers to resolved (nothing imported)."""
-    tree = TREES[FORMAT_MODULE]
+def _key_constant(module: str, name: str) -> frozenset[str] | None:
+    """A module-level tuple or set of ``module`` (its ``KEYS``, ``SHARED_WORDS``), read
+    from its source with the names it refers to resolved (nothing imported); None when the
+    module defines none."""
+    tree = TREES[module]
     strings: dict[str, str] = {}
-    for node in tree.body:  # NAME = "key" and A, B = "a", "b"
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target, value = node.targets[0], node.value
-            pairs = (zip(target.elts, value.elts) if isinstance(target, ast.Tuple)
-                     and isinstance(value, ast.Tuple) else [(target, value)])
-            for left, right in pairs:
-                if isinstance(left, ast.Name) and isinstance(right, ast.Constant) \
-                        and isinstance(right.value, str):
-                    strings[left.id] = right.value
+    for node in tree.body:  # NAME = "key", A, B = "a", "b" and NAME = OTHER = "key"
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                value = node.value
+                pairs = (zip(target.elts, value.elts) if isinstance(target, ast.Tuple)
+                         and isinstance(value, ast.Tuple) else [(target, value)])
+                for left, right in pairs:
+                    if isinstance(left, ast.Name) and isinstance(right, ast.Constant) \
+                            and isinstance(right.value, str):
+                        strings[left.id] = right.value
     for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else (
             [node.target] if isinstance(node, ast.AnnAssign) else [])
-        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-            found = {strings[n.id] for n in ast.walk(node.value)
+        value = getattr(node, "value", None)
+        if value is not None and any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            found = {strings[n.id] for n in ast.walk(value)
                      if isinstance(n, ast.Name) and n.id in strings}
-            found |= {c.value for c in ast.walk(node.value)
+            found |= {c.value for c in ast.walk(value)
                       if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+            if name != "KEYS" and any(isinstance(n, ast.Name) and n.id == "KEYS"
+                                      for n in ast.walk(value)):
+                found |= _key_constant(module, "KEYS") or frozenset()
             return frozenset(found)
-    raise AssertionError(f"{FORMAT_MODULE} defines no {name}")
+    return None
 
 
-def test_every_file_format_key_is_spelled_in_the_format_module_only() -> None:
-    """No module spells a key of the format but the format module. The keys that are also
-    ordinary words (``SHARED_WORDS``: a device "cuda", a log column "step", torch's
+#: The modules that own keys of the run file (each declares its ``KEYS``): the envelope,
+#: and the module of each part that writes, checks and reads its own keys.
+OWNERS = {name: keys for name in MODULES if (keys := _key_constant(name, "KEYS")) is not None}
+
+
+def test_each_key_of_the_run_file_is_spelled_in_exactly_one_module_the_part_that_reads_it() -> None:
+    """Each key of the file is a constant of exactly one module (its ``KEYS``): the envelope
+    (``hookloop/runfile/format.py``: the file's record, the top-level keys) or the module of
+    the part that writes, checks and reads it (a class with ``load_state_dict``, or the
+    reader of its own entry). No other module spells it; the keys that are also ordinary
+    words (each owner's ``SHARED_WORDS``: a device "cuda", a log column "step", torch's
     "params") may appear for their other meaning, except on the run file's own floor, which
-    names every key through the format module's constants."""
-    keys, shared = _format_constant("KEYS"), _format_constant("SHARED_WORDS")
-    assert {"model", "optimizer", "save_id", "files", "epoch_samples"} <= keys
-    assert shared <= keys
+    names every key through its owner's constants."""
+    assert FORMAT_MODULE in OWNERS and len(OWNERS) >= 5, sorted(OWNERS)
+    owner_of: dict[str, str] = {}
+    twice = []
+    for name, keys in OWNERS.items():
+        for key in keys:
+            if key in owner_of:
+                twice.append(f"{key!r}: {owner_of[key]} and {name}")
+            owner_of[key] = name
+    assert twice == []
+    assert {"model", "optimizer", "save_id", "files", "epoch_samples", "history",
+            "ended", "rng", "optimizer_class"} <= set(owner_of)
+    shared = frozenset().union(*(_key_constant(name, "SHARED_WORDS") or frozenset()
+                                 for name in OWNERS))
+    readers = {"load_state_dict", "read_payload", "read_metadata", "resolve", "restore_rng"}
+    for name in OWNERS:
+        defined = {node.name for node in ast.walk(TREES[name])
+                   if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        assert defined & readers, f"{name} owns keys but reads none of them"
     found = []
     for name, tree in TREES.items():
-        if name == FORMAT_MODULE:
-            continue
         allowed = frozenset() if FLOOR.get(name) == "runfile" else shared
+        own = OWNERS.get(name, frozenset())
         for constant in _string_constants(tree):
-            if constant.value in keys and constant.value not in allowed:
-                found.append(f"{name}:{constant.lineno}: {constant.value!r}")
+            value = constant.value
+            if value in owner_of and value not in own and value not in allowed:
+                found.append(f"{name}:{constant.lineno}: {value!r} ({owner_of[value]}'s)")
     assert found == []

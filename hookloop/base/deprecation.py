@@ -98,7 +98,11 @@ MOVED_MODULES = {f"hookloop.{new.rpartition('.')[2]}": f"hookloop.{new}" for new
     "engine.dispatch", "engine.state", "engine.position", "engine.forward", "engine.stepper",
     "engine.boundary", "engine.cadence", "engine.ordering", "engine.sanity", "engine.data",
     "engine.geometry", "engine.resumable", "engine.samplers", "engine.grads", "engine.rng",
-    "engine.run_state", "presets.registry")}
+    "presets.registry")}
+#: ``hookloop.run_state`` (0.1) moved to ``hookloop.engine.run_state``, whose code the run's
+#: parts took over (issue 34): its old path imports the module of its fit-start check
+#: (`check_callback_states`) and of the callbacks' and ``state=`` objects' parts.
+MOVED_MODULES["hookloop.run_state"] = "hookloop.engine.stateful"
 
 
 class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -1,7 +1,9 @@
 """`Checkpoint`: when to save the run, what to keep, and which file to resume.
 
-The loop gathers and restores the run; the files, their integrity and the ranking sit below,
-reached through `hookloop.runfile.checkpoint_io`. The details: docs/callbacks/checkpoint.md.
+The loop gathers and restores the run; the files and their integrity
+(`hookloop.runfile.background_save` and the `CheckpointFiles` it writes with), the ranking
+(`hookloop.runfile.ranking`) and the weights' checks (`hookloop.runfile.weights`) sit below.
+The details: docs/callbacks/checkpoint.md.
 """
 
 from __future__ import annotations
@@ -14,19 +16,18 @@ from typing import TYPE_CHECKING, Any
 
 from hookloop import distributed
 from hookloop.callback import Callback
-from hookloop.runfile.checkpoint_io import (MODEL, VALUE, CheckpointFiles, RotatingWrites, TimedSaves,
-                                    TopK, all_finite, load_checkpoint, model_state)
-from hookloop.base.checks import check_choice, check_name, check_number, check_optional_int, check_path
+from hookloop.base.checks import (check_choice, check_name, check_number, check_optional_int,
+                                   check_path)
 from hookloop.base.deprecation import CheckpointAliases
-from hookloop.engine.grads import non_finite_weights_advice
-from hookloop.errors import ConfigurationError
 from hookloop.monitor import MODES, Monitor
+from hookloop.runfile.background_save import RotatingWrites
+from hookloop.runfile.ranking import TopK, check_ranking_options
+from hookloop.runfile.weights import finite_model_state, non_finite_weights_advice, run_is_finite
 
 if TYPE_CHECKING:
-    from hookloop.engine.position import RunPosition
     from hookloop.loop import Loop
 
-__all__ = ["Checkpoint", "load_checkpoint"]
+__all__ = ["Checkpoint"]
 
 
 class Checkpoint(Callback, CheckpointAliases):
@@ -92,25 +93,23 @@ class Checkpoint(Callback, CheckpointAliases):
         self.monitor = monitor
         self.every_n_epochs = check_optional_int("Checkpoint every_n_epochs", every_n_epochs)
         self.every_n_steps = check_optional_int("Checkpoint every_n_steps", every_n_steps)
-        self._timed = TimedSaves(every_n_seconds, owner="Checkpoint")
-        self.every_n_seconds = self._timed.every_n_seconds
         self.keep_last = check_optional_int("Checkpoint keep_last", keep_last)
         self.save_top_k = check_optional_int("Checkpoint save_top_k", save_top_k,
                                              hint="None keeps every validation's file.")
         self.initial_value_threshold = check_number("Checkpoint initial_value_threshold",
                                                     initial_value_threshold, optional=True)
-        if monitor is None and (save_top_k != 1 or initial_value_threshold is not None):
-            option = "save_top_k" if save_top_k != 1 else "initial_value_threshold"
-            raise ConfigurationError(f"Checkpoint {option}= ranks files by a monitored metric, "
-                                     "but monitor is None: pass monitor='val_loss' (or another).")
+        check_ranking_options("Checkpoint", monitor, save_top_k, initial_value_threshold)
         self.resume = resume if isinstance(resume, bool) else check_path(
             "Checkpoint resume", resume, hint="Or True (the newest file in dirpath) or False.")
         self.name = check_name("Checkpoint name", name)
-        self.files = CheckpointFiles(self.dirpath, f"{name}-" if name else "", monitor)
-        self._writes = RotatingWrites(self.files, self.keep_last, background=async_save)
+        self._writes = RotatingWrites(self.dirpath, self.keep_last, background=async_save,
+                                      prefix=f"{name}-" if name else "", monitor=monitor,
+                                      every_n_seconds=every_n_seconds)
+        self.files, self._timed = self._writes.files, self._writes.timed
+        self.every_n_seconds = self._timed.every_n_seconds
         self._ranking = TopK(self._monitor.better, save_top_k) if self._monitor else None
         self._started = False  # the first fit chose between resuming and a new run
-        self._saved_at: RunPosition | None = None
+        self._saved_at: tuple[int, int, int] | None = None  # a `loop.position`
         self._resumed_from: str | None = None
         self._warned_not_finite = False
 
@@ -137,7 +136,7 @@ class Checkpoint(Callback, CheckpointAliases):
     @property
     def best(self) -> float | None:
         """The best monitored value kept so far, or None."""
-        return self.top_k[0][VALUE] if self.top_k else None
+        return self._ranking.best_value if self._ranking is not None else None
 
     @property
     def last_save_seconds(self) -> float | None:
@@ -157,10 +156,7 @@ class Checkpoint(Callback, CheckpointAliases):
         self._saved_at = self.files.last_save = None  # a fit that fails to start saves nothing
         if self._monitor is not None:
             self._monitor.resolve()
-        # Every rank learns whether rank 0 may use the directory: none waits for it in vain.
-        if refused := distributed.broadcast_object(
-                self.files.prepare() if distributed.is_main() else None):
-            raise ConfigurationError(refused)
+        self.files.prepare_on_every_rank()  # refused on every rank, or used by rank 0
         if self._started:
             return  # a later fit of the same loop continues in this directory
         if self.resume is False:  # a new run must not overwrite or mix with an earlier one
@@ -257,7 +253,7 @@ class Checkpoint(Callback, CheckpointAliases):
             return False  # this position is on disk already (or is where the run started)
         run = loop.state_dict(gather=collective)  # a collective under DDP/FSDP when gathering
         previous, self._saved_at, state = self._saved_at, position, loop.state
-        if not all_finite(run[MODEL], agree=collective):  # every rank skips, or none
+        if not run_is_finite(run, agree=collective):  # every rank skips, or none
             if not self._warned_not_finite and distributed.is_main():
                 warnings.warn(f"Checkpoint: the weights at epoch {state.epoch}, step {state.step}"
                               " are not finite (NaN/inf); no checkpoint written, the older files "
@@ -279,10 +275,10 @@ class Checkpoint(Callback, CheckpointAliases):
             return
         self._writes.wait()  # which rotating files exist decides what a drop sets aside
         # Every rank asks (the weights agree under DDP), so the rankings stay the same.
-        weights = model_state(loop.unwrapped_model)  # gathered or shards under FSDP
-        if not all_finite(weights, agree=True):
+        weights = finite_model_state(loop.unwrapped_model)  # gathered or shards under FSDP
+        if weights is None:
             return
-        is_best = ranking.best is None or monitor.better(value, ranking.best[VALUE])
+        is_best = ranking.best_value is None or monitor.better(value, ranking.best_value)
         if distributed.is_main() and self.save_top_k == 1 and ranking.best is not None:
             self.files.set_best_aside(ranking.best, at=state.step)  # best.pt is to be replaced
         name = self.files.write_best(weights, value, state.epoch, state.step, state.metrics,

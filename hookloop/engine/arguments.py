@@ -149,7 +149,7 @@ def check_extra_state(state: Any, model: Any = None, optimizer: Any = None) -> d
     Refused: a class instead of an instance (``state={"d": nn.Linear}`` has the methods,
     unbound, and failed at the first save); one object under two names (restored twice);
     the loop's own ``model`` or ``optimizer`` (saved already). What the objects' states
-    hold is checked at fit start (`hookloop.engine.run_state.check_callback_states`).
+    hold is checked at fit start (`hookloop.engine.stateful.check_callback_states`).
 
     Example:
         >>> import torch

@@ -5,12 +5,13 @@ weights."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
 from hookloop.runfile.sharded import is_sharded_tensor, replicated_like
+
+from hookloop.runfile.weights import non_finite_weights_advice  # its home since issue 34
 
 __all__ = ["clip_grad_norm", "non_finite_weights_advice", "parameters_in_model_order",
            "total_norm", "unclippable"]
@@ -147,27 +148,3 @@ def _norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     if len({norm.device for norm in norms}) > 1:
         norms = [norm.to(grads[0].device) for norm in norms]
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
-
-
-def non_finite_weights_advice(callbacks: Sequence[Any]) -> str:
-    """What to tell a user whose weights became non-finite, given the stack they run.
-
-    For `Checkpoint`'s "weights are not finite" warning: advise adding `TerminateOnNaN`
-    only when it is not there already.
-
-    Example:
-        >>> non_finite_weights_advice([])[:24]
-        'Add TerminateOnNaN() to '
-    """
-    # By class name, as ordering constraints name classes: the core imports no callback.
-    present = [callback for callback in callbacks
-               if any(cls.__name__ == "TerminateOnNaN" for cls in type(callback).__mro__)]
-    if not present:
-        return ("Add TerminateOnNaN() to stop before a non-finite loss or gradient reaches "
-                "the weights.")
-    if not getattr(present[0], "check_gradients", True):
-        return ("TerminateOnNaN(check_gradients=False) only watches the loss; a finite loss "
-                "with non-finite gradients passed it. Use TerminateOnNaN() to check both.")
-    return ("TerminateOnNaN is in the stack and saw finite losses and gradients, so the "
-            "optimizer step itself (a learning rate or eps that overflows), a callback that "
-            "writes the weights, or weights that were non-finite from the start made them so.")

@@ -4,7 +4,7 @@ this epoch not trained on yet, and where the weights are."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -21,36 +21,13 @@ from hookloop.engine.resumable import (
     global_batch,
     rest_of_epoch,
     sampler_batches,
-    saved_rng,
     stateful_batches,
     stateful_part,
     stateful_view,
 )
-from hookloop.engine.rng import (capture_rng, host_rng, loader_generators, restore_generators,
-                                  restore_host_rng, restore_rng)
+from hookloop.engine.rng import (RNG_PYTHON, capture_rng, host_rng, loader_generators,
+                                  restore_generators, restore_host_rng, restore_rng)
 from hookloop.errors import ConfigurationError
-from hookloop.runfile.format import (
-    BATCH_IDX,
-    DATA_STATE,
-    DRAWN_AHEAD,
-    EPOCH,
-    EPOCH_ORDER,
-    EPOCH_RNG,
-    EPOCH_SAMPLES,
-    GLOBAL_BATCH,
-    MARK_BATCHES,
-    MARK_RNG,
-    PREFETCH_RNG,
-    RNG,
-    RNG_NUMPY,
-    RNG_PYTHON,
-    STEP,
-    STEP_OFFSET,
-    TRAIN_LOSS_SUM,
-    TRAIN_SAMPLES,
-    VALIDATED,
-    WORKERS_RNG,
-)
 
 __all__ = ["Position", "EpochPass", "RunPosition"]
 
@@ -97,7 +74,7 @@ class Position:
     torch's generators (CPU, CUDA, the DataLoader's) are recorded at every step boundary, and
     every generator, Python's and NumPy's too, at every epoch start. Python's and NumPy's
     cost tens of microseconds to copy, so the position's own copy of them is taken when it
-    is read (`parts`, at a save) while nothing has drawn for the run since the boundary
+    is read (`hookloop.engine.position_part.RankPart`, at a save) while nothing has drawn for the run since the boundary
     (`host_now`). Read later (a save at an exception, mid-window), the position holds none
     of them: a resume, like ``fit()`` after an exception, replays the epoch from its start's
     generators and fetches the trained batches again, so the data's draws from Python's and
@@ -113,14 +90,14 @@ class Position:
 
     An epoch that ``stop()`` cut short keeps its live iterator (`EpochPass` suspends it),
     so a later ``fit`` in this process continues it; after an exception (`rewind`) or a
-    restore (`load`) the epoch is replayed from the recorded generators instead.
+    restore (`hookloop.engine.position_part`) the epoch is replayed from the recorded generators instead.
     """
 
     __slots__ = ("epoch", "batches_done", "step", "loss_sum", "samples",
                  "rng", "epoch_rng", "prefetch_rng", "validated", "generators", "host_now",
                  "host_mark", "_replay", "_live", "source", "workers_rng", "data_state",
-                 "_stateful", "_batch_samples", "epoch_samples", "step_offset", "_base",
-                 "_loaded", "_order", "attached", "batches", "drawn_ahead",
+                 "_stateful", "batch_samples", "epoch_samples", "step_offset", "base",
+                 "loaded", "order", "attached", "batches", "drawn_ahead",
                  "_ahead")
 
     def __init__(self) -> None:
@@ -154,20 +131,20 @@ class Position:
         self._stateful: Any = None  # the object that has that state
         #: Samples of the epoch's global order one batch of every rank takes (None: the
         #: data has no fixed batch size, or no order to count in).
-        self._batch_samples: int | None = None
+        self.batch_samples: int | None = None
         #: Samples of the epoch's global order trained on at the position (None: not
-        #: known, `_batch_samples` is None): what the position means on any number of ranks.
+        #: known, `batch_samples` is None): what the position means on any number of ranks.
         self.epoch_samples: int | None = 0
         #: Optimizer steps the run takes beyond ``steps_per_epoch * epochs`` of the current
         #: geometry: the steps taken on another number of ranks (`hookloop.engine.geometry`).
         self.step_offset = 0
         #: ``(batches, samples)`` where this epoch's pass began counting batches from: the
         #: position a resume on another number of ranks derived from ``epoch_samples``.
-        self._base = (0, 0)
+        self.base = (0, 0)
         #: After `load`, until `attach`: the saved global batch and epoch order key.
-        self._loaded: tuple[int | None, str | None] | None = None
+        self.loaded: tuple[int | None, str | None] | None = None
         #: The key of the epoch order of the data (`hookloop.engine.resumable.epoch_order_key`).
-        self._order: str | None = None
+        self.order: str | None = None
         #: `attach` ran since the last `detach`: `batches` is the running fit's epoch length.
         self.attached = False
         #: ``len()`` of the data `attach` was given (None: it has none): `Geometry` reads
@@ -203,11 +180,11 @@ class Position:
         self.source = data_source(data)
         self._ahead = prefetched_batches(data) if self.source == "sampler" else 0
         self._stateful = stateful_view(data) if self.source == "stateful" else None
-        self._batch_samples = global_batch(data)
+        self.batch_samples = global_batch(data)
         sampler = distributed_sampler(data) if self.source == "sampler" else None
-        self._order = None if sampler is None else epoch_order_key(sampler)
-        loaded, self._loaded = self._loaded, None
-        if loaded is None or loaded[0] is None or self._batch_samples in (None, loaded[0]):
+        self.order = None if sampler is None else epoch_order_key(sampler)
+        loaded, self.loaded = self.loaded, None
+        if loaded is None or loaded[0] is None or self.batch_samples in (None, loaded[0]):
             return  # the same global batch: the position means the same batches
         total, done = length_of(data), self.batches_done
         if total is None:
@@ -216,11 +193,11 @@ class Position:
         if done and self.epoch_samples is not None and sampler is not None:
             rest = length_of(rest_of_epoch(data, self.epoch_samples)) or 0
             start = self.batches_done = max(1, total - rest)
-            self._base = (start, self.epoch_samples)
+            self.base = (start, self.epoch_samples)
             total = start + rest
             # The windows count from where `_resharded` has the epoch count them: the resume
             # batch when the rest is resharded, batch 0 when the position is whole batches.
-            phase = 0 if self.epoch_samples == start * self._batch_samples else start
+            phase = 0 if self.epoch_samples == start * self.batch_samples else start
         # The steps of the run: those taken, the rest of this epoch's, then whole epochs.
         per_epoch = _steps(0, length_of(data) or 0, window, 0, partial_steps)
         left = _steps(start, total, window, phase, partial_steps) if done else per_epoch
@@ -239,14 +216,14 @@ class Position:
             self.prefetch_rng, self.workers_rng = None, workers_rng
             data_state = stateful_part(stateful).state_dict() if stateful is not None else None
         self.data_state = data_state if stateful is not None and batches_done else None
-        size, (base_batches, base_samples) = self._batch_samples, self._base
+        size, (base_batches, base_samples) = self.batch_samples, self.base
         self.epoch_samples = 0 if not batches_done else None if size is None else \
             base_samples + (batches_done - base_batches) * size
         self.validated = self.validated and step == self.step  # still that step's
         self.drawn_ahead = self._ahead
         self.epoch, self.batches_done, self.step = epoch, batches_done, step
         self.loss_sum, self.samples = loss_sum, samples
-        self.rng = capture_rng(self.generators, full=False)  # host_rng when read (parts)
+        self.rng = capture_rng(self.generators, full=False)  # host_rng when read (at a save)
         self.host_now = True
 
     def mark_validated(self) -> None:
@@ -256,88 +233,12 @@ class Position:
         self.record(self.epoch, self.batches_done, self.step, self.loss_sum, self.samples)
         self.validated = True
 
-    def _loss_total(self) -> torch.Tensor | None:
+    def loss_total(self) -> torch.Tensor | None:
         loss_sum = self.loss_sum
         return loss_sum.resolved() if isinstance(loss_sum, LossMark) else loss_sum
 
     def rewind(self) -> None:
         """After an exception: the next epoch start continues from the recorded position."""
-        self._replay = True
-        self._live = None
-
-    def parts(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(shared, own)``: what every rank agrees on, and what is this rank's own
-        (its generators and the loss sums of its shard). Tensors and plain values only."""
-        shared: dict[str, Any] = {EPOCH: self.epoch, BATCH_IDX: self.batches_done, STEP: self.step,
-                  VALIDATED: self.validated}
-        if self.epoch_samples is not None and self._batch_samples is not None:
-            shared.update({EPOCH_SAMPLES: self.epoch_samples, GLOBAL_BATCH: self._batch_samples})
-        if self._order is not None:
-            shared[EPOCH_ORDER] = self._order
-        if self.step_offset:
-            shared[STEP_OFFSET] = self.step_offset
-        own: dict[str, Any] = {
-            TRAIN_LOSS_SUM: None if (total := self._loss_total()) is None else total.detach().cpu(),
-            TRAIN_SAMPLES: self.samples,
-        }
-        if self.rng is not None:
-            if RNG_PYTHON not in self.rng:
-                self._add_host_rng()
-            own[RNG] = self.rng
-            if self.batches_done:
-                own.update(self._inside_epoch())
-        if self.batches_done and self.data_state is not None:
-            own[DATA_STATE] = self.data_state
-        return shared, own
-
-    def _inside_epoch(self) -> dict[str, Any]:
-        """The generators' states and counts of a position inside an epoch (for `parts`)."""
-        assert self.rng is not None
-        own: dict[str, Any] = {}
-        if self.epoch_rng is not None:
-            own[EPOCH_RNG] = self.epoch_rng
-        if self.prefetch_rng is not None:
-            own[PREFETCH_RNG] = self.prefetch_rng
-        if self.host_mark is not None and RNG_PYTHON not in self.rng:
-            own[MARK_BATCHES], own[MARK_RNG] = self.host_mark
-        if self.workers_rng is not None:
-            own[WORKERS_RNG] = [saved_rng(state) for state in self.workers_rng]
-        if self.drawn_ahead is not None:
-            own[DRAWN_AHEAD] = self.drawn_ahead
-        return own
-
-    def _add_host_rng(self) -> None:
-        """Python's and NumPy's generators into the position's snapshot, where they are
-        known: now, when nothing drew since the boundary; at an epoch's start (the epoch
-        began right after the position); else left out (the replay draws them again)."""
-        rng, epoch_rng = self.rng, self.epoch_rng
-        assert rng is not None
-        if self.host_now:
-            rng.update(host_rng())
-        elif not self.batches_done and epoch_rng is not None:
-            rng.update({key: epoch_rng[key] for key in (RNG_PYTHON, RNG_NUMPY) if key in epoch_rng})
-
-    def load(self, shared: Mapping[str, Any], own: Mapping[str, Any], device: torch.device) -> None:
-        """Continue from `parts` at the next epoch start."""
-        loss_sum = own.get(TRAIN_LOSS_SUM)
-        self.epoch, self.batches_done = int(shared[EPOCH]), int(shared[BATCH_IDX])
-        self.step, self.samples = int(shared[STEP]), int(own.get(TRAIN_SAMPLES) or 0)
-        self.validated = bool(shared.get(VALIDATED, False))
-        self.loss_sum = None if loss_sum is None else loss_sum.to(device)
-        self.rng, self.epoch_rng = own.get(RNG), own.get(EPOCH_RNG)
-        self.prefetch_rng = own.get(PREFETCH_RNG)
-        self.workers_rng, self.data_state = own.get(WORKERS_RNG), own.get(DATA_STATE)
-        ahead = own.get(DRAWN_AHEAD)
-        self.drawn_ahead = None if ahead is None else int(ahead)
-        mark = own.get(MARK_RNG)
-        self.host_mark = None if mark is None else (int(own[MARK_BATCHES]), mark)
-        samples, size = shared.get(EPOCH_SAMPLES), shared.get(GLOBAL_BATCH)
-        if size is None and samples is not None and self.batches_done:  # an older file
-            size = int(samples) // self.batches_done
-        self.epoch_samples = None if samples is None else int(samples)
-        self.step_offset = int(shared.get(STEP_OFFSET, 0))
-        self._loaded = (None if size is None else int(size), shared.get(EPOCH_ORDER))
-        self._base = (self.batches_done, self.epoch_samples or 0)
         self._replay = True
         self._live = None
 
@@ -364,8 +265,7 @@ class Position:
         live, self._live = self._live, None
         skip = self.batches_done if self.epoch == epoch else 0
         data, phase = self._resharded(data, skip)
-        losses = LossSum(device, *((self._loss_total(), self.samples)
-                                   if skip and self.loss_sum is not None else ()))
+        losses = self._losses(device, skip)
         replay, self._replay = self._replay, False
         total = length_of(data) if not phase else skip + (length_of(data) or 0)
         if live is not None and live[0] == epoch and skip and not replay:
@@ -390,17 +290,28 @@ class Position:
         return EpochPass(self, epoch, iterator, skip, total, window, stop_due, losses, phase,
                          check)
 
+    def _losses(self, device: Any, skip: int) -> LossSum:
+        """The epoch's loss sum, from the position's where the epoch resumes inside."""
+        return LossSum(device, *((self.loss_total(), self.samples)
+                                 if skip and self.loss_sum is not None else ()))
+
+    def _streams(self, skip: int, replay: bool) -> bool:
+        """A replay inside the epoch whose DataLoader sampler redraws what the interrupted
+        run's had drawn (`drawn_ahead`), the generators put back inside its draws."""
+        return self.source == "sampler" and replay and bool(skip) and self.rng is not None \
+            and self.drawn_ahead is not None
+
     def _resharded(self, data: Any, skip: int) -> tuple[Any, int]:
         """``(data, 0)``; or, where the epoch resumes from a sample that does not start one
         of this data's batches, the epoch's samples from there on sharded over the ranks
         afresh (`hookloop.engine.resumable.rest_of_epoch`) and the batch its windows count from."""
         if not skip:
-            self._base = (0, 0)
-        samples, size = self.epoch_samples, self._batch_samples
-        if not skip or self._order is None or samples is None or size is None or \
+            self.base = (0, 0)
+        samples, size = self.epoch_samples, self.batch_samples
+        if not skip or self.order is None or samples is None or size is None or \
                 samples == skip * size:
             return data, 0
-        return rest_of_epoch(data, samples), self._base[0]
+        return rest_of_epoch(data, samples), self.base[0]
 
     def _epoch_generators(self, skip: int, replay: bool) -> None:
         """Put the generators back as the interrupted run had them when it created this
@@ -442,8 +353,7 @@ class Position:
         shuffling sampler draws the next permutation when it runs out: before the position
         with workers, after it without)."""
         source, exact_host = self.source, RNG_PYTHON in (self.rng or {})
-        streamed = source == "sampler" and replay and bool(skip) and self.rng is not None \
-            and self.drawn_ahead is not None
+        streamed = self._streams(skip, replay)
         later = [] if streamed else self.generators
         if source == "sampler":
             if skip and exact_host:

@@ -36,16 +36,8 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from hookloop.base.compat import loader_view, seed_worker_as
-from hookloop.engine.rng import restore_rng
+from hookloop.engine.rng import RNG_GENERATORS, RNG_NUMPY, RNG_PYTHON, RNG_TORCH, restore_rng
 from hookloop.engine.worker_rng import SAME, StateReads, resolved
-from hookloop.runfile.format import (
-    EPOCH_ORDER,
-    EPOCH_SAMPLES,
-    RNG_GENERATORS,
-    RNG_NUMPY,
-    RNG_PYTHON,
-    RNG_TORCH,
-)
 
 try:  # numpy is optional
     import numpy as _numpy
@@ -452,9 +444,9 @@ def rest_of_epoch(loader: DataLoader, start: int) -> DataLoader:
     return loader_view(loader, index)
 
 
-def reshard_problem(data: Any, saved: Any) -> str | None:
-    """Why the position ``saved`` (a checkpoint's ``loop`` part, written inside an epoch by
-    another number of ranks) cannot continue over ``data``'s ranks, or None when it can:
+def reshard_problem(data: Any, samples: int | None, order: str | None) -> str | None:
+    """Why a position of ``samples`` of the epoch's ``order`` (a checkpoint's, written inside
+    an epoch by another number of ranks) cannot continue over ``data``'s ranks, or None:
     ``data`` is a DataLoader drawing from a torch ``DistributedSampler`` whose epoch order
     is the one the position counts samples of (same seed, shuffle, dataset size)."""
     sampler = distributed_sampler(data)
@@ -464,11 +456,11 @@ def reshard_problem(data: Any, saved: Any) -> str | None:
                 "ranks (DDP and FSDP give a DataLoader one; a run meant to change its number "
                 "of ranks starts with DDP or FSDP also on one process, under torchrun "
                 "--nproc_per_node=1)")
-    if saved.get(EPOCH_SAMPLES) is None or saved.get(EPOCH_ORDER) is None:
+    if samples is None or order is None:
         return ("the checkpoint does not say which samples of the epoch's order were trained "
                 "on (its data was not sharded by a DistributedSampler, or an older hookloop "
                 "wrote it)")
-    if saved[EPOCH_ORDER] != epoch_order_key(sampler):
-        return (f"the epoch's order was that of {saved[EPOCH_ORDER]} and is now that of "
+    if order != epoch_order_key(sampler):
+        return (f"the epoch's order was that of {order} and is now that of "
                 f"{epoch_order_key(sampler)}")
     return None

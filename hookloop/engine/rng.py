@@ -12,16 +12,15 @@ from typing import Any
 
 import torch
 
-from hookloop.runfile.format import (  # its keys; the check of a saved state is the run file's
-    RNG_CUDA,
-    RNG_GENERATORS,
-    RNG_NUMPY,
-    RNG_PYTHON,
-    RNG_TORCH,
-    rng_state_problem,
-)
+#: The keys of a generators' state (`capture_rng`): this module writes, checks and reads them.
+RNG_TORCH, RNG_GENERATORS, RNG_CUDA = "torch", "generators", "cuda"
+RNG_PYTHON, RNG_NUMPY = "python", "numpy"
+KEYS = (RNG_TORCH, RNG_GENERATORS, RNG_CUDA, RNG_PYTHON, RNG_NUMPY)
+#: Every one is also an ordinary word elsewhere (a device type, a library's name).
+SHARED_WORDS = frozenset(KEYS)
 
-__all__ = ["capture_rng", "host_rng", "restore_rng", "restore_host_rng", "restore_generators",
+__all__ = ["KEYS", "RNG_TORCH", "RNG_GENERATORS", "RNG_CUDA", "RNG_PYTHON", "RNG_NUMPY",
+           "capture_rng", "host_rng", "restore_rng", "restore_host_rng", "restore_generators",
            "loader_generators", "rng_state_problem"]
 
 try:  # numpy is optional
@@ -97,3 +96,69 @@ def restore_host_rng(state: Mapping[str, Any]) -> None:
         kind, keys, position, has_gauss, cached = state[RNG_NUMPY]
         _numpy.random.set_state((kind, keys.numpy().astype("uint32"), position, has_gauss, cached))
 
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_byte_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8
+
+
+def _host_rng_problem(state: Mapping[str, Any]) -> tuple[str, Any, str] | None:
+    for field, size in ((RNG_PYTHON, 3), (RNG_NUMPY, 5)):
+        if field in state and (not isinstance(state[field], list) or len(state[field]) != size):
+            return field, state[field], f"a list of {size} items"
+    if RNG_PYTHON in state:
+        version, words, gauss = state[RNG_PYTHON]
+        for index, value, ok, expected in (
+                (0, version, _is_int(version), "an int (the generator's version)"),
+                (1, words, isinstance(words, list) and all(_is_int(word) for word in words),
+                 "a list of ints"),
+                (2, gauss, gauss is None or isinstance(gauss, float), "a float or None")):
+            if not ok:
+                return f"{RNG_PYTHON}[{index}]", value, expected
+    if RNG_NUMPY in state:
+        kind, keys, position, has_gauss, cached = state[RNG_NUMPY]
+        for index, value, ok, expected in (
+                (0, kind, isinstance(kind, str), "a str"),
+                (1, keys, isinstance(keys, torch.Tensor) and keys.dtype == torch.int64,
+                 "an int64 tensor"),
+                (2, position, _is_int(position), "an int"),
+                (3, has_gauss, _is_int(has_gauss), "an int"),
+                (4, cached, isinstance(cached, float), "a float")):
+            if not ok:
+                return f"{RNG_NUMPY}[{index}]", value, expected
+    return None
+
+
+def rng_state_problem(state: Any) -> tuple[str, Any, str] | None:
+    """The first field of a saved `hookloop.engine.rng.capture_rng` state with the wrong type, or
+    None.
+
+    A checkpoint file read back may have been edited or written by another program;
+    restoring a wrong state fails deep inside torch or NumPy without naming the field.
+
+    Returns:
+        ``(field, value, expected)``: the field's name inside the state (``""`` for the
+        state itself), its value, and what it should be.
+
+    Example:
+        >>> from hookloop.engine.rng import capture_rng
+        >>> rng_state_problem(capture_rng()) is None
+        True
+        >>> rng_state_problem({"torch": "abc"})
+        ('torch', 'abc', 'a uint8 tensor')
+    """
+    if not isinstance(state, Mapping):
+        return "", state, "a dict"
+    if not _is_byte_tensor(state.get(RNG_TORCH)):
+        return RNG_TORCH, state.get(RNG_TORCH), "a uint8 tensor"
+    for field in (RNG_GENERATORS, RNG_CUDA):
+        states = state.get(field, [])
+        if not isinstance(states, list):
+            return field, states, "a list of uint8 tensors"
+        for index, item in enumerate(states):
+            if not _is_byte_tensor(item):
+                return f"{field}[{index}]", item, "a uint8 tensor"
+    return _host_rng_problem(state)

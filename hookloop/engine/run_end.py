@@ -15,13 +15,21 @@ from hookloop import distributed
 from hookloop.errors import ConfigurationError, Suspended, Terminated
 from hookloop.parallel import signals
 from hookloop.parallel.suspension import REQUESTED, SIGTERM, STOP, Suspension, Vote, published
-from hookloop.runfile.format import EPOCHS, MAX_STEPS, REASON, ended_record
+from hookloop.runfile.format import LOOP, expect_field, expect_int, register_check
 
 if TYPE_CHECKING:
     from hookloop.engine.position import Position
     from hookloop.engine.state import LoopState
 
-__all__ = ["RunEnd", "say"]
+__all__ = ["KEYS", "RunEnd", "say"]
+
+# ``loop``: the run's length, whether and why it ended (``ended``: its reason, epochs and
+# max_steps), and a stop held for ``min_epochs``/``min_steps``. Written, checked and read here.
+EPOCHS, MAX_STEPS, ENDED, STOP_HELD = "epochs", "max_steps", "ended", "stop_held"
+REASON = "reason"  # of ``ended``
+KEYS = (EPOCHS, MAX_STEPS, ENDED, STOP_HELD, REASON)
+#: Keys that are also ordinary words elsewhere (``fit``'s arguments, the loop state's fields).
+SHARED_WORDS = frozenset((EPOCHS, MAX_STEPS))
 
 
 def say(line: str) -> None:
@@ -46,7 +54,7 @@ class RunEnd:
     records no end: the relaunch continues where it stopped.
     """
 
-    # No __slots__: its `reason` is also a key of the file (`hookloop.runfile.format.REASON`).
+    # No __slots__: its `reason` is also a key of the file (`REASON`).
     def __init__(self, state: LoopState, position: Position,
                  total_steps: Callable[[], int | None] = lambda: None) -> None:
         self._state, self._position = state, position  # the loop's: step, epochs done...
@@ -175,7 +183,42 @@ class RunEnd:
             reason = _all_epochs(epochs)
         else:
             return None
-        return ended_record(reason, epochs, max_steps)
+        return {REASON: reason, EPOCHS: epochs, MAX_STEPS: max_steps}
+
+    # ------------------------------------------------------------ its part of the run file
+    def state_dict(self) -> dict[str, Any]:
+        """``loop``'s epochs, max_steps, ended and stop_held (`hookloop.loop.Loop.state_dict`)."""
+        state = self._state
+        return {LOOP: {EPOCHS: state.epochs, MAX_STEPS: state.max_steps,
+                       ENDED: self.record(state.epochs, state.max_steps, self._position.epoch),
+                       STOP_HELD: self.held}}  # a stop waiting for min_epochs/min_steps
+
+    @staticmethod
+    def check_file(source: str, saved: Mapping[str, Any]) -> None:
+        """The run's length and end have their types (run on every resume file read)."""
+        part = saved[LOOP]
+        expect_int(source, f"{LOOP}.{EPOCHS}", part.get(EPOCHS, 0))
+        expect_int(source, f"{LOOP}.{MAX_STEPS}", part.get(MAX_STEPS), 1, optional=True)
+        if part.get(STOP_HELD) is not None:
+            expect_field(source, f"{LOOP}.{STOP_HELD}", part[STOP_HELD],
+                         isinstance(part[STOP_HELD], str), "a str (a held stop's reason)")
+        ended = part.get(ENDED)
+        if ended is None:
+            return
+        where = f"{LOOP}.{ENDED}"
+        expect_field(source, where, ended, isinstance(ended, Mapping),
+                     f"None or a dict with {REASON!r} and {EPOCHS!r}")
+        expect_field(source, f"{where}.{REASON}", ended.get(REASON),
+                     isinstance(ended.get(REASON), str), "a str")
+        expect_int(source, f"{where}.{EPOCHS}", ended.get(EPOCHS))
+        expect_int(source, f"{where}.{MAX_STEPS}", ended.get(MAX_STEPS), 1, optional=True)
+
+    def check(self, saved: Mapping[str, Any], source: str) -> None:
+        self.check_file(source, saved)
+
+    def load_state_dict(self, saved: Mapping[str, Any], source: str = "") -> None:
+        """The end the saved run recorded: it decides whether the next fit trains."""
+        self.restored, self.held = saved[LOOP].get(ENDED), saved[LOOP].get(STOP_HELD)
 
     def nothing_to_train(self, epochs: int, max_steps: int | None, epochs_done: int,
                          step: int) -> str | None:
@@ -242,3 +285,6 @@ class RunEnd:
 
 def _all_epochs(epochs: int) -> str:
     return "its 1 epoch is done" if epochs == 1 else f"all {epochs} epochs are done"
+
+
+register_check(RunEnd.check_file)

@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hookloop import distributed
 from hookloop.base.checks import check_flag
+from hookloop.parallel.suspension import TimedSaves
+from hookloop.runfile.checkpoint_files import CheckpointFiles
 from hookloop.runfile.shard_files import contains_shards
 from hookloop.runfile.sharded import is_sharded_tensor
-
-if TYPE_CHECKING:
-    from hookloop.runfile.checkpoint_files import CheckpointFiles
 
 __all__ = ["host_copy", "BackgroundWriter", "RotatingWrites"]
 
@@ -156,9 +155,17 @@ class RotatingWrites:
         background: Write in a thread (``Checkpoint(async_save=True)``).
     """
 
-    def __init__(self, files: CheckpointFiles, keep_last: int | None, *, background: bool
-                 ) -> None:
-        self.files, self.keep_last = files, keep_last
+    def __init__(self, files: CheckpointFiles | str, keep_last: int | None, *, background: bool,
+                 prefix: str = "", monitor: str | None = None,
+                 every_n_seconds: float | None = None) -> None:
+        """``files``: the directory's `CheckpointFiles`, or its path (``prefix`` and
+        ``monitor`` name its files then); ``every_n_seconds``: the clock of timed saves
+        (`timed`)."""
+        #: When a timed save is due, agreed by every rank (`TimedSaves`).
+        self.timed = TimedSaves(every_n_seconds, owner="Checkpoint")
+        self.files = files if isinstance(files, CheckpointFiles) else CheckpointFiles(
+            files, prefix, monitor)
+        self.keep_last = keep_last
         self._writer = BackgroundWriter() if check_flag("Checkpoint async_save",
                                                         background) else None
         self._side: tuple[Any, Any] | None = None  # (default group, its gloo twin)

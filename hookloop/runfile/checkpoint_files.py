@@ -26,10 +26,10 @@ from hookloop import distributed
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.runfile.directory_lock import DirectoryLock
 from hookloop.runfile.loading import read_checkpoint
+from hookloop.runfile.ranking import FILE
 from hookloop.runfile.retirement import RETIRED_PREFIX, Retirement
 from hookloop.runfile.format import (
     EPOCH,
-    FILE,
     FORMAT,
     FORMAT_FIELD,
     KIND,
@@ -63,7 +63,7 @@ from hookloop.runfile.storage import (
 )
 
 if TYPE_CHECKING:
-    from hookloop.runfile.ranking import TopK
+    from hookloop.runfile.ranking import TopK  # noqa: F811 - the type, beside FILE
 
 # file_meta and read_checkpoint are run_file's and loading's, named here as before.
 __all__ = ["CheckpointFiles", "RETIRED_PREFIX", "file_meta", "read_checkpoint"]
@@ -377,6 +377,17 @@ class CheckpointFiles:
             f"{then}; or pass Checkpoint(resume=path) to pick a file.")
 
     # ---------------------------------------------------------------- writing
+    def prepare_on_every_rank(self) -> None:
+        """`prepare` on rank 0; every rank learns whether it may use the directory, so none
+        waits for it in vain.
+
+        Raises:
+            ConfigurationError: on every rank, saying why rank 0 may not use it.
+        """
+        if refused := distributed.broadcast_object(self.prepare() if distributed.is_main()
+                                                   else None):
+            raise ConfigurationError(refused)
+
     def prepare(self) -> str | None:
         """At a fit's setup: create and probe the directory and hold it for this process;
         then delete the temporary files a killed save left and finish a rollback a kill

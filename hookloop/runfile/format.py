@@ -1,5 +1,6 @@
-"""The run file: its format (every key, its type, its version), writing it, checking it and
-reading it back.
+"""The run file's envelope: its version, its top-level keys and its own record (the
+``hookloop`` entry), reading and writing the container, and the one message form for a
+field of the wrong type.
 
 A checkpoint is one ``.pt`` file (``torch.save`` of a dict) or a directory of shards whose
 ``hookloop.pt`` holds the same dict less the sharded tensors (`hookloop.runfile.shard_files`). The
@@ -7,24 +8,22 @@ dict, as `Loop.state_dict` and `Checkpoint` write it::
 
     hookloop      the file's record of itself: format, kind ("resume"/"best"), version,
                   world_size, epoch, step; a best file's monitor and value; a directory's
-                  save_id and files ({name: {bytes, sha256}}, `hookloop.runfile.integrity`)
-    model         the weights: names to tensors
-    optimizer     torch's optimizer state: state, param_groups (each with its params)
-    loop          the position and the run: epoch, batch_idx, step, validated,
-                  epoch_samples, world_size, batches_per_epoch, optimizer_class,
-                  param_groups, epochs, max_steps, ended {reason, epochs, max_steps},
-                  stop_held, history (rows of metrics with epoch and step)
-    ranks         each rank's own part: train_loss_sum, train_samples, rng, epoch_rng,
-                  prefetch_rng, mark_batches, mark_rng, workers_rng, data_state; a
-                  generators' state (`hookloop.engine.rng`) holds torch, generators, cuda,
-                  python, numpy
-    callbacks     each stateful callback's state by its state key (the Checkpoint's
-                  ranking: entries of value, epoch, step, file)
+                  save_id and files (`hookloop.runfile.integrity`)
+    model         the weights: names to tensors       } `hookloop.runfile.weights.Weights`
+    optimizer     torch's optimizer state              }
+    loop          the position and the run: each part of the run writes its own keys here
+                  (`hookloop.engine.position_part`, `hookloop.engine.state`,
+                  `hookloop.engine.run_end`, `hookloop.runfile.weights`)
+    ranks         each rank's own part (`hookloop.engine.position_part.RankPart`)
+    callbacks     each stateful callback's state by its state key
     state         the objects of ``Loop(state=...)`` by name; state_classes their classes
+                  (`hookloop.engine.stateful`)
     metrics       the metrics at the save; epoch and step (a best file's, at the top)
 
-Every key string of that format is a constant here, and only here (`KEYS`); the other
-modules name the keys through these constants. `FORMAT` is the layout's version.
+The keys of this envelope are constants here (`KEYS`); each part's keys are constants of
+the module of the part that writes, checks and reads them (its ``KEYS``). `FORMAT` is the
+layout's version. A part's check of a file's fields is registered with `register_check`
+(`read_payload` runs them on a resume file).
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ import os
 import sys
 import zipfile
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 import torch
 
@@ -43,10 +42,9 @@ from hookloop.base.os_errors import describe_os_error
 from hookloop.errors import CheckpointError, with_article
 from hookloop.runfile.storage import verify_archive
 
-__all__ = ["FORMAT", "KEYS", "SHARED_WORDS", "SHARDS", "check_payload", "check_run_fields",
-           "find_unplain",
-           "expect_field", "file_meta", "resume_payload", "best_payload", "run_payload",
-           "ended_record", "read_payload", "rng_state_problem"]
+__all__ = ["FORMAT", "KEYS", "SHARED_WORDS", "SHARDS", "check_payload", "expect_field",
+           "expect_int", "file_meta", "find_unplain", "merged", "read_payload",
+           "register_check", "resume_payload", "best_payload", "RunPart"]
 
 #: Version of the file layout written by `Checkpoint` (1 is read too).
 FORMAT = 2
@@ -60,50 +58,43 @@ EPOCH, STEP = "epoch", "step"
 SHARDS = "shards"
 # ``hookloop``: the file's record of itself.
 FORMAT_FIELD, KIND, VERSION, WORLD_SIZE = "format", "kind", "version", "world_size"
-MONITOR, VALUE, SAVE_ID, FILES = "monitor", "value", "save_id", "files"
-BYTES, SHA256 = "bytes", "sha256"  # of each entry of FILES
+MONITOR, VALUE = "monitor", "value"
 RESUME, BEST = "resume", "best"  # the kinds
-# ``optimizer`` (torch's layout) and its groups.
+# ``optimizer``: torch's layout, whose two fields the envelope checks.
 PARAM_GROUPS, PARAMS = "param_groups", "params"
-# ``loop``.
-BATCH_IDX, VALIDATED, EPOCH_SAMPLES = "batch_idx", "validated", "epoch_samples"
-# The position in samples: the global batch it was counted in, the sampler's order (seed,
-# shuffle, size, drop_last) and the steps taken before the epoch's pass began on its ranks.
-GLOBAL_BATCH, EPOCH_ORDER, STEP_OFFSET = "global_batch", "epoch_order", "step_offset"
-BATCHES_PER_EPOCH, OPTIMIZER_CLASS = "batches_per_epoch", "optimizer_class"
-EPOCHS, MAX_STEPS, ENDED = "epochs", "max_steps", "ended"
-STOP_HELD, HISTORY = "stop_held", "history"
-REASON = "reason"  # of ``ended``
-# Each part of ``ranks``.
-TRAIN_LOSS_SUM, TRAIN_SAMPLES, DATA_STATE = "train_loss_sum", "train_samples", "data_state"
-RNG, EPOCH_RNG, PREFETCH_RNG, MARK_RNG = "rng", "epoch_rng", "prefetch_rng", "mark_rng"
-MARK_BATCHES, WORKERS_RNG = "mark_batches", "workers_rng"
-#: Batches the training DataLoader's sampler had drawn past the position (its prefetch).
-DRAWN_AHEAD = "drawn_ahead"
-# A generators' state (`hookloop.engine.rng.capture_rng`).
-RNG_TORCH, RNG_GENERATORS, RNG_CUDA = "torch", "generators", "cuda"
-RNG_PYTHON, RNG_NUMPY = "python", "numpy"
-# A ranking entry of `Checkpoint`'s state (`hookloop.runfile.ranking.TopK`): VALUE, EPOCH, STEP and
-FILE = "file"
-#: In ``hookloop.pt`` of a directory, what stands for a tensor kept in the shards.
-SHARD_MARK = "__hookloop_shard__"
 
-#: Every key string of the format: the constants above (the kinds are values, not keys).
+#: The envelope's key strings (the kinds are values, not keys).
 KEYS = (META, MODEL, OPTIMIZER, LOOP, RANKS, CALLBACKS, STATE, STATE_CLASSES, METRICS, EPOCH,
-        STEP, SHARDS, FORMAT_FIELD, KIND, VERSION, WORLD_SIZE, MONITOR, VALUE, SAVE_ID, FILES,
-        BYTES, SHA256, PARAM_GROUPS, PARAMS, BATCH_IDX, VALIDATED, EPOCH_SAMPLES,
-        GLOBAL_BATCH, EPOCH_ORDER, STEP_OFFSET,
-        BATCHES_PER_EPOCH, OPTIMIZER_CLASS, EPOCHS, MAX_STEPS, ENDED, STOP_HELD, HISTORY, REASON,
-        TRAIN_LOSS_SUM, TRAIN_SAMPLES, DATA_STATE, RNG, EPOCH_RNG, PREFETCH_RNG, MARK_RNG,
-        MARK_BATCHES, WORKERS_RNG, DRAWN_AHEAD, RNG_TORCH, RNG_GENERATORS, RNG_CUDA, RNG_PYTHON,
-        RNG_NUMPY, FILE, SHARD_MARK)
+        STEP, SHARDS, FORMAT_FIELD, KIND, VERSION, WORLD_SIZE, MONITOR, VALUE, PARAM_GROUPS,
+        PARAMS)
 #: The keys that are also ordinary words with another meaning outside the run file (a
 #: device type, a module's name, a log column, a message's word): a module that uses one
 #: of them for that other meaning does not name the format.
-SHARED_WORDS = frozenset((META, MODEL, OPTIMIZER, STATE, EPOCH, STEP, EPOCHS, MAX_STEPS,
-                          HISTORY, METRICS, KIND, VERSION, WORLD_SIZE, VALUE,
-                          BATCH_IDX, PARAM_GROUPS, PARAMS, CALLBACKS, RNG_TORCH, RNG_CUDA,
-                          RNG_PYTHON, RNG_NUMPY, RNG_GENERATORS, FILE, BYTES))
+SHARED_WORDS = frozenset((META, MODEL, OPTIMIZER, STATE, EPOCH, STEP, METRICS, KIND, VERSION,
+                          WORLD_SIZE, VALUE, PARAM_GROUPS, PARAMS, CALLBACKS, MONITOR))
+
+class RunPart(Protocol):
+    """A part of the run: it writes, checks and reads its own keys of the file.
+
+    ``check`` raises `CheckpointError` naming the field and the fix before any part is
+    loaded; `hookloop.loop.Loop` checks every part, then loads every part."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def check(self, saved: Mapping[str, Any], source: str) -> None: ...
+
+    def load_state_dict(self, saved: Mapping[str, Any], source: str = ...) -> None: ...
+
+
+#: The parts' checks of a resume file's fields, ``check(path, payload)``: each part
+#: registers its own (`register_check`) when its module is imported.
+_CHECKS: list[Callable[[str, Mapping[str, Any]], None]] = []
+
+
+def register_check(check: Callable[[str, Mapping[str, Any]], None]) -> None:
+    """Have `read_payload` run ``check(path, payload)`` on every resume file it reads."""
+    if check not in _CHECKS:
+        _CHECKS.append(check)
 
 
 # --------------------------------------------------------------------------- writing
@@ -133,40 +124,17 @@ def best_payload(weights: Mapping[str, Any], monitor: str | None, value: float, 
             EPOCH: epoch, STEP: step, METRICS: dict(metrics)}
 
 
-def ended_record(reason: str, epochs: int, max_steps: int | None) -> dict[str, Any]:
-    """``loop.ended``: why the run ended, under which ``epochs`` and ``max_steps``."""
-    return {REASON: reason, EPOCHS: epochs, MAX_STEPS: max_steps}
-
-
-def run_payload(*, model: Mapping[str, Any], optimizer: Mapping[str, Any],
-                position: Mapping[str, Any], ranks: list[Any], world_size: int,
-                batches_per_epoch: int | None, optimizer_object: torch.optim.Optimizer,
-                epochs: int, max_steps: int | None, ended: Mapping[str, Any] | None,
-                held: str | None, history: Sequence[Mapping[str, Any]],
-                callbacks: Mapping[str, Any], extra: Mapping[str, Any],
-                extra_classes: Mapping[str, str]) -> dict[str, Any]:
-    """`Loop.state_dict`'s layout: ``position`` is what every rank shares of
-    `hookloop.engine.position.Position.parts`, ``ranks`` each rank's own part."""
-    return {
-        MODEL: model,
-        OPTIMIZER: optimizer,
-        LOOP: {
-            **position,
-            WORLD_SIZE: world_size,
-            BATCHES_PER_EPOCH: batches_per_epoch,
-            OPTIMIZER_CLASS: type(optimizer_object).__qualname__,
-            PARAM_GROUPS: [len(group[PARAMS]) for group in optimizer_object.param_groups],
-            EPOCHS: epochs,
-            MAX_STEPS: max_steps,
-            ENDED: ended,
-            STOP_HELD: held,  # a stop waiting for min_epochs/min_steps (`RunEnd.held`)
-            HISTORY: [dict(row) for row in history],
-        },
-        RANKS: ranks,
-        CALLBACKS: dict(callbacks),
-        STATE: dict(extra),
-        STATE_CLASSES: dict(extra_classes),
-    }
+def merged(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """`Loop.state_dict`'s layout: the parts' top-level keys, the ``loop`` dict each part
+    writes its own keys of merged into one."""
+    payload: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key == LOOP:
+                payload.setdefault(LOOP, {}).update(value)
+            else:
+                payload[key] = value
+    return payload
 
 
 # -------------------------------------------------------------------------- checking
@@ -229,19 +197,14 @@ def expect_field(path: str, field: str, value: Any, ok: bool, expected: str) -> 
             "of hookloop or was edited; resume from another file.")
 
 
-def _expect_int(path: str, where: str, value: Any, minimum: int = 0, *,
-                optional: bool = False) -> None:
+def expect_int(path: str, where: str, value: Any, minimum: int | None = 0, *,
+               optional: bool = False) -> None:
+    """`expect_field` for an int (>= ``minimum`` unless None; None too if ``optional``)."""
     if optional and value is None:
         return
-    expect_field(path, where, value, _is_int(value) and value >= minimum,
-                 f"an int >= {minimum}" + (" or None" if optional else ""))
-
-
-def _require(path: str, holder: Mapping[str, Any], where: str, field: str) -> Any:
-    if field not in holder:
-        raise CheckpointError(f"{path}: the checkpoint's field '{where}.{field}' is missing; "
-                              "it cannot be resumed.")
-    return holder[field]
+    expected = "an int" if minimum is None else f"an int >= {minimum}"
+    expect_field(path, where, value, _is_int(value) and (minimum is None or value >= minimum),
+                 expected + (" or None" if optional else ""))
 
 
 def _check_meta(path: str, payload: Mapping[str, Any]) -> str:
@@ -261,9 +224,9 @@ def _check_meta(path: str, payload: Mapping[str, Any]) -> str:
     for where, holder, field in ((f"{META}.{EPOCH}", meta, EPOCH), (f"{META}.{STEP}", meta, STEP),
                                  (EPOCH, payload, EPOCH), (STEP, payload, STEP)):
         if holder.get(field) is not None:
-            _expect_int(path, where, holder[field])
+            expect_int(path, where, holder[field])
     if meta.get(WORLD_SIZE) is not None:
-        _expect_int(path, f"{META}.{WORLD_SIZE}", meta[WORLD_SIZE], 1)
+        expect_int(path, f"{META}.{WORLD_SIZE}", meta[WORLD_SIZE], 1)
     for field in (MONITOR, VERSION):
         if meta.get(field) is not None:
             expect_field(path, f"{META}.{field}", meta[field], isinstance(meta[field], str),
@@ -303,8 +266,8 @@ def check_payload(path: str, payload: Mapping[str, Any]) -> None:
     ``epoch`` and ``step`` >= 0 (also at the top level), str ``monitor`` and ``version``,
     and a number ``value``; ``model`` is a mapping of names to tensors; optional
     ``callbacks`` and ``metrics`` are dicts and ``ranks`` a list; a ``"resume"`` file also
-    has ``optimizer`` (with ``state`` and ``param_groups``) and the loop's part
-    (`check_run_fields`).
+    has ``optimizer`` (with ``state`` and ``param_groups``) and the parts' fields (each
+    part's check, `register_check`).
 
     Raises:
         CheckpointError: naming ``path`` and the field.
@@ -330,187 +293,13 @@ def check_payload(path: str, payload: Mapping[str, Any]) -> None:
         value = optimizer.get(field)
         expect_field(path, f"{OPTIMIZER}.{field}", value, isinstance(value, kind_of),
                      "a dict" if kind_of is Mapping else "a list")
-    check_run_fields(path, payload)
-
-
-def _check_history(path: str, history: Any) -> None:
-    """Each row: a dict of metric names to numbers, with int ``epoch`` and ``step``."""
-    expect_field(path, f"{LOOP}.{HISTORY}", history, isinstance(history, list), "a list of dicts")
-    for index, row in enumerate(history):
-        where = f"{LOOP}.{HISTORY}[{index}]"
-        expect_field(path, where, row, isinstance(row, Mapping), "a dict")
-        for field in (EPOCH, STEP):
-            _expect_int(path, f"{where}.{field}", _require(path, row, where, field))
-        for name, value in row.items():
-            expect_field(path, f"{where} (a key)", name, isinstance(name, str), "a str")
-            expect_field(path, f"{where}.{name}", value, _is_number(value), "a number")
-
-
-def _check_ended(path: str, ended: Any) -> None:
-    where = f"{LOOP}.{ENDED}"
-    expect_field(path, where, ended, isinstance(ended, Mapping),
-                 f"None or a dict with {REASON!r} and {EPOCHS!r}")
-    expect_field(path, f"{where}.{REASON}", ended.get(REASON),
-                 isinstance(ended.get(REASON), str), "a str")
-    _expect_int(path, f"{where}.{EPOCHS}", ended.get(EPOCHS))
-    _expect_int(path, f"{where}.{MAX_STEPS}", ended.get(MAX_STEPS), 1, optional=True)
-
-
-def _check_strings(path: str, part: Mapping[str, Any]) -> None:
-    """The loop part's optional strings and lists: the optimizer's class, its groups' sizes,
-    a held stop's reason."""
-    if part.get(OPTIMIZER_CLASS) is not None:
-        expect_field(path, f"{LOOP}.{OPTIMIZER_CLASS}", part[OPTIMIZER_CLASS],
-                     isinstance(part[OPTIMIZER_CLASS], str), "a str (the class name)")
-    if part.get(PARAM_GROUPS) is not None:
-        groups = part[PARAM_GROUPS]
-        expect_field(path, f"{LOOP}.{PARAM_GROUPS}", groups, isinstance(groups, list) and all(
-            _is_int(size) and size >= 0 for size in groups), "a list of ints >= 0")
-    if part.get(STOP_HELD) is not None:
-        expect_field(path, f"{LOOP}.{STOP_HELD}", part[STOP_HELD],
-                     isinstance(part[STOP_HELD], str), "a str (a held stop's reason)")
-
-
-def _check_loop_part(path: str, part: Any) -> None:
-    expect_field(path, LOOP, part, isinstance(part, Mapping), "a dict")
-    for field in (EPOCH, BATCH_IDX, STEP):
-        _expect_int(path, f"{LOOP}.{field}", _require(path, part, LOOP, field))
-    for field, minimum, optional in ((EPOCH_SAMPLES, 0, False), (WORLD_SIZE, 1, False),
-                                     (EPOCHS, 0, False), (MAX_STEPS, 1, True),
-                                     (GLOBAL_BATCH, 0, False)):
-        if field in part:
-            _expect_int(path, f"{LOOP}.{field}", part[field], minimum, optional=optional)
-    if STEP_OFFSET in part:
-        expect_field(path, f"{LOOP}.{STEP_OFFSET}", part[STEP_OFFSET],
-                     _is_int(part[STEP_OFFSET]), "an int")
-    if EPOCH_ORDER in part:
-        expect_field(path, f"{LOOP}.{EPOCH_ORDER}", part[EPOCH_ORDER],
-                     isinstance(part[EPOCH_ORDER], str), "a str (the sampler's order)")
-    if VALIDATED in part:
-        expect_field(path, f"{LOOP}.{VALIDATED}", part[VALIDATED],
-                     isinstance(part[VALIDATED], bool), "a bool")
-    _check_strings(path, part)
-    if part.get(HISTORY) is not None:
-        _check_history(path, part[HISTORY])
-    if part.get(ENDED) is not None:
-        _check_ended(path, part[ENDED])
-
-
-def _check_rank_part(path: str, where: str, part: Any) -> None:
-    """One rank's own part: loss sums, counters and its generators' states."""
-    expect_field(path, where, part, isinstance(part, Mapping), "a dict")
-    for field in (TRAIN_SAMPLES, MARK_BATCHES, DRAWN_AHEAD):
-        if field in part:
-            _expect_int(path, f"{where}.{field}", part[field])
-    if part.get(TRAIN_LOSS_SUM) is not None:
-        expect_field(path, f"{where}.{TRAIN_LOSS_SUM}", part[TRAIN_LOSS_SUM],
-                     isinstance(part[TRAIN_LOSS_SUM], torch.Tensor), "a tensor or None")
-    workers = part.get(WORKERS_RNG)
-    if workers is not None:
-        expect_field(path, f"{where}.{WORKERS_RNG}", workers, isinstance(workers, list),
-                     "a list (a generator state or None for each DataLoader worker)")
-    states = [(name, part.get(name)) for name in (RNG, EPOCH_RNG, PREFETCH_RNG, MARK_RNG)]
-    states += [(f"{WORKERS_RNG}[{i}]", item) for i, item in enumerate(workers or ())]
-    for field, state in states:
-        problem = rng_state_problem(state) if state is not None else None
-        if problem is not None:
-            inner, value, expected = problem
-            expect_field(path, f"{where}.{field}" + (f".{inner}" if inner else ""), value,
-                         False, expected)
-
-
-def check_run_fields(path: str, payload: Mapping[str, Any]) -> None:
-    """Check the loop's part of a training checkpoint (what `run_payload` lays out); name
-    the first wrong field.
-
-    ``loop`` is a dict with int ``epoch``, ``batch_idx`` and ``step`` >= 0; where present,
-    a bool ``validated``, an int ``world_size`` >= 1, a str ``optimizer_class``, a list of
-    ints ``param_groups``, an int ``epochs`` >= 0, ``max_steps`` None or an int >= 1, a list
-    ``history`` of rows (dicts of numbers with int ``epoch`` and ``step``) and ``ended``
-    None or a dict (str ``reason``, int ``epochs``, ``max_steps`` None or an int), and
-    ``stop_held`` None or a str. Each rank's part in ``ranks`` is a dict whose loss sums
-    and generator states (`rng_state_problem`) have their types. A value of another type
-    (a text ``world_size``, a float ``step``) is refused rather than converted.
-
-    Raises:
-        CheckpointError: naming ``path`` and the field.
-
-    Example:
-        >>> check_run_fields("x.pt", {"loop": {"epoch": 1, "batch_idx": 0, "step": -4}})
-        Traceback (most recent call last):
-        ...
-        hookloop.errors.CheckpointError: x.pt: the checkpoint's field 'loop.step' is int (-4), expected an int >= 0. The file was not written by this version of hookloop or was edited; resume from another file.
-    """
     if LOOP not in payload:
         raise CheckpointError(
             f"{path}: a training checkpoint without its {LOOP!r} field (the position to "
             "resume from); it cannot be resumed.")
-    _check_loop_part(path, payload[LOOP])
-    for index, part in enumerate(payload.get(RANKS) or []):
-        _check_rank_part(path, f"{RANKS}[{index}]", part)
-
-
-def _is_byte_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8
-
-
-def _host_rng_problem(state: Mapping[str, Any]) -> tuple[str, Any, str] | None:
-    for field, size in ((RNG_PYTHON, 3), (RNG_NUMPY, 5)):
-        if field in state and (not isinstance(state[field], list) or len(state[field]) != size):
-            return field, state[field], f"a list of {size} items"
-    if RNG_PYTHON in state:
-        version, words, gauss = state[RNG_PYTHON]
-        for index, value, ok, expected in (
-                (0, version, _is_int(version), "an int (the generator's version)"),
-                (1, words, isinstance(words, list) and all(_is_int(word) for word in words),
-                 "a list of ints"),
-                (2, gauss, gauss is None or isinstance(gauss, float), "a float or None")):
-            if not ok:
-                return f"{RNG_PYTHON}[{index}]", value, expected
-    if RNG_NUMPY in state:
-        kind, keys, position, has_gauss, cached = state[RNG_NUMPY]
-        for index, value, ok, expected in (
-                (0, kind, isinstance(kind, str), "a str"),
-                (1, keys, isinstance(keys, torch.Tensor) and keys.dtype == torch.int64,
-                 "an int64 tensor"),
-                (2, position, _is_int(position), "an int"),
-                (3, has_gauss, _is_int(has_gauss), "an int"),
-                (4, cached, isinstance(cached, float), "a float")):
-            if not ok:
-                return f"{RNG_NUMPY}[{index}]", value, expected
-    return None
-
-
-def rng_state_problem(state: Any) -> tuple[str, Any, str] | None:
-    """The first field of a saved `hookloop.engine.rng.capture_rng` state with the wrong type, or
-    None.
-
-    A checkpoint file read back may have been edited or written by another program;
-    restoring a wrong state fails deep inside torch or NumPy without naming the field.
-
-    Returns:
-        ``(field, value, expected)``: the field's name inside the state (``""`` for the
-        state itself), its value, and what it should be.
-
-    Example:
-        >>> from hookloop.engine.rng import capture_rng
-        >>> rng_state_problem(capture_rng()) is None
-        True
-        >>> rng_state_problem({"torch": "abc"})
-        ('torch', 'abc', 'a uint8 tensor')
-    """
-    if not isinstance(state, Mapping):
-        return "", state, "a dict"
-    if not _is_byte_tensor(state.get(RNG_TORCH)):
-        return RNG_TORCH, state.get(RNG_TORCH), "a uint8 tensor"
-    for field in (RNG_GENERATORS, RNG_CUDA):
-        states = state.get(field, [])
-        if not isinstance(states, list):
-            return field, states, "a list of uint8 tensors"
-        for index, item in enumerate(states):
-            if not _is_byte_tensor(item):
-                return f"{field}[{index}]", item, "a uint8 tensor"
-    return _host_rng_problem(state)
+    expect_field(path, LOOP, payload[LOOP], isinstance(payload[LOOP], Mapping), "a dict")
+    for check in _CHECKS:
+        check(path, payload)
 
 
 # --------------------------------------------------------------------------- reading

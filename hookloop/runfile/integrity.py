@@ -33,21 +33,25 @@ from typing import Any
 
 import torch
 
-from hookloop.base.os_errors import describe_os_error
+from hookloop.base.os_errors import describe_os_error, write_failure
 from hookloop.errors import CheckpointError, CheckpointWriteError
-from hookloop.runfile.format import BYTES, FILES, SAVE_ID, SHA256
 from hookloop.runfile.storage import link_out_of, link_target
 
-__all__ = ["DIGEST", "FILES_KEY", "SAVE_ID_KEY", "cause_of", "check_files", "control_flow",
+__all__ = ["DIGEST", "KEYS", "FILES_KEY", "SAVE_ID_KEY", "cause_of", "check_files", "control_flow",
            "file_digest", "new_save_id", "read_error", "read_metadata", "record_files",
            "refuse_links",
            "safe_planner", "verified_reader", "write_error", "writer"]
 
+#: Keys of the ``hookloop`` entry of a directory's plain part, written, checked and read
+#: here: the save's id, and each file's ``{"bytes": size, "sha256": digest}``.
+SAVE_ID, FILES = "save_id", "files"
+BYTES, SHA256 = "bytes", "sha256"  # of each entry of FILES
+KEYS = (SAVE_ID, FILES, BYTES, SHA256)
+#: Keys that are also ordinary words elsewhere.
+SHARED_WORDS = frozenset((FILES, BYTES))
 #: The ``hashlib`` algorithm of the digests recorded for a directory's files (its name is
-#: the key of each file's digest, `hookloop.runfile.format.SHA256`).
+#: the key of each file's digest).
 DIGEST = SHA256
-#: Keys of the ``hookloop`` entry of a directory's plain part: the save's id, and each
-#: file's ``{"bytes": size, "sha256": digest}`` (the format is `hookloop.runfile.format`'s).
 SAVE_ID_KEY, FILES_KEY = SAVE_ID, FILES
 _CHUNK = 1 << 22
 # What DCP's .metadata holds (torch 2.4 to 2.13): its dataclasses, torch's sizes, dtypes and
@@ -385,13 +389,12 @@ def _errno(error: BaseException) -> int | None:
 
 def write_error(path: str, error: BaseException, doing: str) -> CheckpointWriteError:
     """`CheckpointWriteError` for a failed write of the sharded checkpoint ``path``."""
-    failure = CheckpointWriteError(
-        f"Cannot write the sharded checkpoint {path}: {doing} failed: {cause_of(error)}. "
+    return write_failure(CheckpointWriteError, error, lambda cause: (
+        f"Cannot write the sharded checkpoint {path}: {doing} failed: {cause}. "
         "Nothing was written under that name; the earlier checkpoints are intact. Fix the "
         "cause (free space, permissions, a directory every rank can reach) and run again; "
-        "Checkpoint(..., resume=True) continues from the newest complete one.")
-    failure.errno = _errno(error)
-    return failure
+        "Checkpoint(..., resume=True) continues from the newest complete one."),
+        cause=cause_of(error), code=_errno(error))
 
 
 def read_error(path: str, error: BaseException) -> CheckpointError:

@@ -10,12 +10,28 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from hookloop.runfile.format import EPOCH, FILE, STEP, VALUE
+from hookloop.errors import ConfigurationError
+from hookloop.runfile.format import EPOCH, STEP, VALUE
 
-__all__ = ["TopK"]
+__all__ = ["KEYS", "TopK", "check_ranking_options"]
+
+#: A ranking entry (`TopK`): the envelope's value, epoch and step, and the scored file.
+FILE = "file"
+KEYS = (FILE,)
+SHARED_WORDS = frozenset(KEYS)
 
 #: ``better(value, other)``: True when ``value`` beats ``other`` (`hookloop.monitor.Monitor.better`).
 Better = Callable[[float, float], bool]
+
+
+def check_ranking_options(owner: str, monitor: str | None, save_top_k: int | None,
+                          initial_value_threshold: float | None) -> None:
+    """``save_top_k`` and ``initial_value_threshold`` rank files by a monitored metric: given
+    without ``monitor``, they are refused, naming the option and the fix."""
+    if monitor is None and (save_top_k != 1 or initial_value_threshold is not None):
+        option = "save_top_k" if save_top_k != 1 else "initial_value_threshold"
+        raise ConfigurationError(f"{owner} {option}= ranks files by a monitored metric, but "
+                                 "monitor is None: pass monitor='val_loss' (or another).")
 
 
 class TopK:
@@ -54,6 +70,11 @@ class TopK:
         self.k = k
         #: The kept entries, best first.
         self.entries: list[dict[str, Any]] = []
+
+    @property
+    def best_value(self) -> float | None:
+        """The best entry's value, or None while nothing is kept."""
+        return self.entries[0][VALUE] if self.entries else None
 
     @property
     def best(self) -> dict[str, Any] | None:

@@ -38,7 +38,7 @@ from hookloop import distributed
 from hookloop.errors import CheckpointError, CheckpointWriteError
 from hookloop.runfile import integrity
 from hookloop.runfile.sharded import is_sharded_tensor, load_sharded_state, sharded_targets
-from hookloop.runfile.format import (META, MODEL, OPTIMIZER, PARAM_GROUPS, SHARD_MARK, SHARDS,
+from hookloop.runfile.format import (META, MODEL, OPTIMIZER, PARAM_GROUPS, SHARDS,
                                      STATE, find_unplain, read_payload)
 from hookloop.runfile.storage import TEMP_PREFIX, TEMP_SUFFIX, fsync_directory, write_atomic
 
@@ -49,7 +49,10 @@ __all__ = ["PLAIN_FILE", "Shards", "clean_temporary", "contains_shards",
 #: The file of a sharded checkpoint directory that holds everything but the shards.
 PLAIN_FILE = "hookloop.pt"
 _METADATA = ".metadata"
-_MARK = SHARD_MARK
+#: In ``hookloop.pt`` of a directory, what stands for a tensor kept in the shards.
+SHARD_MARK = _MARK = "__hookloop_shard__"
+KEYS = (SHARD_MARK,)
+SHARED_WORDS: frozenset[str] = frozenset()
 _REPLACED = "replaced-"
 
 

@@ -12,13 +12,13 @@ import stat
 import tempfile
 import warnings
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
 from typing import Any
 
 import torch
 
-from hookloop.base.os_errors import describe_os_error
+from hookloop.base.os_errors import describe_os_error, write_failure
 from hookloop.errors import CheckpointError, CheckpointWriteError, ConfigurationError
 
 __all__ = ["TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "write_atomic",
@@ -146,15 +146,11 @@ class _RecordingWriter:
 
 
 def _write_error(path: str, error: BaseException, doing: str) -> CheckpointWriteError:
-    cause = describe_os_error(error) if isinstance(error, OSError) else (
-        f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
-    failure = CheckpointWriteError(
+    return write_failure(CheckpointWriteError, error, lambda cause: (
         f"Cannot write the checkpoint {path}: {doing} failed: {cause}. Nothing was written "
         "under that name; the earlier checkpoint files are intact and no temporary file is "
         "left. Fix the cause (free space, permissions, the directory) and run again; "
-        "Checkpoint(..., resume=True) continues from the newest file.")
-    failure.errno = getattr(error, "errno", None)
-    return failure
+        "Checkpoint(..., resume=True) continues from the newest file."))
 
 
 def write_atomic(payload: Mapping[str, Any], path: str) -> None:
@@ -178,37 +174,62 @@ def write_atomic(payload: Mapping[str, Any], path: str) -> None:
         >>> torch.load(path, weights_only=True)["w"]
         tensor([1., 1.])
     """
+    recording: list[_RecordingWriter] = []
+
+    def fill(descriptor: int, temporary: str, doing: list[str]) -> None:
+        with suppress(OSError):  # file systems without modes (some network mounts)
+            os.fchmod(descriptor, _file_mode())
+        with os.fdopen(descriptor, "wb") as handle:
+            recording.append(_RecordingWriter(handle))
+            torch.save(payload, recording[0])
+            _synced(handle, doing)
+
+    def failure(error: BaseException) -> BaseException | None:
+        recorded = recording[0].error if recording else None
+        if recorded is not None:
+            return _write_error(path, recorded, "writing")
+        if isinstance(error, RuntimeError) and "inline_container" in str(error):
+            return _write_error(path, error, "writing")
+        return None
+
+    _replace_atomically(path, fill, failure)
+
+
+def _synced(handle: Any, doing: list[str]) -> None:
+    """Flush ``handle`` and sync it to disk, saying in ``doing`` which step runs."""
+    doing[0] = "flushing"
+    handle.flush()
+    doing[0] = "syncing to disk (fsync)"
+    os.fsync(handle.fileno())
+    doing[0] = "closing"
+
+
+def _replace_atomically(path: str, fill: Callable[[int, str, list[str]], None],
+                        failure: Callable[[BaseException], BaseException | None] | None = None,
+                        ) -> None:
+    """The one atomic write: ``fill(descriptor, temporary, doing)`` writes and syncs a temporary file in
+    the directory of ``path`` (and closes it), which is renamed over ``path``; the directory
+    is synced. On any failure the temporary file goes; ``failure(error)`` may translate the
+    error, else an `OSError` becomes a `CheckpointWriteError` naming the step (``doing``)."""
     directory = os.path.dirname(path) or "."
     try:
         descriptor, temporary = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX,
                                                  dir=directory)
     except OSError as error:
         raise _write_error(path, error, f"creating a temporary file in {directory}") from error
-    doing = "writing"
-    writer: _RecordingWriter | None = None
+    doing = ["writing"]
     try:
-        with suppress(OSError):  # file systems without modes (some network mounts)
-            os.fchmod(descriptor, _file_mode())
-        with os.fdopen(descriptor, "wb") as handle:
-            writer = _RecordingWriter(handle)
-            torch.save(payload, writer)
-            doing = "flushing"
-            handle.flush()
-            doing = "syncing to disk (fsync)"
-            os.fsync(handle.fileno())
-            doing = "closing"
-        doing = f"renaming {os.path.basename(temporary)} to it"
+        fill(descriptor, temporary, doing)
+        doing[0] = f"renaming {os.path.basename(temporary)} to it"
         os.replace(temporary, path)
     except BaseException as error:
         with suppress(OSError):
             os.unlink(temporary)
-        recorded = writer.error if writer is not None else None
-        if recorded is not None:
-            raise _write_error(path, recorded, "writing") from recorded
-        if isinstance(error, OSError):
-            raise _write_error(path, error, doing) from error
-        if isinstance(error, RuntimeError) and "inline_container" in str(error):
-            raise _write_error(path, error, "writing") from error
+        translated = failure(error) if failure is not None else None
+        if translated is None and isinstance(error, OSError):
+            translated = _write_error(path, error, doing[0])
+        if translated is not None:
+            raise translated from error
         raise
     fsync_directory(directory)
 
@@ -226,25 +247,13 @@ def write_text_atomic(text: str, path: str) -> None:
         >>> open(path).read()
         '{}'
     """
-    directory = os.path.dirname(path) or "."
-    try:
-        descriptor, temporary = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX,
-                                                 dir=directory)
-    except OSError as error:
-        raise _write_error(path, error, f"creating a temporary file in {directory}") from error
-    try:
+    def fill(descriptor: int, temporary: str, doing: list[str]) -> None:
         with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException as error:
-        with suppress(OSError):
-            os.unlink(temporary)
-        if isinstance(error, OSError):
-            raise _write_error(path, error, "writing") from error
-        raise
-    fsync_directory(directory)
+
+    _replace_atomically(path, fill)
 
 
 def prepare_directory(path: str | os.PathLike[str]) -> str:
@@ -388,11 +397,10 @@ def link_atomic(source: str, path: str) -> None:
     A hard link under a temporary name, renamed over ``path`` with ``os.replace``; where the
     file system has no hard links, a copy written the same atomic way. ``source`` stays.
     """
-    directory = os.path.dirname(path) or "."
-    temporary = os.path.join(directory, f"{TEMP_PREFIX}{os.getpid()}-link{TEMP_SUFFIX}")
-    with suppress(FileNotFoundError):
-        os.unlink(temporary)
-    try:
+    def fill(descriptor: int, temporary: str, doing: list[str]) -> None:
+        doing[0] = f"linking {os.path.basename(source)} to it"
+        os.close(descriptor)
+        os.unlink(temporary)  # the name is this write's: a hard link takes it
         try:
             os.link(source, temporary)
         except OSError:  # no hard links here (some network and FAT file systems): copy
@@ -401,14 +409,8 @@ def link_atomic(source: str, path: str) -> None:
                     writer.write(chunk)
                 writer.flush()
                 os.fsync(writer.fileno())
-        os.replace(temporary, path)
-    except BaseException as error:
-        with suppress(OSError):
-            os.unlink(temporary)
-        if isinstance(error, OSError):
-            raise _write_error(path, error, f"linking {os.path.basename(source)} to it") from error
-        raise
-    fsync_directory(directory)
+
+    _replace_atomically(path, fill)
 
 
 _COMPRESSION_NAMES = {zipfile.ZIP_DEFLATED: "deflate", zipfile.ZIP_BZIP2: "bzip2",

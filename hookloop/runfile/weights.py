@@ -1,10 +1,12 @@
-"""Loading saved weights and optimizer states into a model and an optimizer, sharded or not,
-refusing what does not fit by name; and whether weights are finite before a save."""
+"""The weights' part of the run file (`Weights`: the model and the optimizer, plain or
+sharded, written, checked and read here); loading saved weights and optimizer states into a
+model and an optimizer, refusing what does not fit by name; and whether weights are finite
+before a save."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -12,16 +14,113 @@ from torch import nn
 
 from hookloop import distributed
 from hookloop.errors import CheckpointError, with_article
-from hookloop.runfile.format import MODEL, OPTIMIZER, PARAM_GROUPS, SHARDS
+from hookloop.runfile.format import (LOOP, MODEL, OPTIMIZER, PARAM_GROUPS, PARAMS, SHARDS,
+                                     expect_field, register_check)
 from hookloop.runfile.sharded import (
     is_distributed_module,
     is_sharded_tensor,
+    layout_of,
     load_full_model_state,
     load_full_optimizer_state,
+    model_state,
+    optimizer_state,
 )
 
-__all__ = ["check_weight_dtypes", "weight_differences", "load_model_weights",
-           "load_optimizer_state", "load_weights", "all_finite"]
+__all__ = ["KEYS", "Weights", "finite_model_state", "non_finite_weights_advice", "run_is_finite", "check_optimizer_fits", "check_weight_dtypes",
+           "weight_differences", "load_model_weights", "load_optimizer_state", "load_weights",
+           "all_finite"]
+
+#: ``loop.optimizer_class``: the optimizer's class; ``loop.param_groups`` (the envelope's
+#: key) holds its groups' sizes.
+OPTIMIZER_CLASS = "optimizer_class"
+KEYS = (OPTIMIZER_CLASS,)
+SHARED_WORDS: frozenset[str] = frozenset()
+
+
+class Weights:
+    """The model (``model()``: without its wrappers) and the optimizer: ``model`` and
+    ``optimizer`` of the file, as `hookloop.runfile.sharded` gives them (gathered to rank 0,
+    or this rank's shards), and ``loop``'s optimizer class and group sizes.
+
+    A save asks `layout` once: the layout of a sharded model (None: not sharded), kept in
+    ``saving`` for the parts written after it (the callbacks' DTensors follow the model).
+    """
+
+    def __init__(self, model: Callable[[], nn.Module],
+                 optimizer: Callable[[], torch.optim.Optimizer]) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.saving: str | None = None
+
+    def layout(self, gather: bool) -> str | None:
+        """This save's layout of the model's state, decided once per save.
+
+        Raises:
+            CheckpointError: ``gather=False`` (the exception path) with a sharded model,
+                whose state cannot be read without every rank.
+        """
+        self.saving = layout_of(self.model())
+        if self.saving is not None and not gather:
+            raise CheckpointError(
+                "no checkpoint of the exception: the state of a model FSDP shards is read by "
+                "every rank together, and on the exception path the other ranks may be dead "
+                "or elsewhere. The newest checkpoint stays the one to resume from; a stop "
+                "every rank agrees on (loop.stop(), a stop signal) writes one.")
+        return self.saving
+
+    def state_dict(self) -> dict[str, Any]:
+        module, optimizer = self.model(), self.optimizer()
+        return {MODEL: model_state(module), OPTIMIZER: optimizer_state(module, optimizer),
+                LOOP: {OPTIMIZER_CLASS: type(optimizer).__qualname__,
+                       PARAM_GROUPS: [len(group[PARAMS]) for group in optimizer.param_groups]}}
+
+    @staticmethod
+    def check_file(source: str, saved: Mapping[str, Any]) -> None:
+        """``loop``'s optimizer class and group sizes have their types."""
+        part = saved[LOOP]
+        if part.get(OPTIMIZER_CLASS) is not None:
+            expect_field(source, f"{LOOP}.{OPTIMIZER_CLASS}", part[OPTIMIZER_CLASS],
+                         isinstance(part[OPTIMIZER_CLASS], str), "a str (the class name)")
+        if part.get(PARAM_GROUPS) is not None:
+            groups = part[PARAM_GROUPS]
+            expect_field(source, f"{LOOP}.{PARAM_GROUPS}", groups, isinstance(groups, list) and all(
+                isinstance(size, int) and not isinstance(size, bool) and size >= 0
+                for size in groups), "a list of ints >= 0")
+
+    def check(self, saved: Mapping[str, Any], source: str) -> None:
+        """A training state of this optimizer's class and param-group layout."""
+        missing = [key for key in (MODEL, OPTIMIZER) if not isinstance(saved.get(key), Mapping)]
+        if missing:
+            raise CheckpointError(f"{source}: not a training state: {', '.join(missing)} "
+                                  "missing or not a mapping.")
+        self.check_file(source, saved)
+        check_optimizer_fits(self.optimizer(), saved[LOOP], saved[OPTIMIZER], source)
+
+    def load_state_dict(self, saved: Mapping[str, Any], source: str = "the state") -> None:
+        """A file or a directory of shards, into a sharded model or not (`load_weights`)."""
+        load_weights(source, self.model(), self.optimizer(), saved)
+
+
+def check_optimizer_fits(optimizer: torch.optim.Optimizer, loop_part: Mapping[str, Any],
+                         saved: Mapping[str, Any], source: str) -> None:
+    """Another optimizer class or param-group layout is refused, naming both."""
+    ours = type(optimizer).__qualname__
+    theirs = loop_part.get(OPTIMIZER_CLASS)
+    if theirs is not None and theirs != ours:
+        raise CheckpointError(
+            f"{source}: the run was trained with {theirs}, but this loop's optimizer is "
+            f"{ours}; its state (momentum buffers, moments, hyper-parameters) cannot be "
+            f"loaded into another class. Create {with_article(theirs)} as in the saved run, or "
+            "load only the weights with hookloop.load_checkpoint(path, model) and start a new run.")
+    layout = [len(group[PARAMS]) for group in optimizer.param_groups]
+    groups = saved.get(PARAM_GROUPS)
+    saved_layout = ([len(group.get(PARAMS, ())) for group in groups]
+                    if isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups)
+                    else loop_part.get(PARAM_GROUPS))
+    if saved_layout is not None and list(saved_layout) != layout:
+        raise CheckpointError(
+            f"{source}: the saved optimizer has param groups of sizes {list(saved_layout)}, "
+            f"this loop's {ours} has {layout}. Build the optimizer over the same parameters "
+            "in the same groups as the saved run.")
 
 
 def _dtype_kind(dtype: torch.dtype) -> str:
@@ -208,3 +307,42 @@ def all_finite(weights: Mapping[str, Any], *, agree: bool = False) -> bool:
     if agree or any(is_sharded_tensor(value) for value in tensors):
         finite = not distributed.any_true(not finite)
     return finite
+
+
+def run_is_finite(run: Mapping[str, Any], *, agree: bool) -> bool:
+    """`all_finite` of the weights of ``run`` (`hookloop.loop.Loop.state_dict`)."""
+    return all_finite(run[MODEL], agree=agree)
+
+
+def finite_model_state(module: nn.Module) -> dict[str, Any] | None:
+    """``module``'s state as a checkpoint saves it (gathered, or shards under FSDP), or None
+    where it is not finite (every rank asks, and every rank gets the same answer)."""
+    weights = model_state(module)
+    return weights if all_finite(weights, agree=True) else None
+
+
+def non_finite_weights_advice(callbacks: Sequence[Any]) -> str:
+    """What to tell a user whose weights became non-finite, given the stack they run.
+
+    For `Checkpoint`'s "weights are not finite" warning: advise adding `TerminateOnNaN`
+    only when it is not there already.
+
+    Example:
+        >>> non_finite_weights_advice([])[:24]
+        'Add TerminateOnNaN() to '
+    """
+    # By class name, as ordering constraints name classes: the core imports no callback.
+    present = [callback for callback in callbacks
+               if any(cls.__name__ == "TerminateOnNaN" for cls in type(callback).__mro__)]
+    if not present:
+        return ("Add TerminateOnNaN() to stop before a non-finite loss or gradient reaches "
+                "the weights.")
+    if not getattr(present[0], "check_gradients", True):
+        return ("TerminateOnNaN(check_gradients=False) only watches the loss; a finite loss "
+                "with non-finite gradients passed it. Use TerminateOnNaN() to check both.")
+    return ("TerminateOnNaN is in the stack and saw finite losses and gradients, so the "
+            "optimizer step itself (a learning rate or eps that overflows), a callback that "
+            "writes the weights, or weights that were non-finite from the start made them so.")
+
+
+register_check(Weights.check_file)

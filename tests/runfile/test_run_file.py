@@ -1,6 +1,7 @@
-"""The run file has one owner (hookloop/runfile/format.py): every key a real save writes is
-one of its `KEYS` (issue 23, item 2). That no other module spells a key of the format is
-tests/test_architecture.py's check."""
+"""Every key a real save writes is one of the `KEYS` of the envelope
+(hookloop/runfile/format.py) or of the module of the part that writes it (issue 23, item 2;
+issue 34). That each key is spelled in exactly one module is tests/test_architecture.py's
+check."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 
 from hookloop import Loop
 from hookloop.callbacks import Checkpoint
+from hookloop.engine import position_part, rng, run_end, state
 from hookloop.runfile import format as run_file
+from hookloop.runfile import integrity, ranking, shard_files, weights
 from hookloop.runfile.checkpoint_files import CheckpointFiles
 from hookloop.runfile.shard_files import PLAIN_FILE
 
@@ -26,26 +29,32 @@ def test_the_keys_are_one_constant_each() -> None:
     assert constants - set(run_file.KEYS) == {run_file.RESUME, run_file.BEST}  # the kinds
 
 
+#: Every key of the file: the envelope's and each part's.
+ALL_KEYS = set(run_file.KEYS).union(*(module.KEYS for module in (
+    position_part, rng, run_end, state, integrity, ranking, shard_files, weights)))
+
+
 def _format_keys(payload: Mapping[str, Any]) -> set[str]:
     """The keys of the format a payload holds: every level hookloop lays out, not the
     contents others own (weight names, a callback's state, torch's hyper-parameters)."""
     keys = set(payload)
     meta = payload[run_file.META]
     keys |= set(meta)
-    for entry in meta.get(run_file.FILES, {}).values():
+    for entry in meta.get(integrity.FILES, {}).values():
         keys |= set(entry)
     loop = payload.get(run_file.LOOP, {})
     keys |= set(loop)
-    keys |= set(loop.get(run_file.ENDED) or {})
-    for row in loop.get(run_file.HISTORY) or ():
+    keys |= set(loop.get(run_end.ENDED) or {})
+    for row in loop.get(state.HISTORY) or ():
         keys |= {run_file.EPOCH, run_file.STEP} & set(row)
     optimizer = payload.get(run_file.OPTIMIZER, {})
     keys |= set(optimizer)
     for group in optimizer.get(run_file.PARAM_GROUPS, ()):
         keys |= {run_file.PARAMS} & set(group)
     for part in payload.get(run_file.RANKS) or ():
-        keys |= set(part) - {run_file.DATA_STATE}
-        for name in (run_file.RNG, run_file.EPOCH_RNG, run_file.PREFETCH_RNG, run_file.MARK_RNG):
+        keys |= set(part) - {position_part.DATA_STATE}
+        for name in (position_part.RNG, position_part.EPOCH_RNG, position_part.PREFETCH_RNG,
+                     position_part.MARK_RNG):
             keys |= set(part.get(name) or {})
     top_k = payload.get(run_file.CALLBACKS, {}).get("Checkpoint", {}).get("top_k", ())
     for entry in top_k:  # the Checkpoint's ranking entries
@@ -77,8 +86,8 @@ def test_every_key_a_real_save_writes_is_one_of_keys(tmp_path: Path) -> None:
                                run_file.MODEL: {"w": torch.ones(2)}}, "best.dcp", shards=True)
     sharded.release()
     written |= _format_keys(torch.load(os.path.join(directory, PLAIN_FILE), weights_only=True))
-    assert written - set(run_file.KEYS) == set()
+    assert written - ALL_KEYS == set()
     # The run wrote the parts this test means to see (not a vacuous subset).
-    assert {run_file.SAVE_ID, run_file.FILES, run_file.SHA256, run_file.BYTES, run_file.RNG,
-            run_file.RNG_TORCH, run_file.TRAIN_SAMPLES, run_file.HISTORY, run_file.MONITOR,
-            run_file.VALUE, run_file.FILE, run_file.PARAMS} <= written
+    assert {integrity.SAVE_ID, integrity.FILES, integrity.SHA256, integrity.BYTES,
+            position_part.RNG, rng.RNG_TORCH, position_part.TRAIN_SAMPLES, state.HISTORY,
+            run_file.MONITOR, run_file.VALUE, ranking.FILE, run_file.PARAMS} <= written
