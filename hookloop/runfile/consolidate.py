@@ -11,9 +11,10 @@ so no model is built: DCP fills whole CPU tensors from every rank's shards.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -39,6 +40,14 @@ class Weights:
         self.tensors, self.source, self.skipped = tensors, source, skipped
 
 
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """Without DCP's warning that it reads in one process, which is what is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _directory_model(path: str, shards: Any) -> dict[str, Any]:
     """The model's entries of the sharded checkpoint ``path``, whole, as DCP's metadata
     describes them (each rank's shards put together)."""
@@ -53,7 +62,8 @@ def _directory_model(path: str, shards: Any) -> dict[str, Any]:
     others = [key[len(prefix):] for key in entries
               if key.startswith(prefix) and key[len(prefix):] not in targets]
     if targets:
-        shards.read_into({MODEL: targets})  # no process group: one process reads every shard
+        with _one_process():  # no process group: this process reads every rank's shards
+            shards.read_into({MODEL: targets})
     return {**targets, **{name: None for name in others}}
 
 
@@ -108,7 +118,8 @@ def read_weights(path: str | os.PathLike[str], *, ema: bool | str = False) -> We
     else:
         source, entries = _ema_state(path, payload, ema)
         if shards is not None:
-            entries = shards.resolve(entries)  # marked DTensors read whole from the shards
+            with _one_process():  # the marked DTensors, read whole from the shards
+                entries = shards.resolve(entries)
     tensors = {str(name): value for name, value in entries.items()
                if isinstance(value, torch.Tensor)}
     skipped = [str(name) for name in entries if str(name) not in tensors]
