@@ -13,6 +13,7 @@ from hookloop.errors import ConfigurationError
 from hookloop.tracking import Row, Tracker, check_plain
 
 if TYPE_CHECKING:
+    from hookloop.checkpoint_uploads import Upload
     from hookloop.loop import Loop
 
 __all__ = ["WandbLogger"]
@@ -82,6 +83,15 @@ class WandbLogger(Tracker):
         run_id: Continue this W&B run.
         every_n_steps: Step interval of the ``step/*`` values.
         hparams: Settings to send; None gathers them (`hookloop.scalars.gather_hparams`).
+        log_checkpoints: ``"best"`` (each new best file of the stack's monitoring
+            `Checkpoint`), ``"all"`` (every checkpoint file) or None/False (none, the
+            default): each a version of the run's artifact ``checkpoints-<run id>`` (type
+            ``model``) with its name (``best-step=00000012-val_loss=0.4321``) as an alias
+            and its description, its step and value in the metadata, and the alias
+            ``best`` on each new best. Uploaded once: W&B's folder keeps a note
+            (``hookloop-checkpoints-<run id>.json``) of what was handed to W&B, which a
+            relaunch reads (offline, a launch killed within moments of an upload may lose
+            the artifact's record in W&B's file: it is then missing, never twice).
 
     Example:
         >>> WandbLogger("my-project", mode="offline")
@@ -95,8 +105,10 @@ class WandbLogger(Tracker):
                  name: str | None = None, dir: str | os.PathLike[str] | None = None,
                  mode: str | None = None, tags: Sequence[str] | None = None,
                  run_id: str | None = None, every_n_steps: int = 50,
-                 hparams: Mapping[str, Any] | None = None) -> None:
-        super().__init__(every_n_steps=every_n_steps, hparams=hparams, run_id=run_id)
+                 hparams: Mapping[str, Any] | None = None,
+                 log_checkpoints: str | bool | None = None) -> None:
+        super().__init__(every_n_steps=every_n_steps, hparams=hparams, run_id=run_id,
+                         log_checkpoints=log_checkpoints)
         for label, value in (("project", project), ("entity", entity), ("name", name)):
             if value is not None and not isinstance(value, str):
                 raise ConfigurationError(f"WandbLogger {label} must be a string or None, "
@@ -169,6 +181,31 @@ class WandbLogger(Tracker):
     def _send(self, rows: list[Row]) -> None:
         for step, values, _ in rows:
             self._run.log({**values, STEP_METRIC: step})
+
+    def _checkpoints_file(self) -> str:
+        return os.path.join(self._run.settings.wandb_dir,
+                            f"hookloop-checkpoints-{self.run_id}.json")
+
+    def _logged_checkpoints(self) -> set[str]:
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            with open(self._checkpoints_file(), encoding="utf-8") as handle:
+                return {str(name) for name in json.load(handle)}
+        return set()
+
+    def _upload_checkpoint(self, upload: Upload) -> None:
+        artifact = self._wandb.Artifact(f"checkpoints-{self.run_id}", type="model",
+                                        description=upload.name, metadata=upload.metadata())
+        if os.path.isdir(upload.path):
+            artifact.add_dir(upload.path, name=upload.file)
+        else:
+            artifact.add_file(upload.path, name=upload.file)
+        aliases = [upload.name, *(["best"] if upload.kind == "best" else [])]
+        self._run.log_artifact(artifact, aliases=aliases)
+        path = self._checkpoints_file()  # handed to W&B: noted, so a relaunch skips it
+        names = sorted(self._logged_checkpoints() | {upload.name})
+        with open(path + ".tmp", "w", encoding="utf-8") as handle:
+            json.dump(names, handle)
+        os.replace(path + ".tmp", path)
 
     def _send_settings(self, settings: dict[str, Any]) -> None:
         self._run.config.update(settings, allow_val_change=True)
