@@ -90,15 +90,19 @@ def test_mlflow_all_uploads_every_rotating_file_and_best(tmp_path: Path,
     assert folders == {**rotating, **best}  # keep_last=1 pruned none before its upload
 
 
-def test_bad_log_checkpoints_are_refused_by_name(tmp_path: Path) -> None:
+def test_bad_log_checkpoints_are_refused_by_name(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = "file://" + str(tmp_path / "mlruns")
     with pytest.raises(ConfigurationError, match="log_checkpoints must be 'best'.*got 'some'"):
         MLflowLogger(log_checkpoints="some")
     with pytest.raises(ConfigurationError, match="log_checkpoints='best'.*Checkpoint\\(dirpath, "
                                                  "monitor='val_loss'\\)"):
-        fit([MLflowLogger(log_checkpoints="best"),
+        fit([MLflowLogger(tracking_uri=uri, log_checkpoints="best"),
              Checkpoint(tmp_path / "ckpt")], 1)
     with pytest.raises(ConfigurationError, match="log_checkpoints='all'.*the stack has none"):
-        fit([MLflowLogger(log_checkpoints="all")], 1)
+        fit([MLflowLogger(tracking_uri=uri, log_checkpoints="all")], 1)
 
 
 @pytest.mark.slow

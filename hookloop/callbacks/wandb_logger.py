@@ -88,10 +88,14 @@ class WandbLogger(Tracker):
             default): each a version of the run's artifact ``checkpoints-<run id>`` (type
             ``model``) with its name (``best-step=00000012-val_loss=0.4321``) as an alias
             and its description, its step and value in the metadata, and the alias
-            ``best`` on each new best. Uploaded once: W&B's folder keeps a note
-            (``hookloop-checkpoints-<run id>.json``) of what was handed to W&B, which a
-            relaunch reads (offline, a launch killed within moments of an upload may lose
-            the artifact's record in W&B's file: it is then missing, never twice).
+            ``best`` on each new best. W&B's folder keeps a note
+            (``hookloop-checkpoints-<run id>.json``) of the uploads W&B holds for sure
+            (online: once W&B committed the version; offline: once the run is finished),
+            and a relaunch uploads none of them again. Offline, a killed launch's file
+            loses the records of its last block, its uploads' among them: the relaunch
+            uploads the current best again (once), but earlier bests whose file was
+            replaced before the kill are lost, and a record a written block kept can
+            appear twice after ``wandb sync`` (as history rows can).
 
     Example:
         >>> WandbLogger("my-project", mode="offline")
@@ -124,6 +128,7 @@ class WandbLogger(Tracker):
         self.tags = _check_tags(tags)
         self._wandb: Any = None
         self._run: Any = None
+        self._handed: list[str] = []  # checkpoints handed to W&B, not yet noted
 
     def __repr__(self) -> str:
         project = "" if self.project is None else f"{self.project!r}, "
@@ -200,12 +205,22 @@ class WandbLogger(Tracker):
         else:
             artifact.add_file(upload.path, name=upload.file)
         aliases = [upload.name, *(["best"] if upload.kind == "best" else [])]
-        self._run.log_artifact(artifact, aliases=aliases)
-        path = self._checkpoints_file()  # handed to W&B: noted, so a relaunch skips it
-        names = sorted(self._logged_checkpoints() | {upload.name})
-        with open(path + ".tmp", "w", encoding="utf-8") as handle:
-            json.dump(names, handle)
-        os.replace(path + ".tmp", path)
+        logged = self._run.log_artifact(artifact, aliases=aliases)
+        self._handed.append(upload.name)
+        if not self._run.settings._offline:  # online: noted once W&B committed the version
+            logged.wait()
+            self._note_checkpoints()
+
+    def _note_checkpoints(self) -> None:
+        """Note the uploads W&B holds for sure (online: committed; offline: once the run is
+        finished, its file complete), so a relaunch skips them."""
+        if self._handed:
+            path = self._checkpoints_file()
+            names = sorted(self._logged_checkpoints() | set(self._handed))
+            with open(path + ".tmp", "w", encoding="utf-8") as handle:
+                json.dump(names, handle)
+            os.replace(path + ".tmp", path)
+            self._handed = []
 
     def _send_settings(self, settings: dict[str, Any]) -> None:
         self._run.config.update(settings, allow_val_change=True)
@@ -225,6 +240,9 @@ class WandbLogger(Tracker):
         run.finish(exit_code=_EXIT_CODE[outcome])
         if disabled:  # mode="disabled": nothing was kept anywhere
             return
+        self._run = run  # for the note's folder
+        self._note_checkpoints()
+        self._run = None
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w", encoding="utf-8") as handle:  # finished: on disk now
             json.dump(self._sent, handle)
