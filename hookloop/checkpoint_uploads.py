@@ -39,7 +39,7 @@ __all__ = ["MODES", "Upload", "CheckpointUploads", "check_mode"]
 #: The values of ``log_checkpoints``: None/False (off), "best", "all".
 MODES = ("best", "all")
 _STEP = re.compile(r"step=(\d+)")
-_SAVER = ("top_k", "best_path", "last_path", "monitor", "dirpath")
+_SAVER = ("top_k", "best_path", "last_path", "dirpath")  # and the metric it monitors
 
 
 def check_mode(owner: str, value: Any) -> str | None:
@@ -55,21 +55,29 @@ def check_mode(owner: str, value: Any) -> str | None:
 
 class Upload:
     """One checkpoint to upload: ``name`` (says step and value), ``path`` (the staged copy),
-    ``kind`` ("best" or "last"), ``epoch``, ``step``, ``monitor``, ``value``, ``file`` (its
-    name in the checkpoint directory)."""
+    ``kind`` ("best" or "last"), ``epoch``, ``step``, ``metric`` (the monitored one),
+    ``value``, ``file`` (its name in the checkpoint directory)."""
 
     def __init__(self, *, kind: str, file: str, epoch: int | None, step: int,
-                 monitor: str | None, value: float | None) -> None:
+                 metric: str | None, value: float | None) -> None:
         self.kind, self.file, self.epoch, self.step = kind, file, epoch, step
-        self.monitor, self.value = monitor, value
-        scored = "" if monitor is None or value is None else f"-{monitor}={value:.6g}"
+        self.metric, self.value = metric, value
+        scored = "" if metric is None or value is None else f"-{metric}={value:.6g}"
         self.name = f"{'best-' if kind == 'best' else ''}step={step:08d}{scored}"
         self.path = ""
 
     def metadata(self) -> dict[str, Any]:
         """What the tracker stores with it."""
-        return {"kind": self.kind, "file": self.file, "epoch": self.epoch, "step": self.step,
-                "monitor": self.monitor, "value": self.value}
+        return dict(kind=self.kind, file=self.file, epoch=self.epoch, step=self.step,
+                    metric=self.metric, value=self.value)
+
+
+def _metric(saver: Any) -> str | None:
+    """The metric a saver monitors (`Checkpoint.monitor`), None when it has none."""
+    try:
+        return saver.monitor or None
+    except AttributeError:  # another package's saver may monitor nothing
+        return None
 
 
 def _stage(source: str, dirpath: str) -> str:
@@ -121,7 +129,7 @@ class CheckpointUploads:
             return
         self._savers = [callback for callback in loop.callbacks
                         if all(hasattr(callback, name) for name in _SAVER)]
-        scored = [saver for saver in self._savers if saver.monitor]
+        scored = [saver for saver in self._savers if _metric(saver)]
         if not self._savers or (self.mode == "best" and not scored):
             needs = "Checkpoint(dirpath, monitor='val_loss')" if self.mode == "best" else \
                 "Checkpoint(dirpath)"
@@ -134,13 +142,14 @@ class CheckpointUploads:
         """Queue what completed since the last look (the tracker run must be open)."""
         for saver in self._savers:
             seen = self._seen.get(id(saver), (None, None))
-            best: Any = saver.top_k[0] if saver.monitor and saver.top_k else None
+            metric = _metric(saver)
+            best: Any = saver.top_k[0] if metric and saver.top_k else None
             key = None if best is None else (best["step"], best["value"])
             if key is not None and key != seen[0]:
                 file = best["file"] or os.path.basename(saver.best_path or "")
                 self._queue(saver, os.path.join(saver.dirpath, file), Upload(
                     kind="best", file=file, epoch=best["epoch"], step=int(best["step"]),
-                    monitor=saver.monitor, value=float(best["value"])))
+                    metric=metric, value=float(best["value"])))
             last = saver.last_path if self.mode == "all" else None
             if last is not None and last != seen[1]:
                 self._queue(saver, last, self._rotating(loop, saver, last))
@@ -153,12 +162,12 @@ class CheckpointUploads:
         file = os.path.basename(path)
         found = _STEP.search(file)
         step = int(found.group(1)) if found else loop.state.step
-        value = None
+        metric, value = _metric(saver), None
         for row in loop.state.history:
-            if row.get("step", -1) <= step and saver.monitor in row:
-                value = float(row[saver.monitor])
+            if row.get("step", -1) <= step and metric in row:
+                value = float(row[metric])
         return Upload(kind="last", file=file, epoch=None, step=step,
-                      monitor=saver.monitor if value is not None else None, value=value)
+                      metric=metric if value is not None else None, value=value)
 
     def _queue(self, saver: Any, source: str, upload: Upload) -> None:
         if upload.name in self.logged or not os.path.exists(source):
