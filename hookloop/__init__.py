@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from hookloop.callback import Callback
     from hookloop.engine.describe import describe
     from hookloop.engine.state import LoopState
+    from hookloop.export import export_safetensors
     from hookloop.loop import Loop
     from hookloop.lr_find import LRFindResult, lr_find
     from hookloop.parallel.mesh import Mesh
@@ -64,6 +65,7 @@ _LAZY = {
     "Phase": "hookloop.base.phase",
     "describe": "hookloop.engine.describe",
     "distributed": "hookloop.distributed",
+    "export_safetensors": "hookloop.export",
     "load_checkpoint": "hookloop.runfile.loading",
     "lr_find": "hookloop.lr_find",
 }
@@ -131,6 +133,7 @@ __all__ = [
     "__version__",
     "describe",
     "distributed",
+    "export_safetensors",
     "load_checkpoint",
     "lr_find",
 ]

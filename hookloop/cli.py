@@ -1,5 +1,5 @@
 """The ``hookloop`` command: run a script on several processes, presets, the event table
-of a stack, events, version.
+of a stack, events, a checkpoint's weights exported as safetensors, version.
 
 Examples::
 
@@ -9,6 +9,7 @@ Examples::
     hookloop describe standard                        # who runs at which event
     hookloop describe standard ema=None accumulate=4  # with arguments (Python literals)
     hookloop events                                   # the events in firing order
+    hookloop export ckpt/best.pt model/               # the weights as safetensors (HF layout)
     hookloop version
 """
 
@@ -160,6 +161,34 @@ def _process_count(text: str) -> int:
     return count
 
 
+def _export(checkpoint: str, out_dir: str, ema: bool | str, max_shard_size: int | str) -> int:
+    from hookloop.export import export_safetensors
+
+    names = export_safetensors(checkpoint, out_dir, ema=ema, max_shard_size=max_shard_size)
+    print(f"hookloop export: wrote {', '.join(names)} in {out_dir}")
+    return 0
+
+
+def _add_export(commands: Any) -> None:
+    parser = commands.add_parser(
+        "export", help="write a checkpoint's weights as safetensors (Hugging Face layout)",
+        description="Read a checkpoint (a file, or a directory of shards written by any number "
+                    "of ranks: put together in this process, on the CPU) with every check a "
+                    "load makes, and write its model's weights (or its EMA's) in OUT_DIR as "
+                    "model.safetensors, or past --max-shard-size as "
+                    "model-0000k-of-0000n.safetensors with model.safetensors.index.json. "
+                    "OUT_DIR must be new or empty. Local paths only for now.",
+        epilog="example: hookloop export ckpt/epoch=0009-step=00001000.pt model --ema")
+    parser.add_argument("checkpoint", help="a checkpoint file (.pt) or directory of shards (.dcp)")
+    parser.add_argument("out_dir", help="the directory to write (new or empty)")
+    parser.add_argument("--ema", nargs="?", const=True, default=False, metavar="NAME",
+                        help="export the EMA's averaged weights (NAME: the EMA's name, for a "
+                             "run with several)")
+    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="split into several files past this size (default: 5GB, "
+                             "Hugging Face's; also 500MB, 2GiB or bytes)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hookloop`` console script; ``hookloop --help`` lists the commands.
 
@@ -215,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     describe_parser.add_argument("preset", help="a preset name, as listed by `hookloop presets`")
     describe_parser.add_argument("arguments", nargs="*", type=parse_assignment,
                                  metavar="key=value", help="arguments of the preset")
+    _add_export(commands)
     commands.add_parser("events", help="print the loop's events in firing order",
                         description="Print the events in firing order with what each guarantees.")
     commands.add_parser("version", help="print the versions of hookloop and torch",
@@ -234,6 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _print_presets()
         if args.command == "describe":
             return _describe(args.preset, args.arguments)
+        if args.command == "export":
+            size = args.max_shard_size
+            return _export(args.checkpoint, args.out_dir, args.ema,
+                           int(size) if size.isdigit() else size)
     except HookloopError as error:
         print(f"hookloop {args.command}: error: {error}", file=sys.stderr)
         return 1

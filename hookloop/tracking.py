@@ -22,6 +22,7 @@ import torch
 
 from hookloop.base.checks import check_int
 from hookloop.callback import Callback
+from hookloop.checkpoint_uploads import CheckpointUploads, Upload, check_mode
 from hookloop.errors import ConfigurationError
 from hookloop.scalars import MetricSteps, gather_hparams, read_values, step_due, step_values
 
@@ -186,11 +187,20 @@ class Tracker(Callback):
     A subclass implements `_start`, `_send`, `_send_settings`, `_send_metadata`, `_close`
     and, to count what a killed launch sent after its checkpoint, `_already_sent`.
 
+    Checkpoints (``log_checkpoints``, `hookloop.checkpoint_uploads`): ``"best"`` uploads
+    each new best file of the stack's monitoring `hookloop.callbacks.Checkpoint`, ``"all"``
+    every rotating and best file, once complete, in a thread (waited for at fit end, before
+    the run is closed), each under a name with its step and monitored value
+    (``best-step=00000012-val_loss=0.4321``). A name the tracker run holds already is not
+    uploaded again: a relaunch that saves the same best again uploads nothing. A failed
+    upload is warned once; training goes on.
+
     Args:
         every_n_steps: Step interval of the ``step/*`` values.
         hparams: Settings to send (numbers, strings, booleans); None gathers them.
         run_id: Continue this tracker run (else a new one is created, or the one the
             restored state names).
+        log_checkpoints: ``"best"``, ``"all"``, or None/False (the default: none).
     """
 
     rank_zero_only = True
@@ -203,8 +213,10 @@ class Tracker(Callback):
     durable_sends: ClassVar[bool] = True
 
     def __init__(self, *, every_n_steps: int = 50, hparams: Mapping[str, Any] | None = None,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, log_checkpoints: str | bool | None = None) -> None:
         label = type(self).__name__
+        self.log_checkpoints = check_mode(label, log_checkpoints)
+        self._uploads = CheckpointUploads(label, self.log_checkpoints, self._upload_checkpoint)
         if hparams is not None and not hasattr(hparams, "items"):
             raise ConfigurationError(f"{label} hparams must be a dict of name -> "
                                      f"number/str/bool or None, got {hparams!r}.")
@@ -263,6 +275,14 @@ class Tracker(Callback):
         """Where the values go, for messages (a project, a tracking URI)."""
         return self.library
 
+    def _upload_checkpoint(self, upload: Upload) -> None:
+        """Upload the checkpoint ``upload.path`` under ``upload.name`` (in a thread)."""
+        raise NotImplementedError
+
+    def _logged_checkpoints(self) -> set[str]:
+        """For a continued run: the names of the checkpoints it holds."""
+        return set()
+
     # ------------------------------------------------------------------ events
     def setup(self, loop: Loop) -> None:
         """Import the tracker's library; missing, it is a `ConfigurationError` saying how
@@ -273,6 +293,8 @@ class Tracker(Callback):
             raise ConfigurationError(
                 f"{type(self).__name__} needs {self.library}, which is not installed "
                 f"({error}): pip install 'hookloop[{self.extra}]'.") from error
+        if loop.fitting:
+            self._uploads.attach(loop)
 
     def on_fit_start(self, loop: Loop) -> None:
         """Nothing logged in this fit yet; the tracker run opens at the first epoch."""
@@ -289,14 +311,17 @@ class Tracker(Callback):
         """Every ``every_n_steps``: the ``step/*`` values, read in one go, then sent."""
         if step_due(loop, self.every_n_steps):
             self._due(loop, read_values(step_values(loop)))
+        self._look_for_checkpoints(loop)
 
     def on_validation_end(self, loop: Loop) -> None:
         """Every metric of this validation, at the current step."""
         self._due(loop, self._metric_steps.at_validation_end(loop))
+        self._look_for_checkpoints(loop)
 
     def on_epoch_end(self, loop: Loop) -> None:
         """Metrics not sent at this step yet (``train_loss`` without validation)."""
         self._due(loop, self._metric_steps.at_epoch_end(loop))
+        self._look_for_checkpoints(loop)
 
     def on_exception(self, loop: Loop, exc: BaseException) -> None:
         """Remember the exception: the run is closed as failed (or killed, for Ctrl-C)."""
@@ -307,6 +332,8 @@ class Tracker(Callback):
         outcome, reason = end_reason(loop, self._exception)
         self._skip = 0
         self._guarded(loop, self._flush)
+        self._look_for_checkpoints(loop)
+        self._uploads.wait()  # before the run is closed
         if self._open:
             self._skip = 0
             self._guarded(loop, lambda loop: self._send_metadata({"end_reason": reason}))
@@ -348,6 +375,10 @@ class Tracker(Callback):
         self._open = False
 
     # ------------------------------------------------------------------ inside
+    def _look_for_checkpoints(self, loop: Loop) -> None:
+        if self.log_checkpoints is not None and self._open and loop.fitting:
+            self._uploads.look(loop)
+
     def _due(self, loop: Loop, values: dict[str, float]) -> None:
         if values:
             self._pending.append((loop.state.step, values, int(time.time() * 1000)))
@@ -361,6 +392,8 @@ class Tracker(Callback):
             if continued:
                 for tag, step in self._already_sent().items():
                     self._sent[tag] = max(self._sent.get(tag, -1), int(step))
+                if self.log_checkpoints is not None:
+                    self._uploads.logged |= self._logged_checkpoints()
         if not self._settings_sent:
             settings = dict(self.hparams) if self.hparams is not None else gather_hparams(loop)
             settings.pop(f"{self.state_key}/run_id", None)  # this run's identity: not a setting

@@ -1,4 +1,5 @@
-"""`import hookloop` (and hookloop.callbacks) leaves tensorboard, torchinfo and rich unimported."""
+"""`import hookloop` (and hookloop.callbacks, hookloop.export) leaves tensorboard, torchinfo,
+rich and safetensors (an optional extra: only an export imports it) unimported."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import pytest
 
 from conftest import subprocess_env
 
-HEAVY = ("tensorboard", "torch.utils.tensorboard", "torchinfo", "rich")
+HEAVY = ("tensorboard", "torch.utils.tensorboard", "torchinfo", "rich", "safetensors")
 
 
 @pytest.mark.slow
 def test_import_hookloop_does_not_import_display_libraries() -> None:
-    code = ("import json, sys, hookloop, hookloop.callbacks; "
+    code = ("import json, sys, hookloop, hookloop.callbacks, hookloop.export; "
             f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))")
     result = subprocess.run([sys.executable, "-c", code], env=subprocess_env(),
                             capture_output=True, text=True, timeout=120)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -10,6 +11,7 @@ from hookloop.errors import ConfigurationError
 from hookloop.tracking import Row, Tracker, check_plain
 
 if TYPE_CHECKING:
+    from hookloop.checkpoint_uploads import Upload
     from hookloop.loop import Loop
 
 __all__ = ["MLflowLogger"]
@@ -19,6 +21,8 @@ _NAME = re.compile(r"[^\w\-. /]")
 _PARAMS_PER_BATCH, _METRICS_PER_BATCH, _PARAM_LENGTH = 100, 1000, 6000
 #: Run status at fit end, by outcome; a suspended launch leaves the run RUNNING.
 _STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
+#: The run's artifact folder of the uploaded checkpoints (``log_checkpoints``).
+_CHECKPOINTS = "checkpoints"
 
 
 def _name(key: str) -> str:
@@ -66,6 +70,12 @@ class MLflowLogger(Tracker):
         run_id: Continue this MLflow run.
         every_n_steps: Step interval of the ``step/*`` values.
         hparams: Settings to send; None gathers them (`hookloop.scalars.gather_hparams`).
+        log_checkpoints: ``"best"`` (each new best file of the stack's monitoring
+            `Checkpoint`), ``"all"`` (every checkpoint file) or None/False (none, the
+            default): each uploaded as the run's artifact
+            ``checkpoints/<name>/<file>``, the name saying its step and monitored value
+            (``checkpoints/best-step=00000012-val_loss=0.4321/best.pt``). A relaunch
+            lists the run's artifacts and uploads none twice.
 
     Example:
         >>> logger = MLflowLogger("my-experiment", tracking_uri="sqlite:///mlflow.db")
@@ -78,8 +88,10 @@ class MLflowLogger(Tracker):
     def __init__(self, experiment: str | None = None, *, tracking_uri: str | None = None,
                  run_name: str | None = None, tags: Mapping[str, Any] | None = None,
                  run_id: str | None = None, every_n_steps: int = 50,
-                 hparams: Mapping[str, Any] | None = None) -> None:
-        super().__init__(every_n_steps=every_n_steps, hparams=hparams, run_id=run_id)
+                 hparams: Mapping[str, Any] | None = None,
+                 log_checkpoints: str | bool | None = None) -> None:
+        super().__init__(every_n_steps=every_n_steps, hparams=hparams, run_id=run_id,
+                         log_checkpoints=log_checkpoints)
         for label, value in (("experiment", experiment), ("tracking_uri", tracking_uri),
                              ("run_name", run_name)):
             if value is not None and not isinstance(value, str):
@@ -152,6 +164,17 @@ class MLflowLogger(Tracker):
                    for step, values, stamp in rows for tag, value in values.items()]
         for start in range(0, len(metrics), _METRICS_PER_BATCH):
             self._client.log_batch(self.run_id, metrics=metrics[start:start + _METRICS_PER_BATCH])
+
+    def _logged_checkpoints(self) -> set[str]:
+        return {entry.path.rsplit("/", 1)[-1]
+                for entry in self._client.list_artifacts(self.run_id, _CHECKPOINTS)}
+
+    def _upload_checkpoint(self, upload: Upload) -> None:
+        where = f"{_CHECKPOINTS}/{upload.name}"
+        if os.path.isdir(upload.path):
+            self._client.log_artifacts(self.run_id, upload.path, f"{where}/{upload.file}")
+        else:
+            self._client.log_artifact(self.run_id, upload.path, where)
 
     def _send_settings(self, settings: dict[str, Any]) -> None:
         param = self._entities.Param

@@ -13,6 +13,7 @@ from hookloop.errors import ConfigurationError
 from hookloop.tracking import Row, Tracker, check_plain
 
 if TYPE_CHECKING:
+    from hookloop.checkpoint_uploads import Upload
     from hookloop.loop import Loop
 
 __all__ = ["WandbLogger"]
@@ -82,6 +83,19 @@ class WandbLogger(Tracker):
         run_id: Continue this W&B run.
         every_n_steps: Step interval of the ``step/*`` values.
         hparams: Settings to send; None gathers them (`hookloop.scalars.gather_hparams`).
+        log_checkpoints: ``"best"`` (each new best file of the stack's monitoring
+            `Checkpoint`), ``"all"`` (every checkpoint file) or None/False (none, the
+            default): each a version of the run's artifact ``checkpoints-<run id>`` (type
+            ``model``) with its name (``best-step=00000012-val_loss=0.4321``) as an alias
+            and its description, its step and value in the metadata, and the alias
+            ``best`` on each new best. W&B's folder keeps a note
+            (``hookloop-checkpoints-<run id>.json``) of the uploads W&B holds for sure
+            (online: once W&B committed the version; offline: once the run is finished),
+            and a relaunch uploads none of them again. Offline, a killed launch's file
+            loses the records of its last block, its uploads' among them: the relaunch
+            uploads the current best again (once), but earlier bests whose file was
+            replaced before the kill are lost, and a record a written block kept can
+            appear twice after ``wandb sync`` (as history rows can).
 
     Example:
         >>> WandbLogger("my-project", mode="offline")
@@ -95,8 +109,10 @@ class WandbLogger(Tracker):
                  name: str | None = None, dir: str | os.PathLike[str] | None = None,
                  mode: str | None = None, tags: Sequence[str] | None = None,
                  run_id: str | None = None, every_n_steps: int = 50,
-                 hparams: Mapping[str, Any] | None = None) -> None:
-        super().__init__(every_n_steps=every_n_steps, hparams=hparams, run_id=run_id)
+                 hparams: Mapping[str, Any] | None = None,
+                 log_checkpoints: str | bool | None = None) -> None:
+        super().__init__(every_n_steps=every_n_steps, hparams=hparams, run_id=run_id,
+                         log_checkpoints=log_checkpoints)
         for label, value in (("project", project), ("entity", entity), ("name", name)):
             if value is not None and not isinstance(value, str):
                 raise ConfigurationError(f"WandbLogger {label} must be a string or None, "
@@ -112,6 +128,7 @@ class WandbLogger(Tracker):
         self.tags = _check_tags(tags)
         self._wandb: Any = None
         self._run: Any = None
+        self._handed: list[str] = []  # checkpoints handed to W&B, not yet noted
 
     def __repr__(self) -> str:
         project = "" if self.project is None else f"{self.project!r}, "
@@ -170,6 +187,41 @@ class WandbLogger(Tracker):
         for step, values, _ in rows:
             self._run.log({**values, STEP_METRIC: step})
 
+    def _checkpoints_file(self) -> str:
+        return os.path.join(self._run.settings.wandb_dir,
+                            f"hookloop-checkpoints-{self.run_id}.json")
+
+    def _logged_checkpoints(self) -> set[str]:
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            with open(self._checkpoints_file(), encoding="utf-8") as handle:
+                return {str(name) for name in json.load(handle)}
+        return set()
+
+    def _upload_checkpoint(self, upload: Upload) -> None:
+        artifact = self._wandb.Artifact(f"checkpoints-{self.run_id}", type="model",
+                                        description=upload.name, metadata=upload.metadata())
+        if os.path.isdir(upload.path):
+            artifact.add_dir(upload.path, name=upload.file)
+        else:
+            artifact.add_file(upload.path, name=upload.file)
+        aliases = [upload.name, *(["best"] if upload.kind == "best" else [])]
+        logged = self._run.log_artifact(artifact, aliases=aliases)
+        self._handed.append(upload.name)
+        if not self._run.settings._offline:  # online: noted once W&B committed the version
+            logged.wait()
+            self._note_checkpoints()
+
+    def _note_checkpoints(self) -> None:
+        """Note the uploads W&B holds for sure (online: committed; offline: once the run is
+        finished, its file complete), so a relaunch skips them."""
+        if self._handed:
+            path = self._checkpoints_file()
+            names = sorted(self._logged_checkpoints() | set(self._handed))
+            with open(path + ".tmp", "w", encoding="utf-8") as handle:
+                json.dump(names, handle)
+            os.replace(path + ".tmp", path)
+            self._handed = []
+
     def _send_settings(self, settings: dict[str, Any]) -> None:
         self._run.config.update(settings, allow_val_change=True)
 
@@ -188,6 +240,9 @@ class WandbLogger(Tracker):
         run.finish(exit_code=_EXIT_CODE[outcome])
         if disabled:  # mode="disabled": nothing was kept anywhere
             return
+        self._run = run  # for the note's folder
+        self._note_checkpoints()
+        self._run = None
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w", encoding="utf-8") as handle:  # finished: on disk now
             json.dump(self._sent, handle)

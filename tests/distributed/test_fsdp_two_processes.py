@@ -223,6 +223,43 @@ def test_a_sharded_checkpoint_of_two_ranks_resumes_on_one_with_the_same_next_los
     assert [read(out, "resumed-sharded-log", rank)["losses"]["5"] for rank in (0, 1)] == reference
 
 
+def test_a_sharded_checkpoint_of_two_ranks_exports_as_the_unsharded_weights(
+        runs: dict[str, Any], tmp_path: Path) -> None:
+    """``export_safetensors`` of the 2-rank run's last directory of shards, in this process
+    (no group): read with safetensors' own reader into the unsharded model, the weights (and
+    the EMA's) are the ones rank 0 gathered at the run's end; the index names each tensor
+    once. A flipped byte in a shard is refused by the directory's digests."""
+    load_file = pytest.importorskip("safetensors.torch").load_file
+    from hookloop import CheckpointError, export_safetensors
+
+    out = runs["out"]
+    directory = out / "sharded" / "epoch=0001-step=00000016.dcp"  # keep_last=1: the end
+    for ema, label in ((False, "resumed-sharded-weights"), (True, "resumed-sharded-ema")):
+        expected = read(out, label, 0)
+        target = tmp_path / label
+        names = export_safetensors(directory, target, ema=ema, max_shard_size=300)
+        assert names[-1] == "model.safetensors.index.json" and len(names) == 4
+        text = (target / names[-1]).read_text()
+        assert all(text.count(f'"{name}"') == 1 for name in expected)  # each named once
+        loaded: dict[str, torch.Tensor] = {}
+        for name in names[:-1]:
+            part = load_file(target / name)
+            assert not set(part) & set(loaded)
+            loaded.update(part)
+        model = script.make_model(seed=0)
+        model.load_state_dict(loaded)  # strict: every tensor of the unsharded model, no other
+        assert all(torch.equal(model.state_dict()[name], value)
+                   for name, value in expected.items())
+    damaged = tmp_path / "damaged.dcp"
+    shutil.copytree(directory, damaged)
+    shard = next(damaged.glob("*.distcp"))
+    content = bytearray(shard.read_bytes())
+    content[len(content) // 2] ^= 0xFF
+    shard.write_bytes(bytes(content))
+    with pytest.raises(CheckpointError, match=shard.name):
+        export_safetensors(damaged, tmp_path / "from-damaged")
+
+
 # ------------------------------------------------------------------------ the example
 def test_example_runs_in_one_process_and_sharded_under_torchrun(tmp_path: Path) -> None:
     example = ROOT / "examples" / "fsdp.py"

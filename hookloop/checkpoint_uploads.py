@@ -1,0 +1,214 @@
+"""`CheckpointUploads`: the checkpoints an experiment tracker uploads (``log_checkpoints=``
+of `hookloop.callbacks.WandbLogger` and `hookloop.callbacks.MLflowLogger`).
+
+How a save is known to be complete: through the public attributes of the savers in the stack
+(`hookloop.callbacks.Checkpoint`, or any callback offering them, as `TimeLimit` finds
+``last_save_seconds``; callbacks stay leaves): ``top_k`` (the kept best validations, best
+first, with their step and value), ``best_path``, ``last_path`` (the newest complete rotating
+checkpoint; an async save counts once its file is complete), ``monitor`` and ``dirpath``.
+They change only once a file is complete, so the tracker looks at them at its events
+(after each optimizer step, at validation and epoch ends, at fit end) and uploads what is new.
+
+Each upload has a name that says the step and the monitored value
+(``best-step=00000012-val_loss=0.4321``, ``step=00000016-val_loss=0.4101``). The file is
+first hard-linked (copied where links fail) into a temporary entry of the checkpoint
+directory (``.tmp-upload-*.part``: never taken for a checkpoint, deleted by the next start if
+a kill leaves it), so a newer save may replace or prune it while a thread uploads the link.
+A name the tracker holds already (its listing, or a note the tracker keeps) is never
+uploaded again, so a relaunch that saves the same best again uploads nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from hookloop.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from hookloop.loop import Loop
+
+__all__ = ["MODES", "Upload", "CheckpointUploads", "check_mode"]
+
+#: The values of ``log_checkpoints``: None/False (off), "best", "all".
+MODES = ("best", "all")
+_STEP = re.compile(r"step=(\d+)")
+_SAVER = ("top_k", "best_path", "last_path", "dirpath")  # and the metric it monitors
+
+
+def check_mode(owner: str, value: Any) -> str | None:
+    """``log_checkpoints`` checked: None for off (None or False), else "best" or "all"."""
+    if value is None or value is False:
+        return None
+    if value not in MODES:
+        raise ConfigurationError(
+            f"{owner} log_checkpoints must be 'best' (each new best file), 'all' (every "
+            f"checkpoint file) or None/False (none, the default), got {value!r}.")
+    return str(value)
+
+
+class Upload:
+    """One checkpoint to upload: ``name`` (says step and value), ``path`` (the staged copy),
+    ``kind`` ("best" or "last"), ``epoch``, ``step``, ``metric`` (the monitored one),
+    ``value``, ``file`` (its name in the checkpoint directory)."""
+
+    def __init__(self, *, kind: str, file: str, epoch: int | None, step: int,
+                 metric: str | None, value: float | None) -> None:
+        self.kind, self.file, self.epoch, self.step = kind, file, epoch, step
+        self.metric, self.value = metric, value
+        scored = "" if metric is None or value is None else f"-{metric}={value:.6g}"
+        self.name = f"{'best-' if kind == 'best' else ''}step={step:08d}{scored}"
+        self.path = ""
+
+    def metadata(self) -> dict[str, Any]:
+        """What the tracker stores with it."""
+        return dict(kind=self.kind, file=self.file, epoch=self.epoch, step=self.step,
+                    metric=self.metric, value=self.value)
+
+
+def _metric(saver: Any) -> str | None:
+    """The metric a saver monitors (`Checkpoint.monitor`), None when it has none."""
+    try:
+        return saver.monitor or None
+    except AttributeError:  # another package's saver may monitor nothing
+        return None
+
+
+def _stage(source: str, dirpath: str) -> str:
+    """A link (or copy) of the file or directory ``source`` in a temporary entry of
+    ``dirpath``; returns its path."""
+    holder = os.path.join(dirpath, f".tmp-upload-{uuid.uuid4().hex}.part")
+    os.mkdir(holder)
+    target = os.path.join(holder, os.path.basename(source))
+
+    def link_or_copy(origin: str, destination: str) -> None:
+        try:
+            os.link(origin, destination)
+        except OSError:
+            shutil.copy2(origin, destination)
+
+    try:
+        if os.path.isdir(source):
+            shutil.copytree(source, target, copy_function=link_or_copy)
+        else:
+            link_or_copy(source, target)
+    except BaseException:
+        shutil.rmtree(holder, ignore_errors=True)
+        raise
+    return target
+
+
+class CheckpointUploads:
+    """The uploads of one tracker callback: what is new at each look, in a thread.
+
+    Args:
+        owner: The tracker's name, for messages.
+        mode: "best" (each new best), "all" (every rotating and best file), or None.
+        upload: Uploads one `Upload` (called in the thread).
+    """
+
+    def __init__(self, owner: str, mode: str | None, upload: Callable[[Upload], None]) -> None:
+        self.owner, self.mode, self._upload = owner, mode, upload
+        #: The names the tracker holds, or that this process queued.
+        self.logged: set[str] = set()
+        self._savers: list[Any] = []
+        self._seen: dict[int, tuple[Any, Any]] = {}  # per saver: (best entry, last path)
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: list[tuple[Future[None], Upload]] = []
+        self._warned = False
+
+    def attach(self, loop: Loop) -> None:
+        """At setup: find the savers; an upload mode without one is refused."""
+        if self.mode is None:
+            return
+        self._savers = [callback for callback in loop.callbacks
+                        if all(hasattr(callback, name) for name in _SAVER)]
+        scored = [saver for saver in self._savers if _metric(saver)]
+        if not self._savers or (self.mode == "best" and not scored):
+            needs = "Checkpoint(dirpath, monitor='val_loss')" if self.mode == "best" else \
+                "Checkpoint(dirpath)"
+            raise ConfigurationError(
+                f"{self.owner}(log_checkpoints={self.mode!r}) uploads the checkpoints a "
+                f"{'monitoring ' if self.mode == 'best' else ''}Checkpoint writes, but the "
+                f"stack has none: add {needs} after it, or log_checkpoints=None.")
+
+    def look(self, loop: Loop) -> None:
+        """Queue what completed since the last look (the tracker run must be open)."""
+        for saver in self._savers:
+            seen = self._seen.get(id(saver), (None, None))
+            metric = _metric(saver)
+            best: Any = saver.top_k[0] if metric and saver.top_k else None
+            key = None if best is None else (best["step"], best["value"])
+            if key is not None and key != seen[0]:
+                file = best["file"] or os.path.basename(saver.best_path or "")
+                self._queue(saver, os.path.join(saver.dirpath, file), Upload(
+                    kind="best", file=file, epoch=best["epoch"], step=int(best["step"]),
+                    metric=metric, value=float(best["value"])))
+            last = saver.last_path if self.mode == "all" else None
+            if last is not None and last != seen[1]:
+                self._queue(saver, last, self._rotating(loop, saver, last))
+            self._seen[id(saver)] = (key, last)
+        self._report()
+
+    def _rotating(self, loop: Loop, saver: Any, path: str) -> Upload:
+        """A rotating file: its step from its name; the monitored value of the newest
+        validation at or before that step, from the run's history."""
+        file = os.path.basename(path)
+        found = _STEP.search(file)
+        step = int(found.group(1)) if found else loop.state.step
+        metric, value = _metric(saver), None
+        for row in loop.state.history:
+            if row.get("step", -1) <= step and metric in row:
+                value = float(row[metric])
+        return Upload(kind="last", file=file, epoch=None, step=step,
+                      metric=metric if value is not None else None, value=value)
+
+    def _queue(self, saver: Any, source: str, upload: Upload) -> None:
+        if upload.name in self.logged or not os.path.exists(source):
+            return
+        try:
+            upload.path = _stage(source, str(saver.dirpath))
+        except OSError as error:
+            self._warn(upload, error)
+            return
+        self.logged.add(upload.name)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hookloop-upload")
+        self._futures.append((self._pool.submit(self._run, upload), upload))
+
+    def _run(self, upload: Upload) -> None:
+        try:
+            self._upload(upload)
+        finally:
+            shutil.rmtree(os.path.dirname(upload.path), ignore_errors=True)
+
+    def _report(self) -> None:
+        """Warn (once) about uploads that failed; training goes on."""
+        pending = []
+        for future, upload in self._futures:
+            if not future.done():
+                pending.append((future, upload))
+            elif future.exception() is not None:
+                self.logged.discard(upload.name)  # a relaunch may try again
+                self._warn(upload, future.exception())
+        self._futures = pending
+
+    def _warn(self, upload: Upload, error: BaseException | None) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{self.owner}: uploading the checkpoint {upload.file} ({upload.name}) "
+                          f"failed ({type(error).__name__}: {error}); training goes on (said "
+                          "once per fit).", RuntimeWarning, stacklevel=3)
+
+    def wait(self) -> None:
+        """At fit end: every queued upload finished (before the tracker run is closed)."""
+        for future, _ in self._futures:
+            future.exception()  # waits; a failure is reported below
+        self._report()
+        self._warned = False
