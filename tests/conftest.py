@@ -89,6 +89,11 @@ def subprocess_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
+    # W&B puts the address of the wandb-core service it starts into this process's
+    # environment; a child that inherits it joins this process's service, where a killed
+    # child's run stays open, and its relaunch is refused ("run ID ... is in use"). It
+    # happened whenever an in-process W&B test ran earlier in the same pytest session.
+    env.pop("WANDB_SERVICE", None)
     return env
 
 
