@@ -185,8 +185,8 @@ class FaultTolerance(Callback):
                 return
             if manager.current_step() > 0:
                 return  # a run under way: train on with the live groups
-            self._refuse_silent_restart()
             if time.monotonic() > deadline:
+                self._refuse_silent_restart()
                 raise HookloopError(
                     f"FaultTolerance: only {manager.num_participants()} of {self.groups} "
                     f"replica groups joined the first quorum within {self.quorum_timeout:g} "
