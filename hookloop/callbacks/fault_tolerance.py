@@ -230,6 +230,12 @@ class FaultTolerance(Callback):
             raise ConfigurationError(
                 "FaultTolerance does not support GradAccumulation yet: it commits every "
                 "optimizer step through torchft. Drop GradAccumulation, or use a larger batch.")
+        if self._healed_at_setup and self._record.torchft_step != self._manager.current_step():
+            raise HookloopError(
+                f"FaultTolerance: replica group {self.group} took step "
+                f"{self._manager.current_step()} from a live peer, but a later setup (a "
+                f"Checkpoint's resume, step {self._record.torchft_step}) replaced it. Give "
+                "Checkpoint(resume=True) only to a group that restarts alone, or resume=False.")
         if not self._healed_at_setup:
             self._manager.load_state_dict({"step": self._record.torchft_step,
                                            "batches_committed": 0})
