@@ -149,8 +149,12 @@ def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int) -> dict[str
             other = 1 - victim
             while run.commits(other) < 2 or run.commits(victim) < 2:  # both trained since
                 assert time.monotonic() < deadline, "the run stalled"
+                if 0 in [process.poll() for process in run.processes.values()]:
+                    break  # the run ended
                 assert run.processes[other].poll() is None, run.log(other)[-3000:]
                 time.sleep(0.05)
+            if 0 in [process.poll() for process in run.processes.values()]:
+                break
             time.sleep(chooser.uniform(0.0, 1.0))
             if run.processes[victim].poll() is not None:
                 break  # the run ended
