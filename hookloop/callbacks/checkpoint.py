@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.runfile.checkpoint_io import (MODEL, VALUE, CheckpointFiles, RotatingWrites, TimedSaves,
-                                    TopK, all_finite, load_checkpoint, model_state)
+                                    TopK, all_finite, load_checkpoint, model_state, resumable)
 from hookloop.base.checks import check_choice, check_name, check_number, check_optional_int, check_path
 from hookloop.base.deprecation import CheckpointAliases
 from hookloop.engine.grads import non_finite_weights_advice
@@ -169,7 +169,7 @@ class Checkpoint(Callback, CheckpointAliases):
                 raise self.files.earlier_run_error(found)
         elif self.resume is True:
             files = self.files.rotating() if distributed.is_main() else []
-            path = distributed.broadcast_object(files[-1] if files else None)
+            path = distributed.broadcast_object(resumable(files, loop.callbacks, self.dirpath))
             if path is not None:
                 self._resume_from(loop, path)
             else:

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 __all__ = ["ENV_GROUP", "ENV_GROUPS", "ENV_LIGHTHOUSE", "ENV_RUN_DIR", "DEFAULT_TIMEOUT_S",
-           "DEFAULT_HEARTBEAT_TIMEOUT_MS", "DEFAULT_LIGHTHOUSE_PORT", "Ledger", "assign",
-           "shard_indices"]
+           "DEFAULT_QUORUM_TIMEOUT_S", "DEFAULT_HEARTBEAT_TIMEOUT_MS", "DEFAULT_JOIN_TIMEOUT_MS",
+           "DEFAULT_LIGHTHOUSE_PORT", "DEFAULT_RUN_DIR", "DEFAULT_MAX_RESTARTS",
+           "DEFAULT_RESTART_DELAY_S", "Ledger", "assign", "shard_indices"]
 
 #: This process's replica group, ``0 .. groups-1`` (set by ``hookloop run --groups``).
 ENV_GROUP = "HOOKLOOP_FT_GROUP"
@@ -32,13 +33,25 @@ ENV_GROUPS = "HOOKLOOP_FT_GROUPS"
 ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
 #: A directory every group can write, where each records its last committed step.
 ENV_RUN_DIR = "HOOKLOOP_FT_RUN_DIR"
-#: Seconds a collective, a commit vote or a transfer from a peer may take before it fails.
+#: Seconds a collective, a commit vote or a transfer from a peer may take before it fails:
+#: the time to detect a peer that hangs (a dead one breaks the collective at once).
 DEFAULT_TIMEOUT_S = 30.0
+#: Seconds to wait for a quorum, and at a new run's start for every group to join.
+DEFAULT_QUORUM_TIMEOUT_S = 60.0
 #: How long the lighthouse waits for a silent group's heartbeat before it drops it from the
-#: quorum: the time to detect a group that died between steps. 1 s suits steps of seconds.
+#: quorum: the time to detect a group that died between steps. 1 s suits steps of seconds
+#: (torchft's default is 5 s; a group's manager beats every 100 ms).
 DEFAULT_HEARTBEAT_TIMEOUT_MS = 1000
-#: The lighthouse's port when ``hookloop run`` is not told another.
+#: How long the lighthouse waits for groups that beat but have not asked to join yet.
+DEFAULT_JOIN_TIMEOUT_MS = 1000
+#: The lighthouse's port when ``hookloop run`` is not told another (torchft's own default).
 DEFAULT_LIGHTHOUSE_PORT = 29510
+#: Where ``hookloop run`` has each group record its last committed step.
+DEFAULT_RUN_DIR = "ft-run"
+#: How many group restarts ``hookloop run`` allows in all before it gives up.
+DEFAULT_MAX_RESTARTS = 100
+#: Seconds ``hookloop run`` waits before it starts a dead group again.
+DEFAULT_RESTART_DELAY_S = 1.0
 
 
 def assign(present: Sequence[int], groups: int) -> list[int]:

@@ -24,11 +24,27 @@ EPOCHS = int(os.environ.get("FT_TEST_EPOCHS", "3"))
 
 
 class _Slow(Callback):
-    """Sleep after the backward: the all-reduce waits for a slow peer, so a kill lands
-    inside it as often as between steps."""
+    """Sleep after the backward (before the step's quorum), and make torchft's all-reduces
+    slow (a sleep before each, as a slow network would): a kill at a random moment lands
+    between steps or inside an all-reduce, where the peer waits for the victim."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: float, ft: FaultTolerance | None) -> None:
+        self.seconds, self.ft = seconds, ft
+
+    def on_fit_start(self, loop: Loop) -> None:
+        if self.ft is None:
+            return
+        manager = self.ft.manager
+        all_reduce = manager.allreduce
+
+        def slow_all_reduce(*args: object, **kwargs: object) -> object:
+            # The test's cue for a kill inside the all-reduce: this group passed the
+            # quorum and its peer waits for its part.
+            print(f"ft_train: entering the all-reduce at step {loop.state.step}", flush=True)
+            time.sleep(self.seconds * 2 / 3)
+            return all_reduce(*args, **kwargs)
+
+        manager.allreduce = slow_all_reduce
 
     def after_backward(self, loop: Loop) -> None:
         time.sleep(self.seconds)
@@ -45,6 +61,7 @@ def main(mode: str, out_dir: str, checkpoint: bool, step_sleep: float) -> None:
     schedule = LRScheduler(lambda opt, total: torch.optim.lr_scheduler.LinearLR(
         opt, start_factor=1.0, end_factor=0.1, total_iters=total))
     callbacks: list[Callback] = [schedule]
+    ft = None
     if mode == "ddp":
         callbacks.insert(0, DDP())
         index = int(os.environ["RANK"])
@@ -56,13 +73,15 @@ def main(mode: str, out_dir: str, checkpoint: bool, step_sleep: float) -> None:
             callbacks.append(Checkpoint(os.path.join(out_dir, "ckpt"), every_n_steps=2,
                                         resume=True, keep_last=1))
     if step_sleep:
-        callbacks.append(_Slow(step_sleep))
+        callbacks.append(_Slow(step_sleep, ft))
     loop = Loop(model, optimizer, data, loss_fn=torch.nn.functional.mse_loss,
                 callbacks=callbacks, device="cpu", sanity_val_batches=0)
+    started = time.time()
     loop.fit(EPOCHS)
     result = {"weights": {k: v.clone() for k, v in loop.unwrapped_model.state_dict().items()},
               "lr": optimizer.param_groups[0]["lr"], "step": loop.state.step,
-              "ledger": ft.ledger if mode == "ft" else []}
+              "ledger": ft.ledger if ft else [], "started": started, "ended": time.time(),
+              "goodput": ft.goodput.state_dict() if ft else None}
     torch.save(result, os.path.join(out_dir, f"result_{index}.pt"))
 
 
