@@ -253,7 +253,7 @@ def test_a_group_with_no_live_peer_resumes_from_the_checkpoint_or_refuses(
     batch; group 0 restarted alone resumes from its disk checkpoint at torchft's step of the
     file; group 1 then heals from it; group 0, restarted while group 1 lives, heals from the
     live peer although it has Checkpoint(resume=True). The run is still the fault-free one."""
-    epochs = 5
+    epochs = 12  # long enough that group 1 still trains when group 0 restarts the last time
     (tmp_path / "ddp").mkdir()
     oracle = _ddp_oracle(tmp_path / "ddp", epochs=epochs)
     out = tmp_path / "ft"
@@ -277,6 +277,7 @@ def test_a_group_with_no_live_peer_resumes_from_the_checkpoint_or_refuses(
         _wait_for(lambda: run.commits(1) >= 2, deadline, "group 1 to heal")
         os.killpg(run.processes[0].pid, signal.SIGKILL)
         run.processes[0].wait()
+        assert run.processes[1].poll() is None, "group 1 ended: the scenario needs more epochs"
         run.start(0)  # Checkpoint(resume=True), a live peer: the peer's state wins
         codes = run.wait_all(deadline)
         logs = run.log(0) + run.log(1)
