@@ -18,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import torch
-
 __all__ = ["ENV_GROUP", "ENV_GROUPS", "ENV_LIGHTHOUSE", "ENV_RUN_DIR", "DEFAULT_TIMEOUT_S",
            "DEFAULT_QUORUM_TIMEOUT_S", "DEFAULT_HEARTBEAT_TIMEOUT_MS", "DEFAULT_JOIN_TIMEOUT_MS",
            "DEFAULT_LIGHTHOUSE_PORT", "DEFAULT_RUN_DIR", "DEFAULT_MAX_RESTARTS",
@@ -90,6 +88,8 @@ def shard_indices(dataset_size: int, groups: int, shard: int, *, epoch: int, bat
         [5, 7]
     """
     if shuffle:
+        import torch  # here: the launcher and the CLI read this module's names without torch
+
         generator = torch.Generator()
         generator.manual_seed(seed + epoch)
         order = torch.randperm(dataset_size, generator=generator).tolist()
