@@ -253,7 +253,8 @@ def test_a_group_with_no_live_peer_resumes_from_the_checkpoint_or_refuses(
     batch; group 0 restarted alone resumes from its disk checkpoint at torchft's step of the
     file; group 1 then heals from it; group 0, restarted while group 1 lives, heals from the
     live peer although it has Checkpoint(resume=True). The run is still the fault-free one."""
-    epochs = 12  # long enough that group 1 still trains when group 0 restarts the last time
+    epochs = 20  # group 1 must still train when group 0, restarted last (5-10 s on a busy
+    # machine), looks for a live peer
     (tmp_path / "ddp").mkdir()
     oracle = _ddp_oracle(tmp_path / "ddp", epochs=epochs)
     out = tmp_path / "ft"
@@ -274,7 +275,7 @@ def test_a_group_with_no_live_peer_resumes_from_the_checkpoint_or_refuses(
         _wait_for(lambda: run.commits(0) >= 2, deadline, "group 0 to resume")
         assert "Checkpoint: resumed from" in run.log(0)
         run.start(1)  # heals from group 0
-        _wait_for(lambda: run.commits(1) >= 2, deadline, "group 1 to heal")
+        _wait_for(lambda: run.commits(1) >= 1, deadline, "group 1 to heal")
         os.killpg(run.processes[0].pid, signal.SIGKILL)
         run.processes[0].wait()
         assert run.processes[1].poll() is None, "group 1 ended: the scenario needs more epochs"
