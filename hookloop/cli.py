@@ -161,6 +161,14 @@ def _process_count(text: str) -> int:
     return count
 
 
+def _group_count(text: str) -> int:
+    try:
+        return _process_count(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"--groups must be a number of replica groups (1, 2, ...), got {text!r}") from None
+
+
 def _fault_tolerance_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``hookloop run --groups``; the defaults are `hookloop.parallel.ft_plan`'s."""
     from hookloop.parallel import ft_plan
@@ -215,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_parser.add_argument("--nproc", type=_process_count, default=None,
                             help="processes to start (default: the number of GPUs, else 1)")
     run_parser.add_argument(
-        "--groups", type=_process_count, default=None,
+        "--groups", type=_group_count, default=None,
         help="fault tolerance: start a torchft lighthouse and GROUPS replica groups (one "
              "process each, FaultTolerance in the script), each restarted when it dies")
     _fault_tolerance_options(run_parser)

@@ -72,3 +72,16 @@ def test_the_slurm_example_uses_the_names_and_defaults_of_ft_plan() -> None:
     assert f":{ft_plan.DEFAULT_LIGHTHOUSE_PORT}" in block
     assert f"--heartbeat_timeout_ms {ft_plan.DEFAULT_HEARTBEAT_TIMEOUT_MS} " in block
     assert f"--join_timeout_ms {ft_plan.DEFAULT_JOIN_TIMEOUT_MS}" in block
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--groups", "0", "x.py"], "--groups must be a number of replica groups"),
+    (["run", "--groups", "2", "--nproc", "2", "x.py"], "drop --nproc"),
+])
+def test_bad_groups_are_usage_errors_before_anything_starts(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from hookloop.cli import main
+
+    with pytest.raises(SystemExit) as end:
+        main(argv)
+    assert end.value.code == 2 and message in capsys.readouterr().err
