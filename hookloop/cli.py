@@ -4,6 +4,7 @@ of a stack, events, a checkpoint's weights exported as safetensors, version.
 Examples::
 
     hookloop run --nproc 2 train.py --lr 0.1           # 2 processes, torchrun's standalone mode
+    hookloop run --groups 2 train.py                  # 2 replica groups (FaultTolerance)
     hookloop presets                                  # what is installed, from which package
     hookloop presets check quick_cpu                  # run hookloop.testing on a preset
     hookloop describe standard                        # who runs at which event
@@ -189,6 +190,37 @@ def _add_export(commands: Any) -> None:
                              "Hugging Face's; also 500MB, 2GiB or bytes)")
 
 
+def _group_count(text: str) -> int:
+    try:
+        return _process_count(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"--groups must be a number of replica groups (1, 2, ...), got {text!r}") from None
+
+
+def _fault_tolerance_options(parser: argparse.ArgumentParser) -> None:
+    """The options of ``hookloop run --groups``; the defaults are `hookloop.parallel.ft_plan`'s."""
+    from hookloop.parallel import ft_plan
+
+    parser.add_argument("--port", type=int, default=ft_plan.DEFAULT_LIGHTHOUSE_PORT,
+                        help="with --groups: the lighthouse's port (0: a free one; "
+                             f"default {ft_plan.DEFAULT_LIGHTHOUSE_PORT})")
+    parser.add_argument("--heartbeat-timeout-ms", type=int,
+                        default=ft_plan.DEFAULT_HEARTBEAT_TIMEOUT_MS,
+                        help="with --groups: how long before a silent group is dropped (the "
+                             "time to detect a group that died between steps; default "
+                             f"{ft_plan.DEFAULT_HEARTBEAT_TIMEOUT_MS})")
+    parser.add_argument("--run-dir", default=ft_plan.DEFAULT_RUN_DIR,
+                        help="with --groups: where each group records its last committed step "
+                             f"(default {ft_plan.DEFAULT_RUN_DIR})")
+    parser.add_argument("--max-restarts", type=int, default=ft_plan.DEFAULT_MAX_RESTARTS,
+                        help="with --groups: group restarts allowed in all (default "
+                             f"{ft_plan.DEFAULT_MAX_RESTARTS})")
+    parser.add_argument("--restart-delay", type=float, default=ft_plan.DEFAULT_RESTART_DELAY_S,
+                        help="with --groups: seconds before a dead group is started again "
+                             f"(default {ft_plan.DEFAULT_RESTART_DELAY_S:g})")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hookloop`` console script; ``hookloop --help`` lists the commands.
 
@@ -219,6 +251,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         epilog="example: hookloop run --nproc 2 train.py --epochs 10")
     run_parser.add_argument("--nproc", type=_process_count, default=None,
                             help="processes to start (default: the number of GPUs, else 1)")
+    run_parser.add_argument(
+        "--groups", type=_group_count, default=None,
+        help="fault tolerance: start a torchft lighthouse and GROUPS replica groups (one "
+             "process each, FaultTolerance in the script), each restarted when it dies")
+    _fault_tolerance_options(run_parser)
     run_parser.add_argument("script", help="the training script")
     run_parser.add_argument("arguments", nargs=argparse.REMAINDER,
                             help="the script's own arguments")
@@ -250,6 +287,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands.add_parser("version", help="print the versions of hookloop and torch",
                         description="Print the versions of hookloop and torch.")
     args = parser.parse_args(argv)
+    if args.command == "run" and args.groups is not None:
+        from hookloop.parallel.ft_launch import run_groups
+
+        if args.nproc not in (None, 1):
+            parser.error("hookloop run: --groups starts one process per replica group; "
+                         "drop --nproc (groups of several processes are not supported yet)")
+        return run_groups(args.groups, args.script, args.arguments, port=args.port,
+                          heartbeat_timeout_ms=args.heartbeat_timeout_ms, run_dir=args.run_dir,
+                          max_restarts=args.max_restarts, restart_delay=args.restart_delay)
     if args.command == "run":
         nproc = args.nproc
         if nproc is None:

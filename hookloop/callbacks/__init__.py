@@ -18,6 +18,7 @@ from hookloop.callbacks.cuda_speedups import CudaSpeedups
 from hookloop.callbacks.ddp import DDP
 from hookloop.callbacks.detect_anomaly import DetectAnomaly
 from hookloop.callbacks.early_stopping import EarlyStopping
+from hookloop.callbacks.fault_tolerance import FaultTolerance
 from hookloop.callbacks.ema import EMA
 from hookloop.callbacks.fsdp import FSDP
 from hookloop.callbacks.grad_accumulation import GradAccumulation
@@ -42,7 +43,7 @@ __all__: list[str] = []
 __all__ += ["AMP", "EMA", "GradAccumulation", "GradClip", "LRScheduler"]
 __all__ += ["Checkpoint", "EarlyStopping", "Metrics", "TerminateOnNaN"]
 __all__ += ["DetectAnomaly", "ShortRun", "TimeLimit", "Timer"]
-__all__ += ["ActivationCheckpointing", "DDP", "FSDP", "TensorParallel"]
+__all__ += ["ActivationCheckpointing", "DDP", "FSDP", "FaultTolerance", "TensorParallel"]
 __all__ += ["CSVLogger", "ModelSummary", "Profiler", "ProgressBar", "TensorBoard"]
 __all__ += ["Compile", "CudaSpeedups", "MemoryMonitor", "ThroughputMonitor"]
 __all__ += ["MLflowLogger", "WandbLogger"]

@@ -164,8 +164,8 @@ class Checkpoint(Callback, CheckpointAliases):
                     self.files.run_files() if distributed.is_main() else None):
                 raise self.files.earlier_run_error(found)
         elif self.resume is True:
-            files = self.files.rotating() if distributed.is_main() else []
-            path = distributed.broadcast_object(files[-1] if files else None)
+            newest = self.files.resumable(loop.callbacks) if distributed.is_main() else None
+            path = distributed.broadcast_object(newest)
             if path is not None:
                 self._resume_from(loop, path)
             else:

@@ -105,7 +105,29 @@ FACTORIES: dict[str, Callable[[Path], Callback]] = {
     "MLflowLogger": lambda tmp: _mlflow(tmp),
     "WandbLogger": lambda tmp: WandbLogger("contract", dir=tmp / "wandb", mode="disabled",
                                            every_n_steps=2),
+    "FaultTolerance": lambda tmp: _fault_tolerance(tmp),
 }
+_LIGHTHOUSES: list[object] = []  # torchft lighthouses of the FaultTolerance cases, kept alive
+
+
+@pytest.fixture(autouse=True)
+def _stop_lighthouses():
+    yield
+    while _LIGHTHOUSES:
+        _LIGHTHOUSES.pop().shutdown()  # type: ignore[attr-defined]
+
+
+def _fault_tolerance(tmp: Path) -> Callback:
+    """One replica group (the quorum is itself) with a lighthouse in this process."""
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    from hookloop.callbacks import FaultTolerance
+
+    _LIGHTHOUSES.append(server := LighthouseServer(bind="[::]:0", min_replicas=1,
+                                                   join_timeout_ms=100))
+    return FaultTolerance(groups=1, group=0, lighthouse=server.address(),
+                          run_dir=str(tmp / "ft-run"))
 
 
 def _mlflow(tmp: Path) -> MLflowLogger:

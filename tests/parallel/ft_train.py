@@ -1,0 +1,92 @@
+"""One replica group of a fault-tolerant run, or one rank of the plain DDP run it must equal.
+
+    python ft_train.py ft OUT_DIR [--checkpoint] [--step-sleep S]   (HOOKLOOP_FT_* set)
+    torchrun --nproc_per_node=2 ft_train.py ddp OUT_DIR
+
+Writes OUT_DIR/result_<group or rank>.pt: the final weights, the final learning rate and
+(for ft) the ledger. ``--step-sleep`` slows each step, so that a test can kill a group at
+a random moment, inside the all-reduce or between steps.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+from hookloop import Callback, Loop
+from hookloop.callbacks import DDP, Checkpoint, FaultTolerance, LRScheduler
+
+SAMPLES, BATCH = 48, 4  # 2 groups: 6 steps per epoch
+EPOCHS = int(os.environ.get("FT_TEST_EPOCHS", "3"))
+
+
+class _Slow(Callback):
+    """Sleep after the backward (before the step's quorum), and make torchft's all-reduces
+    slow (a sleep before each, as a slow network would): a kill at a random moment lands
+    between steps or inside an all-reduce, where the peer waits for the victim."""
+
+    def __init__(self, seconds: float, ft: FaultTolerance | None) -> None:
+        self.seconds, self.ft = seconds, ft
+
+    def on_fit_start(self, loop: Loop) -> None:
+        if self.ft is None:
+            return
+        manager = self.ft.manager
+        all_reduce = manager.allreduce
+
+        def slow_all_reduce(*args: object, **kwargs: object) -> object:
+            # The test's cue for a kill inside the all-reduce: this group passed the
+            # quorum and its peer waits for its part.
+            print(f"ft_train: entering the all-reduce at step {loop.state.step}", flush=True)
+            time.sleep(self.seconds * 2 / 3)
+            return all_reduce(*args, **kwargs)
+
+        manager.allreduce = slow_all_reduce
+
+    def after_backward(self, loop: Loop) -> None:
+        time.sleep(self.seconds)
+
+
+def main(mode: str, out_dir: str, checkpoint: bool, step_sleep: float) -> None:
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(SAMPLES, 6), torch.randn(SAMPLES, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(inputs, targets), batch_size=BATCH, shuffle=True,
+        generator=torch.Generator().manual_seed(7))
+    schedule = LRScheduler(lambda opt, total: torch.optim.lr_scheduler.LinearLR(
+        opt, start_factor=1.0, end_factor=0.1, total_iters=total))
+    callbacks: list[Callback] = [schedule]
+    ft = None
+    if mode == "ddp":
+        callbacks.insert(0, DDP())
+        index = int(os.environ["RANK"])
+    else:
+        ft = FaultTolerance()
+        index = ft.group
+        callbacks.insert(0, ft)
+        if checkpoint and index == 0:  # disk checkpoints come from one group
+            callbacks.append(Checkpoint(os.path.join(out_dir, "ckpt"), every_n_steps=2,
+                                        resume=True, keep_last=1))
+    if step_sleep:
+        callbacks.append(_Slow(step_sleep, ft))
+    loop = Loop(model, optimizer, data, loss_fn=torch.nn.functional.mse_loss,
+                callbacks=callbacks, device="cpu", sanity_val_batches=0)
+    started = time.time()
+    loop.fit(EPOCHS)
+    result = {"weights": {k: v.clone() for k, v in loop.unwrapped_model.state_dict().items()},
+              "lr": optimizer.param_groups[0]["lr"], "step": loop.state.step,
+              "ledger": ft.ledger if ft else [], "started": started, "ended": time.time(),
+              "goodput": ft.goodput.state_dict() if ft else None}
+    torch.save(result, os.path.join(out_dir, f"result_{index}.pt"))
+
+
+if __name__ == "__main__":
+    arguments = sys.argv[1:]
+    sleep = float(arguments[arguments.index("--step-sleep") + 1]) \
+        if "--step-sleep" in arguments else 0.0
+    main(arguments[0], arguments[1], "--checkpoint" in arguments, sleep)
