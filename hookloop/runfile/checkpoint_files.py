@@ -231,20 +231,6 @@ class CheckpointFiles:
                 found.append(((int(match.group(2)), int(match.group(1))), name))
         return _entries(self.dirpath, [name for _, name in sorted(found)])
 
-    def resumable(self, callbacks: Iterable[object]) -> str | None:
-        """The file ``Checkpoint(resume=True)`` resumes: the newest rotating file; None when
-        there is none, or when a callback's setup restored the whole run (its
-        ``restored_run`` names the source: `FaultTolerance`'s live peer, whose state is newer
-        than any file here; said once)."""
-        for callback in callbacks:
-            source = getattr(callback, "restored_run", None)
-            if isinstance(source, str):
-                print(f"Checkpoint: not resuming from {self.dirpath}: this fit continues the "
-                      f"run restored from {source}.", flush=True)
-                return None
-        files = self.rotating()
-        return files[-1] if files else None
-
     def scored(self) -> list[tuple[float, int, str]]:
         """Top-k files as ``(value, step, path)``, oldest first, read from the names only."""
         if self.monitor is None:

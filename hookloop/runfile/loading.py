@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from hookloop.runfile.shard_files import read_directory
 from hookloop.runfile.sharded import is_distributed_module
 from hookloop.runfile.weights import load_weights
 
-__all__ = ["load_checkpoint", "read_checkpoint"]
+__all__ = ["load_checkpoint", "read_checkpoint", "resumable"]
 
 
 def read_checkpoint(path: str, map_location: Any) -> dict[str, Any]:
@@ -98,3 +99,17 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
             "FSDP(state_dict='full') and load that file into an unsharded model.")
     load_weights(path, model, optimizer, payload, strict=strict)
     return payload
+
+
+def resumable(files: Sequence[str], callbacks: Iterable[object], dirpath: str) -> str | None:
+    """The file ``Checkpoint(resume=True)`` resumes: the newest of ``files``; None when
+    there is none, or when a callback's setup restored the whole run (its ``restored_run``
+    names the source: `FaultTolerance`'s live peer, whose state is newer than any file of
+    ``dirpath``; said once)."""
+    for callback in callbacks:
+        source = getattr(callback, "restored_run", None)
+        if isinstance(source, str):
+            print(f"Checkpoint: not resuming from {dirpath}: this fit continues the run "
+                  f"restored from {source}.", flush=True)
+            return None
+    return files[-1] if files else None
