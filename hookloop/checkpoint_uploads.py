@@ -231,7 +231,8 @@ class CheckpointUploads:
     def _queue(self, saver: Any, source: str, upload: Upload) -> None:
         if upload.name in self.logged or not os.path.exists(source):
             return
-        holder = os.path.join(str(saver.dirpath), f"{_STAGED}{self.run_id}-{upload.name}")
+        entry = f"{_STAGED}{self.run_id}-{upload.name}".replace("/", "_")  # "val/loss"
+        holder = os.path.join(str(saver.dirpath), entry)
         try:
             upload.path = _stage(source, holder, upload)
         except OSError as error:

@@ -125,7 +125,7 @@ class WandbLogger(Tracker):
             (online: once W&B committed the version; offline: once the run is finished),
             and a relaunch uploads none of them again. Until then each upload's file stays
             linked in the checkpoint directory (``.upload-<run id>-<name>/``; offline that
-            keeps the bests a launch replaced on disk until it ends): a relaunch after a
+            keeps the files a launch uploaded on disk until it ends): a relaunch after a
             kill uploads again each one W&B does not hold (offline: not in the note, nor
             in a record the killed launch's file kept), so each is uploaded once.
 
