@@ -192,8 +192,9 @@ class Tracker(Callback):
     every rotating and best file, once complete, in a thread (waited for at fit end, before
     the run is closed), each under a name with its step and monitored value
     (``best-step=00000012-val_loss=0.4321``). A name the tracker run holds already is not
-    uploaded again: a relaunch that saves the same best again uploads nothing. A failed
-    upload is warned once; training goes on.
+    uploaded again: a relaunch that saves the same best again uploads nothing, and uploads
+    each one an earlier launch staged and the tracker does not hold. A failed upload is
+    warned once and retried later; the fit's end line says what was not uploaded.
 
     Args:
         every_n_steps: Step interval of the ``step/*`` values.
@@ -275,13 +276,19 @@ class Tracker(Callback):
         """Where the values go, for messages (a project, a tracking URI)."""
         return self.library
 
-    def _upload_checkpoint(self, upload: Upload) -> None:
-        """Upload the checkpoint ``upload.path`` under ``upload.name`` (in a thread)."""
+    def _upload_checkpoint(self, upload: Upload) -> bool:
+        """Upload the checkpoint ``upload.path`` under ``upload.name`` (in a thread); True
+        when the tracker holds it for sure now, False when once the run is closed."""
         raise NotImplementedError
 
     def _logged_checkpoints(self) -> set[str]:
         """For a continued run: the names of the checkpoints it holds."""
         return set()
+
+    def _holds_checkpoint(self, upload: Upload) -> bool:
+        """For a continued run: whether it holds all of ``upload`` (staged by a launch that
+        ended before the tracker confirmed it)."""
+        return upload.name in self._uploads.logged
 
     # ------------------------------------------------------------------ events
     def setup(self, loop: Loop) -> None:
@@ -394,6 +401,8 @@ class Tracker(Callback):
                     self._sent[tag] = max(self._sent.get(tag, -1), int(step))
                 if self.log_checkpoints is not None:
                     self._uploads.logged |= self._logged_checkpoints()
+            if self.log_checkpoints is not None:
+                self._uploads.resume(self.run_id, self._holds_checkpoint)
         if not self._settings_sent:
             settings = dict(self.hparams) if self.hparams is not None else gather_hparams(loop)
             settings.pop(f"{self.state_key}/run_id", None)  # this run's identity: not a setting

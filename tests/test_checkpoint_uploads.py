@@ -125,3 +125,44 @@ def test_wandb_offline_best_uploads_one_artifact_version_per_new_best(
     assert [json.loads(a["metadata"])["step"] for a in artifacts] == [s for s, _ in bests]
     assert all([entry["path"] for entry in a["manifest"]["contents"]] == ["best.pt"]
                for a in artifacts)
+
+
+def test_mlflow_failed_uploads_are_retried_and_the_unsent_named_at_fit_end(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    copy, calls = MlflowClient.log_artifact, []
+
+    def flaky(self, run_id, local_path, artifact_path=None):  # the first two tries fail
+        calls.append(artifact_path)
+        if len(calls) <= 2:
+            raise ConnectionError("store unreachable")
+        return copy(self, run_id, local_path, artifact_path)
+
+    monkeypatch.setattr(MlflowClient, "log_artifact", flaky)
+    uri = "file://" + str(tmp_path / "mlruns")
+    tracker = MLflowLogger("e", tracking_uri=uri, log_checkpoints="best")
+    with pytest.warns(RuntimeWarning, match="tried again later"):
+        loop = fit([tracker, Checkpoint(tmp_path / "ckpt", monitor="val_loss")])
+    folders = [entry.path for entry in MlflowClient(uri).list_artifacts(tracker.run_id,
+                                                                        "checkpoints")]
+    assert folders == sorted(f"checkpoints/best-step={step:08d}-val_loss={value:.6g}"
+                             for step, value in new_bests(loop))
+    assert "did not upload" not in capsys.readouterr().out
+    assert [name for name in os.listdir(tmp_path / "ckpt") if name.startswith(".")] == []
+
+    def down(self, run_id, local_path, artifact_path=None):
+        raise ConnectionError("store unreachable")
+
+    monkeypatch.setattr(MlflowClient, "log_artifact", down)
+    tracker = MLflowLogger("e", tracking_uri=uri, log_checkpoints="best")
+    with pytest.warns(RuntimeWarning):
+        loop = fit([tracker, Checkpoint(tmp_path / "ckpt2", monitor="val_loss")])
+    names = [f"best-step={step:08d}-val_loss={value:.6g}" for step, value in new_bests(loop)]
+    out = capsys.readouterr().out
+    assert f"did not upload {len(names)} checkpoint(s) ({', '.join(names)})" in out
+    assert "ConnectionError: store unreachable" in out
+    assert sorted(os.listdir(tmp_path / "ckpt2" / f".upload-{tracker.run_id}-{names[0]}")) == \
+        ["best.pt", "upload.json"]  # kept for the relaunch

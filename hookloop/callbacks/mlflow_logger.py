@@ -75,7 +75,8 @@ class MLflowLogger(Tracker):
             default): each uploaded as the run's artifact
             ``checkpoints/<name>/<file>``, the name saying its step and monitored value
             (``checkpoints/best-step=00000012-val_loss=0.4321/best.pt``). A relaunch
-            lists the run's artifacts and uploads none twice.
+            lists the run's artifacts and uploads none twice; an upload a kill interrupted
+            (its files not all there with their full sizes) is uploaded again.
 
     Example:
         >>> logger = MLflowLogger("my-experiment", tracking_uri="sqlite:///mlflow.db")
@@ -169,12 +170,36 @@ class MLflowLogger(Tracker):
         return {entry.path.rsplit("/", 1)[-1]
                 for entry in self._client.list_artifacts(self.run_id, _CHECKPOINTS)}
 
-    def _upload_checkpoint(self, upload: Upload) -> None:
+    def _upload_checkpoint(self, upload: Upload) -> bool:
         where = f"{_CHECKPOINTS}/{upload.name}"
         if os.path.isdir(upload.path):
             self._client.log_artifacts(self.run_id, upload.path, f"{where}/{upload.file}")
         else:
             self._client.log_artifact(self.run_id, upload.path, where)
+        return True  # returned: MLflow holds all of it
+
+    def _holds_checkpoint(self, upload: Upload) -> bool:
+        # A launch killed in the middle of a copy leaves a part of it in the store: held only
+        # when every file is there with its full size.
+        local: dict[str, int] = {}
+        base = os.path.dirname(upload.path)
+        for folder, _, files in os.walk(base):
+            for file in files:
+                path = os.path.join(folder, file)
+                local[os.path.relpath(path, base).replace(os.sep, "/")] = os.path.getsize(path)
+        local.pop("upload.json", None)  # the staged entry's record, not uploaded
+        return self._artifact_sizes(f"{_CHECKPOINTS}/{upload.name}") == local
+
+    def _artifact_sizes(self, folder: str) -> dict[str, int]:
+        """Every file under the run's artifact ``folder``, by its path below it: its size."""
+        sizes, todo = {}, [folder]
+        while todo:
+            for entry in self._client.list_artifacts(self.run_id, todo.pop()):
+                if entry.is_dir:
+                    todo.append(entry.path)
+                else:
+                    sizes[entry.path[len(folder) + 1:]] = entry.file_size
+        return sizes
 
     def _send_settings(self, settings: dict[str, Any]) -> None:
         param = self._entities.Param

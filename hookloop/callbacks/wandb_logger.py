@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
+import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +24,36 @@ __all__ = ["WandbLogger"]
 STEP_METRIC = "global_step"
 #: W&B exit codes at fit end, by outcome (a suspended launch is marked preempting first).
 _EXIT_CODE = {"finished": 0, "failed": 1, "killed": 130, "suspended": 75}
+#: W&B's offline file: a 7-byte header, then records in 32 KiB blocks, each piece after a
+#: 7-byte header (checksum, length, kind: 1 whole, 2 first, 3 middle, 4 last).
+_BLOCK, _HEADER = 32768, 7
+
+
+def _artifact_aliases(path: str) -> set[str]:
+    """The aliases of the artifact records in the W&B offline file ``path`` (a killed
+    launch's file ends after its last complete block: what is there is whole)."""
+    from wandb.proto import wandb_internal_pb2
+
+    aliases: set[str] = set()
+    with open(path, "rb") as handle:
+        block, offset, record = handle.read(_BLOCK), _HEADER, b""
+        while block:
+            if offset + _HEADER > len(block):
+                block, offset = handle.read(_BLOCK), 0
+                continue
+            length, kind = struct.unpack_from("<HB", block, offset + 4)
+            piece = block[offset + _HEADER:offset + _HEADER + length]
+            offset += _HEADER + length
+            if kind == 0 or len(piece) < length:  # padding, or a piece a kill cut
+                block, offset = handle.read(_BLOCK), 0
+                continue
+            record = piece if kind in (1, 2) else record + piece
+            if kind in (1, 4):
+                parsed = wandb_internal_pb2.Record()
+                parsed.ParseFromString(record)
+                if parsed.WhichOneof("record_type") == "artifact":
+                    aliases.update(parsed.artifact.aliases)
+    return aliases
 
 
 def _check_tags(tags: Any) -> list[str] | None:
@@ -91,11 +123,11 @@ class WandbLogger(Tracker):
             ``best`` on each new best. W&B's folder keeps a note
             (``hookloop-checkpoints-<run id>.json``) of the uploads W&B holds for sure
             (online: once W&B committed the version; offline: once the run is finished),
-            and a relaunch uploads none of them again. Offline, a killed launch's file
-            loses the records of its last block, its uploads' among them: the relaunch
-            uploads the current best again (once), but earlier bests whose file was
-            replaced before the kill are lost, and a record a written block kept can
-            appear twice after ``wandb sync`` (as history rows can).
+            and a relaunch uploads none of them again. Until then each upload's file stays
+            linked in the checkpoint directory (``.upload-<run id>-<name>/``; offline that
+            keeps the files a launch uploaded on disk until it ends): a relaunch after a
+            kill uploads again each one W&B does not hold (offline: not in the note, nor
+            in a record the killed launch's file kept), so each is uploaded once.
 
     Example:
         >>> WandbLogger("my-project", mode="offline")
@@ -192,12 +224,18 @@ class WandbLogger(Tracker):
                             f"hookloop-checkpoints-{self.run_id}.json")
 
     def _logged_checkpoints(self) -> set[str]:
+        names: set[str] = set()
         with contextlib.suppress(OSError, ValueError, TypeError):
             with open(self._checkpoints_file(), encoding="utf-8") as handle:
-                return {str(name) for name in json.load(handle)}
-        return set()
+                names = {str(name) for name in json.load(handle)}
+        if self._run.settings._offline:  # what a killed launch's file kept
+            for path in glob.glob(os.path.join(glob.escape(self._run.settings.wandb_dir),
+                                               f"*-{self.run_id}", f"run-{self.run_id}.wandb")):
+                with contextlib.suppress(Exception):  # an unreadable file: as if empty
+                    names |= _artifact_aliases(path)
+        return names
 
-    def _upload_checkpoint(self, upload: Upload) -> None:
+    def _upload_checkpoint(self, upload: Upload) -> bool:
         artifact = self._wandb.Artifact(f"checkpoints-{self.run_id}", type="model",
                                         description=upload.name, metadata=upload.metadata())
         if os.path.isdir(upload.path):
@@ -207,9 +245,11 @@ class WandbLogger(Tracker):
         aliases = [upload.name, *(["best"] if upload.kind == "best" else [])]
         logged = self._run.log_artifact(artifact, aliases=aliases)
         self._handed.append(upload.name)
-        if not self._run.settings._offline:  # online: noted once W&B committed the version
-            logged.wait()
-            self._note_checkpoints()
+        if self._run.settings._offline:  # held for sure once the run is finished
+            return False
+        logged.wait()  # online: noted once W&B committed the version
+        self._note_checkpoints()
+        return True
 
     def _note_checkpoints(self) -> None:
         """Note the uploads W&B holds for sure (online: committed; offline: once the run is
@@ -238,10 +278,12 @@ class WandbLogger(Tracker):
         path = os.path.join(run.settings.wandb_dir, f"hookloop-closed-{self.run_id}.json")
         disabled = bool(getattr(run, "disabled", False))
         run.finish(exit_code=_EXIT_CODE[outcome])
-        if disabled:  # mode="disabled": nothing was kept anywhere
+        if disabled:  # mode="disabled": nothing was kept anywhere, nor will be
+            self._uploads.confirm()
             return
         self._run = run  # for the note's folder
         self._note_checkpoints()
+        self._uploads.confirm()  # the staged links of offline uploads go
         self._run = None
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w", encoding="utf-8") as handle:  # finished: on disk now

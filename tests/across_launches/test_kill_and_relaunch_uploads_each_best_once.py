@@ -4,8 +4,9 @@ step 7 once the best of step 6 was handed to the tracker, and is relaunched with
 ``Checkpoint(resume=True)``; the relaunch trains steps 5 and 6 again and finds that best
 again. The tracker's own reader (``MlflowClient``; ``wandb leet inspect --json`` over every
 launch's offline file) shows each new best of an uninterrupted run (the oracle: the same
-script, never killed) uploaded once, none twice, in order; W&B offline loses the bests
-whose records the killed launch had not written to its file yet (said where checked)."""
+script, never killed) uploaded once, none twice, in order: also the W&B offline bests whose
+records the killed launch's file lost with its last block, and an MLflow upload the kill
+cut in the middle of its copy ("mlflow-cut": the kill comes from inside the copy)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,20 @@ train = [(torch.randn(4, 3, generator=generator), torch.randn(4, 1, generator=ge
          for _ in range(4)]
 val = [(torch.randn(4, 3, generator=generator), torch.randn(4, 1, generator=generator))]
 model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-if kind == "mlflow":
+if kind == "mlflow-cut":  # the copy of best 6 stops half-way: the process is killed
+    from mlflow.tracking import MlflowClient
+    copy = MlflowClient.log_artifact
+    def cut(self, run_id, local_path, artifact_path=None):
+        if "step=00000006" not in (artifact_path or ""):
+            return copy(self, run_id, local_path, artifact_path)
+        root = self.get_run(run_id).info.artifact_uri.replace("file://", "", 1)
+        target = os.path.join(root, artifact_path, os.path.basename(local_path))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(local_path, "rb") as source, open(target, "wb") as part:
+            part.write(source.read()[:200])
+        os.kill(os.getpid(), signal.SIGKILL)
+    MlflowClient.log_artifact = cut
+if kind.startswith("mlflow"):
     tracker = MLflowLogger("hookloop-test", log_checkpoints="best",
                            tracking_uri="file://" + os.path.join(directory, "mlruns"))
 else:
@@ -74,15 +88,27 @@ def launch(directory: Path, kind: str, kill_at: int = -1) -> int:
     return result.returncode
 
 
-def mlflow_uploads(directory: Path) -> list[str]:
+def mlflow_uploads(directory: Path, load: bool = False) -> list[str]:
+    """The uploads' names; ``load``: each file downloaded and read by hookloop (a partial
+    copy cannot be read), its step the one its name says."""
+    import torch
     from mlflow.tracking import MlflowClient
+
+    import hookloop
 
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient("file://" + str(directory / "mlruns"))
     experiment = client.get_experiment_by_name("hookloop-test")
     (run,) = client.search_runs([experiment.experiment_id])
-    return [entry.path.split("/")[-1]
-            for entry in client.list_artifacts(run.info.run_id, "checkpoints")]
+    names = [entry.path.split("/")[-1]
+             for entry in client.list_artifacts(run.info.run_id, "checkpoints")]
+    for name in names if load else ():
+        (entry,) = client.list_artifacts(run.info.run_id, f"checkpoints/{name}")
+        local = client.download_artifacts(run.info.run_id, entry.path, str(directory / name))
+        model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        payload = hookloop.load_checkpoint(local, model)
+        assert f"step={payload['step']:08d}" in name, (name, payload["step"])
+    return names
 
 
 def wandb_uploads(directory: Path) -> list[str]:
@@ -100,24 +126,25 @@ def wandb_uploads(directory: Path) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["mlflow", "wandb"])
+@pytest.mark.parametrize("kind", ["mlflow", "mlflow-cut", "wandb"])
 def test_each_new_best_is_uploaded_once_across_a_kill_and_relaunch(tmp_path: Path,
                                                                     kind: str) -> None:
-    read = mlflow_uploads if kind == "mlflow" else wandb_uploads
-    assert launch(tmp_path / "reference", kind) == 0
+    read = wandb_uploads if kind == "wandb" else mlflow_uploads
+    assert launch(tmp_path / "reference", kind if kind != "mlflow-cut" else "mlflow") == 0
     expected = read(tmp_path / "reference")
     assert len(expected) >= 3 and "best-step=00000006" in " ".join(expected)
     assert launch(tmp_path / "run", kind, kill_at=7) == -signal.SIGKILL
-    if kind == "mlflow":  # the killed launch's upload is in the store: not uploaded again
-        assert [name for name in expected if "step=00000006" in name][0] in read(tmp_path / "run")
-    assert launch(tmp_path / "run", kind) == 0
+    best_6 = [name for name in expected if "step=00000006" in name][0]
+    if kind.startswith("mlflow"):  # the killed launch's upload is in the store (cut: a part)
+        assert best_6 in read(tmp_path / "run")
+    if kind == "mlflow-cut":
+        with pytest.raises(Exception):
+            read(tmp_path / "run", load=True)  # the oracle tells a partial file
+    assert launch(tmp_path / "run", "mlflow" if kind == "mlflow-cut" else kind) == 0
     uploads = read(tmp_path / "run")
-    assert len(uploads) == len(set(uploads))  # none twice
-    if kind == "mlflow":
-        assert uploads == expected  # in order, each once
-    else:
-        # W&B offline: the killed launch's file lost its last block, and with it the records
-        # of its uploads (bests 2, 4 and 6); none was noted as held, so the relaunch uploads
-        # the best it finds (6) and every later one, once. Bests 2 and 4, whose best.pt was
-        # replaced before the kill, are lost (see WandbLogger's log_checkpoints).
-        assert uploads == [name for name in expected if name >= "best-step=00000006"]
+    # In order, each once: with W&B offline too, where the killed launch's file lost its last
+    # block and the records of bests 2, 4 and 6 with it (their staged links are uploaded again).
+    assert uploads == expected
+    if kind.startswith("mlflow"):
+        read(tmp_path / "run", load=True)  # every file whole
+    assert not [name for name in os.listdir(tmp_path / "run" / "ckpt") if name.startswith(".")]
