@@ -209,7 +209,7 @@ class CheckpointUploads:
                 holds = upload is None or held(upload)
             except Exception:  # noqa: BLE001 - unknown: kept staged for the next launch
                 continue
-            if holds:
+            if holds or upload is None:
                 shutil.rmtree(holder, ignore_errors=True)
             else:
                 self.logged.add(upload.name)

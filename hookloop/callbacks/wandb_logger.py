@@ -49,7 +49,7 @@ def _artifact_aliases(path: str) -> set[str]:
                 continue
             record = piece if kind in (1, 2) else record + piece
             if kind in (1, 4):
-                parsed = wandb_internal_pb2.Record()
+                parsed = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
                 parsed.ParseFromString(record)
                 if parsed.WhichOneof("record_type") == "artifact":
                     aliases.update(parsed.artifact.aliases)
