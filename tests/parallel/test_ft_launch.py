@@ -27,7 +27,9 @@ def test_hookloop_run_groups_restarts_a_killed_group_and_the_run_finishes(
     pytest.importorskip("torchft")
     from test_fault_tolerance_processes import _check_every_sample_once
 
-    epochs = 6
+    # 72 steps, the kill after about 8: the survivor trains on for longer than the victim's
+    # restart takes on a loaded machine (at 6 epochs it once finished the run alone first).
+    epochs = 12
     env = dict(subprocess_env(), FT_TEST_EPOCHS=str(epochs))
     output = tmp_path / "launch.log"
     with open(output, "w") as log:
