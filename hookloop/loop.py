@@ -158,11 +158,10 @@ class Loop(Geometry, Status):
         self._end = run_end.RunEnd(self.state, self._position, lambda: self.total_steps)
         self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
         # The run's parts, registered once: each writes, checks and reads its own keys.
-        self._weights = Weights(lambda: self.unwrapped_model, lambda: self.optimizer)
+        self._weights = Weights(lambda: self.model, lambda: self.optimizer)
         self._ranks = RankPart(self._position, lambda: self.device)  # gathered at a save
         self._parts: tuple[RunPart, ...] = (
-            self._weights, PositionPart(self._position, lambda: self.train_data,
-                                        lambda: self.batches_per_epoch),
+            self._weights, PositionPart(self._position, lambda: self.train_data, self._phases),
             LoopStatePart(self.state, lambda: self._position.public), self._end,
             ExtraStates(self.extra_state, self._weights),
             CallbackStates(lambda: self.callbacks, self._weights), self._ranks)

@@ -227,8 +227,9 @@ class Checkpoint(Callback, CheckpointAliases):
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """The best value so far and the kept top-k entries."""
-        return {"best": self.best,
-                "top_k": self._ranking.state_dict() if self._ranking is not None else []}
+        ranking = self._ranking
+        return {"best": None if ranking is None else ranking.best_value,  # `best`
+                "top_k": [] if ranking is None else ranking.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict`, then make it agree with the files on disk."""

@@ -35,7 +35,6 @@ from hookloop.runfile.format import (
     KIND,
     LOOP,
     META,
-    MODEL,
     MONITOR,
     RESUME,
     STEP,
@@ -451,13 +450,6 @@ class CheckpointFiles:
         write_atomic(payload, path)
         return path
 
-    def _kind_of(self, payload: dict[str, Any], shards: bool | None = None) -> bool:
-        """The names given from now on: ``.dcp`` while the payloads hold shards (``shards``,
-        when the caller has looked already); returns whether this one does."""
-        shards = contains_shards(payload) if shards is None else shards
-        self._suffix = _DIRECTORY if shards else _FILE
-        return shards
-
     def write_resume(self, run: dict[str, Any], epoch: int, step: int,
                      metrics: dict[str, float], *, group: Any = None,
                      shards: bool | None = None) -> str | None:
@@ -465,7 +457,8 @@ class CheckpointFiles:
         every rank calls it (see `write`). Its duration is kept as `last_save` (`TimeLimit`
         keeps time for the final save through `Checkpoint.last_save_seconds`)."""
         started = time.monotonic()
-        shards = self._kind_of(run, shards)
+        shards = contains_shards(run) if shards is None else shards  # known to the caller
+        self._suffix = _DIRECTORY if shards else _FILE  # the names from now on
         payload = resume_payload(run, epoch, step, metrics)
         path = self.write(payload, self.rotating_name(epoch, step), group=group, shards=shards)
         self.last_save = time.monotonic() - started
@@ -476,7 +469,8 @@ class CheckpointFiles:
         """Write validated ``weights`` scoring ``value`` under ``name`` (None: ``best.pt``);
         return the name used (``.dcp`` for shards), or None for ``best.pt``. Every rank
         calls it (see `write`)."""
-        shards = self._kind_of({MODEL: weights})
+        shards = contains_shards(weights)
+        self._suffix = _DIRECTORY if shards else _FILE
         payload = best_payload(weights, self.monitor, value, epoch, step, metrics)
         name = None if name is None else _suffixed(name, self._suffix)
         self.write(payload, name or f"{self.prefix}best{self._suffix}", shards=shards)
