@@ -38,7 +38,7 @@ from hookloop.engine.stateful import CallbackStates, ExtraStates, as_mapping, ch
 from hookloop.engine.stepper import OptimizerStep
 from hookloop.engine.untouched import untouched
 from hookloop.errors import ConfigurationError
-from hookloop.runfile.format import RANKS, RunPart, merged
+from hookloop.runfile.format import RunPart, merged
 from hookloop.runfile.weights import Weights
 
 
@@ -388,7 +388,7 @@ class Loop(Geometry, Status):
         """
         self._weights.layout(gather)  # decided once a save: whether its states are shards
         return merged([*(part.state_dict() for part in self._parts if part is not self._ranks),
-                       {RANKS: self._ranks.gathered(gather)}])
+                       self._ranks.gathered(gather)])
 
     def load_state_dict(self, state: Mapping[str, Any], *, source: str | None = None) -> None:
         """Continue the run of `state_dict` at the next ``fit`` (or ``validate``).

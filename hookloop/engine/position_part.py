@@ -19,9 +19,8 @@ from hookloop.base.phase import Phases
 from hookloop.engine.position import Position
 from hookloop.engine.resumable import reshard_problem, saved_rng
 from hookloop.engine.rng import RNG_NUMPY, RNG_PYTHON, host_rng, rng_state_problem
-from hookloop.errors import CheckpointError
-from hookloop.runfile.format import (EPOCH, LOOP, RANKS, STEP, WORLD_SIZE, expect_field,
-                                     expect_int, register_check)
+from hookloop.errors import CheckpointError, expect_field, expect_int
+from hookloop.runfile.format import EPOCH, LOOP, RANKS, STEP, WORLD_SIZE, register_check
 
 __all__ = ["KEYS", "PositionPart", "RankPart"]
 
@@ -181,15 +180,15 @@ class RankPart:
     def __init__(self, position: Position, device: Callable[[], torch.device]) -> None:
         self.position, self.device = position, device
 
-    def gathered(self, gather: bool) -> list[dict[str, Any]]:
-        """Every rank's part (a collective), or this rank's only (``gather=False``, the
-        exception path: the other ranks' sums are unknown, the resumed epoch recounts)."""
+    def gathered(self, gather: bool) -> dict[str, list[dict[str, Any]]]:
+        """``ranks``: every rank's part (a collective), or this rank's only (``gather=False``,
+        the exception path: the other ranks' sums are unknown, the resumed epoch recounts)."""
         own = self.state_dict()
         if gather:
-            return distributed.all_gather_object(own)
+            return {RANKS: distributed.all_gather_object(own)}
         if distributed.world_size() > 1:
             own.update({TRAIN_LOSS_SUM: None, TRAIN_SAMPLES: 0})
-        return [own]
+        return {RANKS: [own]}
 
     def state_dict(self) -> dict[str, Any]:
         """Tensors and plain values only: Python's and NumPy's generators where known."""

@@ -25,50 +25,33 @@ import torch
 from hookloop import distributed
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.runfile.directory_lock import DirectoryLock
-from hookloop.runfile.loading import read_checkpoint
 from hookloop.runfile.ranking import FILE
 from hookloop.runfile.retirement import RETIRED_PREFIX, Retirement
-from hookloop.runfile.format import (
-    EPOCH,
-    FORMAT,
-    FORMAT_FIELD,
-    KIND,
-    LOOP,
-    META,
-    MONITOR,
-    RESUME,
-    STEP,
-    VALUE,
-    VERSION,
-    best_payload,
-    file_meta,
-    find_unplain,
-    resume_payload,
-)
-from hookloop.runfile.shard_files import (
-    clean_temporary,
-    contains_shards,
-    link_directory,
-    remove_entry,
-    write_directory,
-)
-from hookloop.runfile.storage import (
-    checkpoint_directories,
-    is_temporary,
-    link_atomic,
-    prepare_directory,
-    regular_checkpoint_files,
-    write_atomic,
-)
+from hookloop.runfile.format import (EPOCH, FORMAT, FORMAT_FIELD, KIND, LOOP, META, MONITOR,
+                                     RESUME, STEP, VALUE, VERSION, best_payload, file_meta,
+                                     find_unplain, read_payload, resume_payload)
+from hookloop.runfile.shard_files import (clean_temporary, contains_shards, link_directory,
+                                          read_directory, remove_entry, write_directory)
+from hookloop.runfile.storage import (checkpoint_directories, is_temporary, link_atomic,
+                                      prepare_directory, regular_checkpoint_files, write_atomic)
 
 if TYPE_CHECKING:
     from hookloop.runfile.ranking import TopK  # noqa: F811 - the type, beside FILE
 
-# file_meta and read_checkpoint are run_file's and loading's, named here as before.
+# file_meta is run_file's, named here as before.
 __all__ = ["CheckpointFiles", "RETIRED_PREFIX", "file_meta", "read_checkpoint"]
 
 _FILE, _DIRECTORY = ".pt", ".dcp"
 _SUFFIX = r"\.(?:pt|dcp)"
+
+
+def read_checkpoint(path: str, map_location: Any) -> dict[str, Any]:
+    """A checkpoint file (`hookloop.runfile.format.read_payload`) or directory of shards
+    (`hookloop.runfile.shard_files.read_directory`: its tensors are read when the run is
+    restored): what a resume, a rollback and the ranking's recovery read."""
+    if os.path.isdir(path):
+        return read_directory(path, map_location)
+    return read_payload(path, map_location)
 
 
 def _entries(dirpath: str, names: list[str]) -> list[str]:

@@ -1,5 +1,5 @@
-"""Reading a checkpoint, a file or a directory of shards: `load_checkpoint` for users,
-`read_checkpoint` for the `Checkpoint` callback's resume."""
+"""Reading a checkpoint, a file or a directory of shards, for users: `load_checkpoint` (with
+`hookloop.runfile.checkpoint_files.read_checkpoint`, the `Checkpoint` callback's reader)."""
 
 from __future__ import annotations
 
@@ -11,21 +11,12 @@ from torch import nn
 
 from hookloop.base.modules import unwrap
 from hookloop.errors import CheckpointError, ConfigurationError
-from hookloop.runfile.format import OPTIMIZER, SHARDS, read_payload
-from hookloop.runfile.shard_files import read_directory
+from hookloop.runfile.checkpoint_files import read_checkpoint
+from hookloop.runfile.format import OPTIMIZER, SHARDS
 from hookloop.runfile.sharded import is_distributed_module
 from hookloop.runfile.weights import load_weights
 
 __all__ = ["load_checkpoint", "read_checkpoint"]
-
-
-def read_checkpoint(path: str, map_location: Any) -> dict[str, Any]:
-    """A checkpoint file (`hookloop.runfile.format.read_payload`) or directory of shards
-    (`hookloop.runfile.shard_files.read_directory`: its tensors are read when the run is restored).
-    """
-    if os.path.isdir(path):
-        return read_directory(path, map_location)
-    return read_payload(path, map_location)
 
 
 def _default_location(model: nn.Module) -> torch.device:

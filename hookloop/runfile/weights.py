@@ -14,9 +14,9 @@ from torch import nn
 
 from hookloop import distributed
 from hookloop.base.modules import unwrap
-from hookloop.errors import CheckpointError, with_article
+from hookloop.errors import CheckpointError, expect_field, with_article
 from hookloop.runfile.format import (LOOP, MODEL, OPTIMIZER, PARAM_GROUPS, PARAMS, SHARDS,
-                                     expect_field, register_check)
+                                     register_check)
 from hookloop.runfile.sharded import (
     is_distributed_module,
     is_sharded_tensor,
