@@ -4,6 +4,9 @@ every message naming a type or class uses."""
 from __future__ import annotations
 
 import re
+from typing import Any
+
+import torch
 
 from hookloop.base.os_errors import write_failure
 
@@ -181,3 +184,44 @@ class HookloopDeprecationWarning(DeprecationWarning, FutureWarning):
     with ``warnings.filterwarnings("ignore", category=HookloopDeprecationWarning)``, or turn
     it into an error in a test suite with ``"error"``.
     """
+
+
+# ----------------------------------------- a checkpoint's field of the wrong type (internal)
+def _type_name(value: Any) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if not isinstance(value, torch.Tensor) else f"of shape {tuple(value.shape)}"
+    return f"({text[:60]}{'...' if len(text) > 60 else ''})"
+
+
+def expect_field(path: str, field: str, value: Any, ok: bool, expected: str) -> None:
+    """Raise `CheckpointError` naming ``path`` and ``field`` unless ``ok``: the one message
+    form for a field of the wrong type in a checkpoint file.
+
+    Example:
+        >>> expect_field("x.pt", "loop.step", "3", False, "an int >= 0")
+        Traceback (most recent call last):
+        ...
+        hookloop.errors.CheckpointError: x.pt: the checkpoint's field 'loop.step' is str ('3'), expected an int >= 0. The file was not written by this version of hookloop or was edited; resume from another file.
+    """
+    if not ok:
+        raise CheckpointError(
+            f"{path}: the checkpoint's field {field!r} is {_type_name(value)} "
+            f"{_short(value)}, expected {expected}. The file was not written by this version "
+            "of hookloop or was edited; resume from another file.")
+
+
+def expect_int(path: str, where: str, value: Any, minimum: int | None = 0, *,
+               optional: bool = False) -> None:
+    """`expect_field` for an int (>= ``minimum`` unless None; None too if ``optional``)."""
+    if optional and value is None:
+        return
+    expected = "an int" if minimum is None else f"an int >= {minimum}"
+    expect_field(path, where, value, is_int(value) and (minimum is None or value >= minimum),
+                 expected + (" or None" if optional else ""))

@@ -38,7 +38,7 @@ from hookloop.engine.stateful import CallbackStates, ExtraStates, as_mapping, ch
 from hookloop.engine.stepper import OptimizerStep
 from hookloop.engine.untouched import untouched
 from hookloop.errors import ConfigurationError
-from hookloop.runfile.format import RANKS, RunPart, merged
+from hookloop.runfile.format import RunPart, merged
 from hookloop.runfile.weights import Weights
 
 
@@ -158,11 +158,10 @@ class Loop(Geometry, Status):
         self._end = run_end.RunEnd(self.state, self._position, lambda: self.total_steps)
         self._restore: tuple[Mapping[str, Any], str] | None = None  # applied at the next setup
         # The run's parts, registered once: each writes, checks and reads its own keys.
-        self._weights = Weights(lambda: self.unwrapped_model, lambda: self.optimizer)
+        self._weights = Weights(lambda: self.model, lambda: self.optimizer)
         self._ranks = RankPart(self._position, lambda: self.device)  # gathered at a save
         self._parts: tuple[RunPart, ...] = (
-            self._weights, PositionPart(self._position, lambda: self.train_data,
-                                        lambda: self.batches_per_epoch),
+            self._weights, PositionPart(self._position, lambda: self.train_data, self._phases),
             LoopStatePart(self.state, lambda: self._position.public), self._end,
             ExtraStates(self.extra_state, self._weights),
             CallbackStates(lambda: self.callbacks, self._weights), self._ranks)
@@ -389,7 +388,7 @@ class Loop(Geometry, Status):
         """
         self._weights.layout(gather)  # decided once a save: whether its states are shards
         return merged([*(part.state_dict() for part in self._parts if part is not self._ranks),
-                       {RANKS: self._ranks.gathered(gather)}])
+                       self._ranks.gathered(gather)])
 
     def load_state_dict(self, state: Mapping[str, Any], *, source: str | None = None) -> None:
         """Continue the run of `state_dict` at the next ``fit`` (or ``validate``).

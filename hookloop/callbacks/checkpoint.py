@@ -21,7 +21,7 @@ from hookloop.base.checks import (check_choice, check_name, check_number, check_
 from hookloop.base.deprecation import CheckpointAliases
 from hookloop.monitor import MODES, Monitor
 from hookloop.runfile.background_save import RotatingWrites
-from hookloop.runfile.loading import resumable
+from hookloop.runfile.checkpoint_files import resumable
 from hookloop.runfile.ranking import TopK, check_ranking_options
 from hookloop.runfile.weights import finite_model_state, non_finite_weights_advice, run_is_finite
 
@@ -228,8 +228,9 @@ class Checkpoint(Callback, CheckpointAliases):
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """The best value so far and the kept top-k entries."""
-        return {"best": self.best,
-                "top_k": self._ranking.state_dict() if self._ranking is not None else []}
+        ranking = self._ranking
+        return {"best": None if ranking is None else ranking.best_value,  # `best`
+                "top_k": [] if ranking is None else ranking.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict`, then make it agree with the files on disk."""

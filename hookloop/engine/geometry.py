@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from hookloop.base.modules import unwrap
-from hookloop.engine.data import length_of
 
 if TYPE_CHECKING:
     from hookloop.base.phase import Phases
@@ -64,10 +63,7 @@ class Geometry:
     def batches_per_epoch(self) -> int | None:
         """``len(train_data)``, or None for data without a length; inside a fit, the length
         of the data the fit trains on (the same value from setup's end to ``on_fit_end``)."""
-        position = self._position
-        if position.attached and self._phases.current.fitting:
-            return position.batches
-        return length_of(self.train_data)
+        return self._position.batches_of(self.train_data, self._phases.current.fitting)
 
     @property
     def steps_per_epoch(self) -> int | None:

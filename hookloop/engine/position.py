@@ -157,6 +157,11 @@ class Position:
         self.drawn_ahead: int | None = None
         self._ahead = 0  # ... for the data attached now
 
+    def batches_of(self, data: Any, fitting: bool) -> int | None:
+        """``len(data)`` (None: it has none); inside a fit (``fitting``, once `attach`ed), the
+        length of the data the fit trains on: `Geometry`'s and the file's epoch length."""
+        return self.batches if self.attached and fitting else length_of(data)
+
     @property
     def public(self) -> RunPosition:
         return RunPosition(self.epoch, self.batches_done, self.step)

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from hookloop import distributed
+from hookloop.base.phase import Phases
 from hookloop.engine.position import Position
 from hookloop.engine.resumable import reshard_problem, saved_rng
 from hookloop.engine.rng import RNG_NUMPY, RNG_PYTHON, host_rng, rng_state_problem
-from hookloop.errors import CheckpointError
-from hookloop.runfile.format import (EPOCH, LOOP, RANKS, STEP, WORLD_SIZE, expect_field,
-                                     expect_int, register_check)
+from hookloop.errors import CheckpointError, expect_field, expect_int
+from hookloop.runfile.format import EPOCH, LOOP, RANKS, STEP, WORLD_SIZE, register_check
 
 __all__ = ["KEYS", "PositionPart", "RankPart"]
 
@@ -45,12 +45,15 @@ SHARED_WORDS = frozenset((BATCH_IDX,))
 
 class PositionPart:
     """``loop``'s position: epoch, batches done, step, the samples and order behind them,
-    the world size and the epoch's length. ``data()`` and ``batches()`` are the loop's
-    training data and ``len()`` of it now (DDP rebuilds the data at setup)."""
+    the world size and the epoch's length. ``data()`` is the loop's training data now (DDP
+    rebuilds it at setup); ``phases`` the loop's (the length inside a fit is the fit's)."""
 
-    def __init__(self, position: Position, data: Callable[[], Any],
-                 batches: Callable[[], int | None]) -> None:
-        self.position, self.data, self.batches = position, data, batches
+    def __init__(self, position: Position, data: Callable[[], Any], phases: Phases) -> None:
+        self.position, self.data, self.phases = position, data, phases
+
+    def batches(self) -> int | None:
+        """``loop.batches_per_epoch``."""
+        return self.position.batches_of(self.data(), self.phases.current.fitting)
 
     def state_dict(self) -> dict[str, Any]:
         position = self.position
@@ -177,15 +180,15 @@ class RankPart:
     def __init__(self, position: Position, device: Callable[[], torch.device]) -> None:
         self.position, self.device = position, device
 
-    def gathered(self, gather: bool) -> list[dict[str, Any]]:
-        """Every rank's part (a collective), or this rank's only (``gather=False``, the
-        exception path: the other ranks' sums are unknown, the resumed epoch recounts)."""
+    def gathered(self, gather: bool) -> dict[str, list[dict[str, Any]]]:
+        """``ranks``: every rank's part (a collective), or this rank's only (``gather=False``,
+        the exception path: the other ranks' sums are unknown, the resumed epoch recounts)."""
         own = self.state_dict()
         if gather:
-            return distributed.all_gather_object(own)
+            return {RANKS: distributed.all_gather_object(own)}
         if distributed.world_size() > 1:
             own.update({TRAIN_LOSS_SUM: None, TRAIN_SAMPLES: 0})
-        return [own]
+        return {RANKS: [own]}
 
     def state_dict(self) -> dict[str, Any]:
         """Tensors and plain values only: Python's and NumPy's generators where known."""
@@ -196,8 +199,15 @@ class RankPart:
             TRAIN_SAMPLES: position.samples}
         rng = position.rng
         if rng is not None:
-            if RNG_PYTHON not in rng:
-                _add_host_rng(position, rng)
+            # Python's and NumPy's generators where known: now, when nothing drew since the
+            # boundary; at an epoch's start (the epoch began right after the position);
+            # else left out (the replay draws them again).
+            if RNG_PYTHON not in rng and position.host_now:
+                rng.update(host_rng())
+            elif RNG_PYTHON not in rng and not position.batches_done and \
+                    position.epoch_rng is not None:
+                rng.update({key: position.epoch_rng[key] for key in (RNG_PYTHON, RNG_NUMPY)
+                            if key in position.epoch_rng})
             own[RNG] = rng
             if position.batches_done:
                 own.update(_inside_epoch(position, rng))
@@ -272,17 +282,6 @@ def _inside_epoch(position: Position, rng: dict[str, Any]) -> dict[str, Any]:
     if position.drawn_ahead is not None:
         own[DRAWN_AHEAD] = position.drawn_ahead
     return own
-
-
-def _add_host_rng(position: Position, rng: dict[str, Any]) -> None:
-    """Python's and NumPy's generators into the position's snapshot, where they are known:
-    now, when nothing drew since the boundary; at an epoch's start (the epoch began right
-    after the position); else left out (the replay draws them again)."""
-    epoch_rng = position.epoch_rng
-    if position.host_now:
-        rng.update(host_rng())
-    elif not position.batches_done and epoch_rng is not None:
-        rng.update({key: epoch_rng[key] for key in (RNG_PYTHON, RNG_NUMPY) if key in epoch_rng})
 
 
 register_check(PositionPart.check_file)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import random
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -38,11 +37,6 @@ from torch.utils.data.distributed import DistributedSampler
 from hookloop.base.compat import loader_view, seed_worker_as
 from hookloop.engine.rng import RNG_GENERATORS, RNG_NUMPY, RNG_PYTHON, RNG_TORCH, restore_rng
 from hookloop.engine.worker_rng import SAME, StateReads, resolved
-
-try:  # numpy is optional
-    import numpy as _numpy
-except ImportError:  # pragma: no cover - numpy ships with most torch installs
-    _numpy = None  # type: ignore[assignment]
 
 __all__ = ["data_source", "stateful_part", "SkipBatches", "WorkerStamp", "ResumedWorkers",
            "StampedBatches", "sampler_batches", "prefetched_batches"]
@@ -149,7 +143,7 @@ _END = object()
 
 class WorkerStamp:
     """A worker-side ``collate_fn``: the batch, and the worker's generator states right after
-    it was made (torch's, Python's and NumPy's, as `raw_rng` gives them; Python's and NumPy's
+    it was made (torch's as bytes, Python's and NumPy's as tuples; Python's and NumPy's
     are `hookloop.engine.worker_rng.SAME` when they did not move since the worker's previous
     batch, `hookloop.engine.worker_rng.StateReads`).
 
@@ -172,16 +166,9 @@ class WorkerStamp:
         self.collate, self._reads = state["collate"], StateReads()
 
 
-def raw_rng() -> tuple[Any, ...]:
-    """This process's generator states as plain bytes and tuples: cheap to send through a
-    worker's queue (a tensor would go through shared memory); `saved_rng` makes them what a
-    checkpoint holds, when one is written."""
-    numpy_state = _numpy.random.get_state() if _numpy is not None else None
-    return torch.default_generator.get_state().numpy().tobytes(), random.getstate(), numpy_state
-
-
 def saved_rng(state: Any) -> dict[str, Any] | None:
-    """A `raw_rng` state as `hookloop.engine.rng.capture_rng` gives it (a saved one as it is)."""
+    """A worker's stamped state (`WorkerStamp`) as `hookloop.engine.rng.capture_rng` gives it
+    (a saved one as it is)."""
     if state is None or isinstance(state, dict):
         return state
     torch_bytes, (version, words, gauss), numpy_state = state

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from hookloop.errors import is_int
+
 #: The keys of a generators' state (`capture_rng`): this module writes, checks and reads them.
 RNG_TORCH, RNG_GENERATORS, RNG_CUDA = "torch", "generators", "cuda"
 RNG_PYTHON, RNG_NUMPY = "python", "numpy"
@@ -97,10 +99,6 @@ def restore_host_rng(state: Mapping[str, Any]) -> None:
         _numpy.random.set_state((kind, keys.numpy().astype("uint32"), position, has_gauss, cached))
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_byte_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype == torch.uint8
 
@@ -112,8 +110,8 @@ def _host_rng_problem(state: Mapping[str, Any]) -> tuple[str, Any, str] | None:
     if RNG_PYTHON in state:
         version, words, gauss = state[RNG_PYTHON]
         for index, value, ok, expected in (
-                (0, version, _is_int(version), "an int (the generator's version)"),
-                (1, words, isinstance(words, list) and all(_is_int(word) for word in words),
+                (0, version, is_int(version), "an int (the generator's version)"),
+                (1, words, isinstance(words, list) and all(is_int(word) for word in words),
                  "a list of ints"),
                 (2, gauss, gauss is None or isinstance(gauss, float), "a float or None")):
             if not ok:
@@ -124,8 +122,8 @@ def _host_rng_problem(state: Mapping[str, Any]) -> tuple[str, Any, str] | None:
                 (0, kind, isinstance(kind, str), "a str"),
                 (1, keys, isinstance(keys, torch.Tensor) and keys.dtype == torch.int64,
                  "an int64 tensor"),
-                (2, position, _is_int(position), "an int"),
-                (3, has_gauss, _is_int(has_gauss), "an int"),
+                (2, position, is_int(position), "an int"),
+                (3, has_gauss, is_int(has_gauss), "an int"),
                 (4, cached, isinstance(cached, float), "a float")):
             if not ok:
                 return f"{RNG_NUMPY}[{index}]", value, expected

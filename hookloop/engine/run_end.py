@@ -12,10 +12,10 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from hookloop import distributed
-from hookloop.errors import ConfigurationError, Suspended, Terminated
+from hookloop.errors import ConfigurationError, Suspended, Terminated, expect_field, expect_int
 from hookloop.parallel import signals
 from hookloop.parallel.suspension import REQUESTED, SIGTERM, STOP, Suspension, Vote, published
-from hookloop.runfile.format import LOOP, expect_field, expect_int, register_check
+from hookloop.runfile.format import LOOP, register_check
 
 if TYPE_CHECKING:
     from hookloop.engine.position import Position

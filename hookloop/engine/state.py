@@ -13,8 +13,8 @@ import torch
 from hookloop.base.deprecation import REMOVED_IN
 from hookloop.engine.data import batch_size_of, move_to_device
 from hookloop.engine.forward import ForwardRule
-from hookloop.errors import CheckpointError, HookloopDeprecationWarning
-from hookloop.runfile.format import EPOCH, LOOP, STEP, expect_field, expect_int, register_check
+from hookloop.errors import CheckpointError, HookloopDeprecationWarning, expect_field, expect_int
+from hookloop.runfile.format import EPOCH, LOOP, STEP, register_check
 
 __all__ = ["LoopState", "LoopStatePart", "current_batch", "learning_rates", "is_learning_rate"]
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from hookloop import distributed
+from hookloop.callback import Callback
 from hookloop.engine.dispatch import annotate
 from hookloop.engine.ordering import overrides
 from hookloop.errors import CheckpointError, ConfigurationError, with_article
@@ -20,9 +21,6 @@ from hookloop.runfile.format import CALLBACKS, SHARDS, STATE, STATE_CLASSES, fin
 from hookloop.runfile.sharded import gather_for_rank_zero
 from hookloop.runfile.weights import Weights, check_optimizer_fits, load_model_weights, \
     load_optimizer_state
-
-if TYPE_CHECKING:
-    from hookloop.callback import Callback
 
 __all__ = ["CallbackStates", "ExtraStates", "as_mapping", "check_callback_states"]
 
@@ -52,7 +50,7 @@ class CallbackStates:
 
     def state_dict(self) -> dict[str, Any]:
         states = {callback.state_key: callback.state_dict() for callback in self.callbacks()
-                  if overrides(callback, "state_dict")}
+                  if type(callback).state_dict is not Callback.state_dict}  # `overrides`, inline
         if self.weights.saving == "full":  # an EMA over shards, gathered as the model
             states = gather_for_rank_zero(states, distributed.rank())
         return {CALLBACKS: states}

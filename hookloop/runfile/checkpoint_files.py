@@ -18,6 +18,7 @@ import re
 import time
 import warnings
 from contextlib import suppress
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,51 +26,33 @@ import torch
 from hookloop import distributed
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.runfile.directory_lock import DirectoryLock
-from hookloop.runfile.loading import read_checkpoint
 from hookloop.runfile.ranking import FILE
 from hookloop.runfile.retirement import RETIRED_PREFIX, Retirement
-from hookloop.runfile.format import (
-    EPOCH,
-    FORMAT,
-    FORMAT_FIELD,
-    KIND,
-    LOOP,
-    META,
-    MODEL,
-    MONITOR,
-    RESUME,
-    STEP,
-    VALUE,
-    VERSION,
-    best_payload,
-    file_meta,
-    find_unplain,
-    resume_payload,
-)
-from hookloop.runfile.shard_files import (
-    clean_temporary,
-    contains_shards,
-    link_directory,
-    remove_entry,
-    write_directory,
-)
-from hookloop.runfile.storage import (
-    checkpoint_directories,
-    is_temporary,
-    link_atomic,
-    prepare_directory,
-    regular_checkpoint_files,
-    write_atomic,
-)
+from hookloop.runfile.format import (EPOCH, FORMAT, FORMAT_FIELD, KIND, LOOP, META, MONITOR,
+                                     RESUME, STEP, VALUE, VERSION, best_payload, file_meta,
+                                     find_unplain, read_payload, resume_payload)
+from hookloop.runfile.shard_files import (clean_temporary, contains_shards, link_directory,
+                                          read_directory, remove_entry, write_directory)
+from hookloop.runfile.storage import (checkpoint_directories, is_temporary, link_atomic,
+                                      prepare_directory, regular_checkpoint_files, write_atomic)
 
 if TYPE_CHECKING:
     from hookloop.runfile.ranking import TopK  # noqa: F811 - the type, beside FILE
 
-# file_meta and read_checkpoint are run_file's and loading's, named here as before.
-__all__ = ["CheckpointFiles", "RETIRED_PREFIX", "file_meta", "read_checkpoint"]
+# file_meta is run_file's, named here as before.
+__all__ = ["CheckpointFiles", "RETIRED_PREFIX", "file_meta", "read_checkpoint", "resumable"]
 
 _FILE, _DIRECTORY = ".pt", ".dcp"
 _SUFFIX = r"\.(?:pt|dcp)"
+
+
+def read_checkpoint(path: str, map_location: Any) -> dict[str, Any]:
+    """A checkpoint file (`hookloop.runfile.format.read_payload`) or directory of shards
+    (`hookloop.runfile.shard_files.read_directory`: its tensors are read when the run is
+    restored): what a resume, a rollback and the ranking's recovery read."""
+    if os.path.isdir(path):
+        return read_directory(path, map_location)
+    return read_payload(path, map_location)
 
 
 def _entries(dirpath: str, names: list[str]) -> list[str]:
@@ -451,13 +434,6 @@ class CheckpointFiles:
         write_atomic(payload, path)
         return path
 
-    def _kind_of(self, payload: dict[str, Any], shards: bool | None = None) -> bool:
-        """The names given from now on: ``.dcp`` while the payloads hold shards (``shards``,
-        when the caller has looked already); returns whether this one does."""
-        shards = contains_shards(payload) if shards is None else shards
-        self._suffix = _DIRECTORY if shards else _FILE
-        return shards
-
     def write_resume(self, run: dict[str, Any], epoch: int, step: int,
                      metrics: dict[str, float], *, group: Any = None,
                      shards: bool | None = None) -> str | None:
@@ -465,7 +441,8 @@ class CheckpointFiles:
         every rank calls it (see `write`). Its duration is kept as `last_save` (`TimeLimit`
         keeps time for the final save through `Checkpoint.last_save_seconds`)."""
         started = time.monotonic()
-        shards = self._kind_of(run, shards)
+        shards = contains_shards(run) if shards is None else shards  # known to the caller
+        self._suffix = _DIRECTORY if shards else _FILE  # the names from now on
         payload = resume_payload(run, epoch, step, metrics)
         path = self.write(payload, self.rotating_name(epoch, step), group=group, shards=shards)
         self.last_save = time.monotonic() - started
@@ -476,7 +453,8 @@ class CheckpointFiles:
         """Write validated ``weights`` scoring ``value`` under ``name`` (None: ``best.pt``);
         return the name used (``.dcp`` for shards), or None for ``best.pt``. Every rank
         calls it (see `write`)."""
-        shards = self._kind_of({MODEL: weights})
+        shards = contains_shards(weights)
+        self._suffix = _DIRECTORY if shards else _FILE
         payload = best_payload(weights, self.monitor, value, epoch, step, metrics)
         name = None if name is None else _suffixed(name, self._suffix)
         self.write(payload, name or f"{self.prefix}best{self._suffix}", shards=shards)
@@ -629,3 +607,17 @@ class CheckpointFiles:
             f"Checkpoint: resuming from {os.path.basename(resumed)} (step {step}) abandons "
             f"{len(later)} later file(s) of this run; moved to {target} (nothing "
             "deleted), so resume=True continues the new branch.", RuntimeWarning, stacklevel=5)
+
+
+def resumable(files: Sequence[str], callbacks: Iterable[object], dirpath: str) -> str | None:
+    """The file ``Checkpoint(resume=True)`` resumes: the newest of ``files``; None when
+    there is none, or when a callback's setup restored the whole run (its ``restored_run``
+    names the source: `FaultTolerance`'s live peer, whose state is newer than any file of
+    ``dirpath``; said once)."""
+    for callback in callbacks:
+        source = getattr(callback, "restored_run", None)
+        if isinstance(source, str):
+            print(f"Checkpoint: not resuming from {dirpath}: this fit continues the run "
+                  f"restored from {source}.", flush=True)
+            return None
+    return files[-1] if files else None

@@ -39,7 +39,7 @@ import torch
 
 from hookloop import distributed
 from hookloop.base.os_errors import describe_os_error
-from hookloop.errors import CheckpointError, with_article
+from hookloop.errors import CheckpointError, expect_field, expect_int, is_int, with_article
 from hookloop.runfile.storage import verify_archive
 
 __all__ = ["FORMAT", "KEYS", "SHARED_WORDS", "SHARDS", "check_payload", "expect_field",
@@ -163,55 +163,15 @@ def find_unplain(value: Any, where: str) -> str | None:
     return f"{where} is {with_article(f'{type(value).__module__}.{type(value).__qualname__}')}"
 
 
-def _type_name(value: Any) -> str:
-    return "None" if value is None else type(value).__name__
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _short(value: Any) -> str:
-    text = repr(value) if not isinstance(value, torch.Tensor) else f"of shape {tuple(value.shape)}"
-    return f"({text[:60]}{'...' if len(text) > 60 else ''})"
-
-
-def expect_field(path: str, field: str, value: Any, ok: bool, expected: str) -> None:
-    """Raise `CheckpointError` naming ``path`` and ``field`` unless ``ok``: the one message
-    form for a field of the wrong type in a checkpoint file.
-
-    Example:
-        >>> expect_field("x.pt", "loop.step", "3", False, "an int >= 0")
-        Traceback (most recent call last):
-        ...
-        hookloop.errors.CheckpointError: x.pt: the checkpoint's field 'loop.step' is str ('3'), expected an int >= 0. The file was not written by this version of hookloop or was edited; resume from another file.
-    """
-    if not ok:
-        raise CheckpointError(
-            f"{path}: the checkpoint's field {field!r} is {_type_name(value)} "
-            f"{_short(value)}, expected {expected}. The file was not written by this version "
-            "of hookloop or was edited; resume from another file.")
-
-
-def expect_int(path: str, where: str, value: Any, minimum: int | None = 0, *,
-               optional: bool = False) -> None:
-    """`expect_field` for an int (>= ``minimum`` unless None; None too if ``optional``)."""
-    if optional and value is None:
-        return
-    expected = "an int" if minimum is None else f"an int >= {minimum}"
-    expect_field(path, where, value, _is_int(value) and (minimum is None or value >= minimum),
-                 expected + (" or None" if optional else ""))
 
 
 def _check_meta(path: str, payload: Mapping[str, Any]) -> str:
     """``hookloop`` (and the top-level epoch and step); returns the file's kind."""
     meta = payload[META]
     version = meta.get(FORMAT_FIELD)
-    expect_field(path, f"{META}.{FORMAT_FIELD}", version, _is_int(version), "an int")
+    expect_field(path, f"{META}.{FORMAT_FIELD}", version, is_int(version), "an int")
     if version > FORMAT:
         raise CheckpointError(
             f"{path}: written by a newer hookloop (format {version}; this one reads up to "

@@ -1,10 +1,9 @@
-"""Reading a checkpoint, a file or a directory of shards: `load_checkpoint` for users,
-`read_checkpoint` for the `Checkpoint` callback's resume."""
+"""Reading a checkpoint, a file or a directory of shards, for users: `load_checkpoint` (with
+`hookloop.runfile.checkpoint_files.read_checkpoint`, the `Checkpoint` callback's reader)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -12,21 +11,12 @@ from torch import nn
 
 from hookloop.base.modules import unwrap
 from hookloop.errors import CheckpointError, ConfigurationError
-from hookloop.runfile.format import OPTIMIZER, SHARDS, read_payload
-from hookloop.runfile.shard_files import read_directory
+from hookloop.runfile.checkpoint_files import read_checkpoint
+from hookloop.runfile.format import OPTIMIZER, SHARDS
 from hookloop.runfile.sharded import is_distributed_module
 from hookloop.runfile.weights import load_weights
 
-__all__ = ["load_checkpoint", "read_checkpoint", "resumable"]
-
-
-def read_checkpoint(path: str, map_location: Any) -> dict[str, Any]:
-    """A checkpoint file (`hookloop.runfile.format.read_payload`) or directory of shards
-    (`hookloop.runfile.shard_files.read_directory`: its tensors are read when the run is restored).
-    """
-    if os.path.isdir(path):
-        return read_directory(path, map_location)
-    return read_payload(path, map_location)
+__all__ = ["load_checkpoint", "read_checkpoint"]
 
 
 def _default_location(model: nn.Module) -> torch.device:
@@ -100,16 +90,3 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
     load_weights(path, model, optimizer, payload, strict=strict)
     return payload
 
-
-def resumable(files: Sequence[str], callbacks: Iterable[object], dirpath: str) -> str | None:
-    """The file ``Checkpoint(resume=True)`` resumes: the newest of ``files``; None when
-    there is none, or when a callback's setup restored the whole run (its ``restored_run``
-    names the source: `FaultTolerance`'s live peer, whose state is newer than any file of
-    ``dirpath``; said once)."""
-    for callback in callbacks:
-        source = getattr(callback, "restored_run", None)
-        if isinstance(source, str):
-            print(f"Checkpoint: not resuming from {dirpath}: this fit continues the run "
-                  f"restored from {source}.", flush=True)
-            return None
-    return files[-1] if files else None

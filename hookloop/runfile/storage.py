@@ -182,7 +182,11 @@ def write_atomic(payload: Mapping[str, Any], path: str) -> None:
         with os.fdopen(descriptor, "wb") as handle:
             recording.append(_RecordingWriter(handle))
             torch.save(payload, recording[0])
-            _synced(handle, doing)
+            doing[0] = "flushing"
+            handle.flush()
+            doing[0] = "syncing to disk (fsync)"
+            os.fsync(handle.fileno())
+            doing[0] = "closing"
 
     def failure(error: BaseException) -> BaseException | None:
         recorded = recording[0].error if recording else None
@@ -193,15 +197,6 @@ def write_atomic(payload: Mapping[str, Any], path: str) -> None:
         return None
 
     _replace_atomically(path, fill, failure)
-
-
-def _synced(handle: Any, doing: list[str]) -> None:
-    """Flush ``handle`` and sync it to disk, saying in ``doing`` which step runs."""
-    doing[0] = "flushing"
-    handle.flush()
-    doing[0] = "syncing to disk (fsync)"
-    os.fsync(handle.fileno())
-    doing[0] = "closing"
 
 
 def _replace_atomically(path: str, fill: Callable[[int, str, list[str]], None],

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from hookloop import distributed
-from hookloop.errors import CheckpointError, with_article
+from hookloop.base.modules import unwrap
+from hookloop.errors import CheckpointError, expect_field, with_article
 from hookloop.runfile.format import (LOOP, MODEL, OPTIMIZER, PARAM_GROUPS, PARAMS, SHARDS,
-                                     expect_field, register_check)
+                                     register_check)
 from hookloop.runfile.sharded import (
     is_distributed_module,
     is_sharded_tensor,
@@ -38,7 +39,8 @@ SHARED_WORDS: frozenset[str] = frozenset()
 
 
 class Weights:
-    """The model (``model()``: without its wrappers) and the optimizer: ``model`` and
+    """The model (``model()``: the loop's ``wrapped()`` model without its wrappers) and the
+    optimizer: ``model`` and
     ``optimizer`` of the file, as `hookloop.runfile.sharded` gives them (gathered to rank 0,
     or this rank's shards), and ``loop``'s optimizer class and group sizes.
 
@@ -46,10 +48,19 @@ class Weights:
     ``saving`` for the parts written after it (the callbacks' DTensors follow the model).
     """
 
-    def __init__(self, model: Callable[[], nn.Module],
+    def __init__(self, wrapped: Callable[[], nn.Module],
                  optimizer: Callable[[], torch.optim.Optimizer]) -> None:
-        self.model, self.optimizer = model, optimizer
+        self.wrapped, self.optimizer = wrapped, optimizer
         self.saving: str | None = None
+        self._unwrapped: tuple[nn.Module, nn.Module] | None = None  # (wrapped, model)
+
+    def model(self) -> nn.Module:
+        """The model without its wrappers, unwrapped once for each model the loop holds
+        (DDP or ``torch.compile`` wrap it at setup), not at every save."""
+        wrapped = self.wrapped()
+        if self._unwrapped is None or self._unwrapped[0] is not wrapped:
+            self._unwrapped = (wrapped, unwrap(wrapped))
+        return self._unwrapped[1]
 
     def layout(self, gather: bool) -> str | None:
         """This save's layout of the model's state, decided once per save.
@@ -69,7 +80,11 @@ class Weights:
 
     def state_dict(self) -> dict[str, Any]:
         module, optimizer = self.model(), self.optimizer()
-        return {MODEL: model_state(module), OPTIMIZER: optimizer_state(module, optimizer),
+        if self.saving is None:  # not sharded (`layout` asked at this save)
+            model, optim = module.state_dict(), optimizer.state_dict()
+        else:
+            model, optim = model_state(module), optimizer_state(module, optimizer)
+        return {MODEL: model, OPTIMIZER: optim,
                 LOOP: {OPTIMIZER_CLASS: type(optimizer).__qualname__,
                        PARAM_GROUPS: [len(group[PARAMS]) for group in optimizer.param_groups]}}
 
