@@ -19,6 +19,7 @@ from hookloop.callback import Callback
 from hookloop.base.checks import (check_choice, check_name, check_number, check_optional_int,
                                    check_path)
 from hookloop.base.deprecation import CheckpointAliases
+from hookloop.callbacks.checkpoint_remote import remote_variant
 from hookloop.monitor import MODES, Monitor
 from hookloop.runfile.background_save import RotatingWrites
 from hookloop.runfile.ranking import TopK, check_ranking_options
@@ -80,6 +81,9 @@ class Checkpoint(Callback, CheckpointAliases):
     state_at_boundaries = True  # its bookkeeping changes at saves, which are at boundaries
     runs_after = {"stateful": "Checkpoint saves the state of every stateful callback, so they "
                               "must have updated it before Checkpoint writes"}
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Checkpoint:  # a URL: checkpoint_remote.py
+        return super().__new__(remote_variant(cls, *args, **kwargs))
 
     def __init__(self, dirpath: str | os.PathLike[str], *, monitor: str | None = None,
                  mode: str = "auto", every_n_epochs: int | None = 1,

@@ -12,6 +12,7 @@ from torch import nn
 from hookloop.base.modules import unwrap
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.runfile.format import OPTIMIZER, SHARDS, read_payload
+from hookloop.runfile.remote_store import fetched, is_url
 from hookloop.runfile.shard_files import read_directory
 from hookloop.runfile.sharded import is_distributed_module
 from hookloop.runfile.weights import load_weights
@@ -45,7 +46,8 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
     model is on, never the device recorded in the file.
 
     Args:
-        path: The checkpoint file, or a sharded checkpoint directory (``.dcp``).
+        path: The checkpoint file, or a sharded checkpoint directory (``.dcp``), or a save
+            of a `Checkpoint` URL (``s3://bucket/run/best.pt``).
         model: The module to load into (unwrapped from DDP and compile wrappers), sharded
             by FSDP or not: a file written by ``FSDP(state_dict="full")`` loads into an
             unsharded model for inference, and a directory of shards into either.
@@ -83,6 +85,10 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
         >>> torch.equal(fresh.weight, model.weight)
         True
     """
+    if is_url(path):  # verified against its manifest, then read as a local file
+        with fetched(str(path)) as local:
+            return load_checkpoint(local, model, optimizer, map_location=map_location,
+                                   strict=strict)
     model = unwrap(model)
     path = os.fspath(path)
     location = _default_location(model) if map_location is None else map_location
