@@ -11,7 +11,9 @@ import pytest
 
 from conftest import subprocess_env
 
-HEAVY = ("tensorboard", "torch.utils.tensorboard", "torchinfo", "rich", "safetensors")
+HEAVY = ("tensorboard", "torch.utils.tensorboard", "torchinfo", "rich", "safetensors",
+         "s3fs", "gcsfs", "moto")  # the object stores' packages: only a Checkpoint URL's
+# fsspec itself is not listed: torch imports it on its own (torch.distributed.checkpoint)
 
 
 @pytest.mark.slow

@@ -165,22 +165,29 @@ class RemoteMirror:
         return found
 
     def sync(self) -> None:
-        """Upload what is new in the staging directory, then delete on the store what it
-        no longer holds, then the objects of uploads that were abandoned."""
-        local = self._local()
-        for name, key in sorted(local.items()):
-            if self._uploaded.get(name) == key:
-                continue
+        """Upload what is new in the staging directory, oldest name first; after each
+        upload, delete on the store the saves the directory no longer holds (but the one
+        just uploaded, so the store always keeps its newest complete save); then the
+        objects of abandoned uploads. The store holds at most one save beyond the
+        directory's (keep-last and top-k hold on it as on the disk, plus the newest)."""
+        last = None
+        for name, key in sorted(self._local().items()):
             path = os.path.join(self.staging, name)
+            if self._uploaded.get(name) == key or self._changed(path, key):
+                continue  # up already, or pruned (or replaced) since the listing
             if self.store.upload(path, name, gone=lambda: self._changed(path, key)):
-                self._uploaded[name] = key
-        objects = self.store.objects()
-        for name in self.store.saves(objects):
-            if name not in self._local():
-                self.store.delete(name)
-                self._uploaded.pop(name, None)
+                self._uploaded[name], last = key, name
+                self._prune(keep=last)
+        self._prune(keep=last)
         partial = self.store.partial(self.store.objects())
         self.store.delete_objects([key for keys in partial.values() for key in keys])
+
+    def _prune(self, keep: str | None) -> None:
+        local = self._local()
+        for name in self.store.saves():
+            if name not in local and name != keep:
+                self.store.delete(name)
+                self._uploaded.pop(name, None)
 
     @staticmethod
     def _changed(path: str, key: Any) -> bool:
