@@ -12,8 +12,7 @@ import pytest
 from conftest import subprocess_env
 
 HEAVY = ("tensorboard", "torch.utils.tensorboard", "torchinfo", "rich", "safetensors",
-         "s3fs", "gcsfs", "moto")  # the object stores' packages: only a Checkpoint URL's
-# fsspec itself is not listed: torch imports it on its own (torch.distributed.checkpoint)
+         "fsspec", "s3fs", "gcsfs", "moto")  # object stores: only a Checkpoint URL's fit
 
 
 @pytest.mark.slow
