@@ -80,7 +80,7 @@ class RemoteMixin:
         if seconds is None or seconds <= 0:
             raise ConfigurationError(f"Checkpoint lease_seconds must be > 0, got {seconds}.")
         resume = options.get("resume")
-        if is_url(resume):
+        if isinstance(resume, str) and is_url(resume):
             if not resume.startswith(url + "/"):
                 raise ConfigurationError(
                     f"Checkpoint resume={resume!r} is not a save of {url}: resume from a save "

@@ -68,7 +68,7 @@ class RemoteStore:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         try:
-            import fsspec
+            import fsspec  # type: ignore[import-untyped]
         except ImportError:  # pragma: no cover - fsspec comes with torch's extras usually
             raise ConfigurationError(
                 f"Checkpoint: {url} is a URL; hookloop reads and writes URLs through fsspec, "
