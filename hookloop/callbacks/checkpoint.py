@@ -19,7 +19,7 @@ from hookloop.callback import Callback
 from hookloop.base.checks import (check_choice, check_name, check_number, check_optional_int,
                                    check_path)
 from hookloop.base.deprecation import CheckpointAliases
-from hookloop.callbacks.checkpoint_remote import remote_variant
+from hookloop.callbacks.checkpoint_remote import UrlDispatch
 from hookloop.monitor import MODES, Monitor
 from hookloop.runfile.background_save import RotatingWrites
 from hookloop.runfile.ranking import TopK, check_ranking_options
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["Checkpoint"]
 
 
-class Checkpoint(Callback, CheckpointAliases):
+class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: checkpoint_remote.py
     """Save resumable checkpoints atomically, keep the best weights, and resume exactly.
 
     A rotating file ``epoch=EEEE-step=SSSSSSSS.pt`` holds `Loop.state_dict`. It is written every
@@ -44,7 +44,7 @@ class Checkpoint(Callback, CheckpointAliases):
     checkpoint.md: the step waits for the copy; a failure is raised at the next step).
 
     Args:
-        dirpath: Directory of the checkpoints (created when missing).
+        dirpath: Directory of the checkpoints (created when missing), or an fsspec URL.
         monitor: Metric deciding ``best.pt`` (e.g. ``"val_loss"``); None: no ``best.pt``.
         mode: ``"auto"`` (from the metric's name), ``"min"`` or ``"max"``.
         every_n_epochs: Save every n epochs; None: not by epochs.
@@ -81,9 +81,6 @@ class Checkpoint(Callback, CheckpointAliases):
     state_at_boundaries = True  # its bookkeeping changes at saves, which are at boundaries
     runs_after = {"stateful": "Checkpoint saves the state of every stateful callback, so they "
                               "must have updated it before Checkpoint writes"}
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Checkpoint:  # a URL: checkpoint_remote.py
-        return super().__new__(remote_variant(cls, *args, **kwargs))
 
     def __init__(self, dirpath: str | os.PathLike[str], *, monitor: str | None = None,
                  mode: str = "auto", every_n_epochs: int | None = 1,

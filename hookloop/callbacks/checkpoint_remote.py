@@ -23,7 +23,7 @@ from hookloop.runfile.remote_store import is_url
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
-__all__ = ["RemoteMixin", "remote_variant"]
+__all__ = ["RemoteMixin", "UrlDispatch", "remote_variant"]
 
 _REMOTE_ONLY = ("storage_options", "staging_dir", "lease_seconds")
 _VARIANTS: dict[type, type] = {}
@@ -47,6 +47,16 @@ def remote_variant(cls: type, dirpath: Any = None, *args: Any, **options: Any) -
         _VARIANTS[cls] = type(f"Remote{cls.__name__}", (RemoteMixin, cls),
                               {"__module__": cls.__module__, "__doc__": cls.__doc__})
     return _VARIANTS[cls]
+
+
+class UrlDispatch:
+    """A base of `Checkpoint`: ``Checkpoint(url, ...)`` makes its `remote_variant`.
+
+    Here, not in `Checkpoint` itself: a ``__new__`` there would hide ``__init__``'s
+    signature from `inspect.signature` (help, the docs)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        return super().__new__(remote_variant(cls, *args, **kwargs))
 
 
 class RemoteMixin:
