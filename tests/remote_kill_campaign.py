@@ -25,11 +25,11 @@ from hookloop.runfile.remote_store import RemoteStore
 
 from builders import adam, make_loop, regression_dataset, shuffled
 
-BATCHES, KEEP = 20, 2
+BATCHES, KEEP = 50, 2
 
 
 def train_until_done(url: str | None, out: str, options: dict, staging: str,
-                     started: object = None, epochs: int = 2) -> None:
+                     started: object = None, epochs: int = 3) -> None:
     """A training script, run in a forkserver child; ``url=None``: no checkpoints."""
     torch.set_num_threads(1)
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
@@ -82,7 +82,9 @@ def campaign(url: str, options: dict, staging: str, out: str, *, kills: int, sec
         while not started.wait(0.05) and child.is_alive():
             pass
         if not child.is_alive():
-            break
+            child.join()
+            assert child.exitcode == 0, f"a launch failed (exit {child.exitcode})"
+            break  # it finished before it could be killed
         time.sleep(chooser.uniform(0.0, pause))
         try:
             os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
@@ -106,4 +108,6 @@ def campaign(url: str, options: dict, staging: str, out: str, *, kills: int, sec
         assert torch.equal(resumed[key], value), key
     rotating, partial = check_store(store)
     assert partial == 0 and rotating <= KEEP
+    # At the end the store holds exactly the saves of the staging directory.
+    assert store.saves() == sorted(name for name in os.listdir(staging) if name.endswith(".pt"))
     return counts
