@@ -168,3 +168,24 @@ def test_a_second_launch_on_one_s3_url_is_refused_and_a_stale_lease_taken_over(
     loop = fit(url, tmp_path, 1, storage_options=s3)
     assert loop.state.step == 3
     assert ".hookloop.lease" not in store.objects()  # given back at the fit's end
+
+
+def test_top_k_and_best_files_are_mirrored_as_the_staging_directory_keeps_them(
+        tmp_path: Path) -> None:
+    url, staging = memory_url(), tmp_path / "staging"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    generator = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 3, generator=generator), torch.randn(4, 1, generator=generator))
+            for _ in range(3)]
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, val_data=data[:1],
+                loss_fn=torch.nn.functional.mse_loss, device="cpu",
+                callbacks=[Checkpoint(url, monitor="val_loss", save_top_k=2, keep_last=1,
+                                      staging_dir=str(staging))])
+    loop.fit(4)
+    kept = sorted(path.name for path in staging.iterdir() if path.name.endswith(".pt"))
+    assert len([name for name in kept if name.startswith("best-")]) == 2
+    assert RemoteStore(url).saves() == kept  # pruned on the store as on the disk
+    for name in kept:  # each one's bytes, read back through load_checkpoint's download
+        with fetched(f"{url}/{name}") as local:
+            assert Path(local).read_bytes() == (staging / name).read_bytes()
