@@ -19,7 +19,7 @@ from hookloop.callback import Callback
 from hookloop.base.checks import (check_choice, check_name, check_number, check_optional_int,
                                    check_path)
 from hookloop.base.deprecation import CheckpointAliases
-from hookloop.callbacks.checkpoint_remote import UrlDispatch
+from hookloop.checkpoint_remote import UrlDispatch
 from hookloop.monitor import MODES, Monitor
 from hookloop.runfile.background_save import RotatingWrites
 from hookloop.runfile.ranking import TopK, check_ranking_options
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["Checkpoint"]
 
 
-class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: checkpoint_remote.py
+class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: hookloop/checkpoint_remote.py
     """Save resumable checkpoints atomically, keep the best weights, and resume exactly.
 
     A rotating file ``epoch=EEEE-step=SSSSSSSS.pt`` holds `Loop.state_dict`. It is written every
