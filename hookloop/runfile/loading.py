@@ -38,7 +38,8 @@ def _default_location(model: nn.Module) -> torch.device:
 
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *,
-                    map_location: Any = None, strict: bool = True) -> dict[str, Any]:
+                    map_location: Any = None, strict: bool = True,
+                    storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load the weights of a hookloop checkpoint into ``model`` (inference, fine-tuning).
 
     Reads rotating checkpoints and ``best.pt`` alike, with ``torch.load(weights_only=True)``
@@ -56,6 +57,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
         strict: False loads into a changed model (fine-tuning with another head): the
             tensors whose names and shapes match are loaded, the others keep their values,
             and a ``RuntimeWarning`` names them. A file into an unsharded model only.
+        storage_options: For a URL: the fsspec filesystem's options (as `Checkpoint`'s).
 
     Returns:
         The checkpoint's contents (``metrics``, ``loop`` counters, ``callbacks`` states...).
@@ -86,7 +88,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
         True
     """
     if is_url(path):  # verified against its manifest, then read as a local file
-        with fetched(str(path)) as local:
+        with fetched(str(path), storage_options) as local:
             return load_checkpoint(local, model, optimizer, map_location=map_location,
                                    strict=strict)
     model = unwrap(model)

@@ -135,8 +135,10 @@ def test_a_damaged_object_on_s3_is_refused_by_name(tmp_path: Path, s3: dict, how
     with pytest.raises(CheckpointError, match=named + problem):
         fit(url, tmp_path, 3, keep_last=2, storage_options=s3, resume=True)
     with pytest.raises(CheckpointError, match=named + problem):
-        with fetched(f"{url}/epoch=0001-step=00000006.pt", s3):
-            pass  # what load_checkpoint(url) reads through
+        load_checkpoint(f"{url}/epoch=0001-step=00000006.pt", torch.nn.Linear(3, 1),
+                        storage_options=s3)
+    fresh = torch.nn.Linear(3, 1)  # the older save, intact, still loads
+    load_checkpoint(f"{url}/epoch=0000-step=00000003.pt", fresh, storage_options=s3)
 
 
 def test_a_foreign_manifest_is_refused_by_name(tmp_path: Path) -> None:
