@@ -29,7 +29,7 @@ BATCHES, KEEP = 50, 2
 
 
 def train_until_done(url: str | None, out: str, options: dict, staging: str,
-                     started: object = None, epochs: int = 3) -> None:
+                     started: object = None, epochs: int = 10, async_save: bool = False) -> None:
     """A training script, run in a forkserver child; ``url=None``: no checkpoints."""
     torch.set_num_threads(1)
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
@@ -48,7 +48,8 @@ def train_until_done(url: str | None, out: str, options: dict, staging: str,
     callbacks: list[Callback] = [Started()]
     if url is not None:
         callbacks.insert(0, Checkpoint(url, every_n_steps=1, keep_last=KEEP, resume=True,
-                                       storage_options=options, staging_dir=staging))
+                                       storage_options=options, staging_dir=staging,
+                                       async_save=async_save))
     loop = make_loop(callbacks, model=model, train=loader, optimizer=adam(1e-4))
     loop.fit(epochs)
     assert loop.state.step == BATCHES * epochs
@@ -65,7 +66,7 @@ def check_store(store: RemoteStore) -> tuple[int, int]:
 
 
 def campaign(url: str, options: dict, staging: str, out: str, *, kills: int, seconds: float,
-             pause: float) -> dict[str, int]:
+             pause: float, async_save: bool = False) -> dict[str, int]:
     """Up to ``kills`` SIGKILLs within ``seconds``; the relaunch and the reference after."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch._dynamo", "hookloop.callbacks", "s3fs",
@@ -77,7 +78,8 @@ def campaign(url: str, options: dict, staging: str, out: str, *, kills: int, sec
     while counts["kills"] < kills and time.monotonic() < deadline:
         started = context.Event()
         child = context.Process(target=train_until_done,
-                                args=(url, f"{out}/w.pt", options, staging, started))
+                                args=(url, f"{out}/w.pt", options, staging, started),
+                                kwargs={"async_save": async_save})
         child.start()
         while not started.wait(0.05) and child.is_alive():
             pass
@@ -99,7 +101,8 @@ def campaign(url: str, options: dict, staging: str, out: str, *, kills: int, sec
             counts["mid_upload"] += partial > 0
     for target, name in ((url, "resumed.pt"), (None, "reference.pt")):
         child = context.Process(target=train_until_done,
-                                args=(target, f"{out}/{name}", options, staging))
+                                args=(target, f"{out}/{name}", options, staging),
+                                kwargs={"async_save": async_save})
         child.start()
         child.join(300)
         assert child.exitcode == 0, name

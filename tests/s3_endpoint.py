@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -35,6 +36,11 @@ def s3_endpoint(bucket: str = "runs") -> Iterator[dict]:
     options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
                "skip_instance_cache": True}
     try:
+        # moto's backends are per process: a server started earlier in this session left
+        # its buckets there; start empty.
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset",
+                                         method="POST")
+        urllib.request.urlopen(request, timeout=30).close()
         s3fs.S3FileSystem(**options).mkdir(bucket)
         yield options
     finally:

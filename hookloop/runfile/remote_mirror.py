@@ -175,9 +175,15 @@ class RemoteMirror:
             path = os.path.join(self.staging, name)
             if self._uploaded.get(name) == key or self._changed(path, key):
                 continue  # up already, or pruned (or replaced) since the listing
-            if self.store.upload(path, name, gone=lambda: self._changed(path, key)):
-                self._uploaded[name], last = key, name
-                self._prune(keep=last)
+            snapshot = self._snapshot(path)
+            if snapshot is None:
+                continue  # pruned while linked
+            try:  # published even if pruned meanwhile: newer than what the store holds
+                self.store.upload(snapshot, name)
+            finally:
+                shutil.rmtree(os.path.dirname(snapshot), ignore_errors=True)
+            self._uploaded[name], last = key, name
+            self._prune(keep=last)
         self._prune(keep=last)
         partial = self.store.partial(self.store.objects())
         self.store.delete_objects([key for keys in partial.values() for key in keys])
@@ -188,6 +194,31 @@ class RemoteMirror:
             if name not in local and name != keep:
                 self.store.delete(name)
                 self._uploaded.pop(name, None)
+
+    def _snapshot(self, path: str) -> str | None:
+        """Hard links (copies where links fail) of the entry ``path`` in a temporary
+        holder of the staging directory (never listed; a killed job's is deleted at the
+        next start), so pruning the entry cannot cut its upload short; None: gone."""
+        holder = tempfile.mkdtemp(prefix=".tmp-mirror-", suffix=".part", dir=self.staging)
+        target = os.path.join(holder, os.path.basename(path))
+
+        def link(source: str, destination: str) -> None:
+            try:
+                os.link(source, destination)
+            except FileNotFoundError:
+                raise
+            except OSError:
+                shutil.copy2(source, destination)
+
+        try:
+            if os.path.isdir(path):
+                shutil.copytree(path, target, copy_function=link)
+            else:
+                link(path, target)
+        except (FileNotFoundError, shutil.Error):
+            shutil.rmtree(holder, ignore_errors=True)
+            return None
+        return target
 
     @staticmethod
     def _changed(path: str, key: Any) -> bool:

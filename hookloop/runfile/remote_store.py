@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from hookloop.errors import CheckpointError, ConfigurationError
@@ -148,32 +148,26 @@ class RemoteStore:
         return manifest
 
     # -------------------------------------------------------------- uploading
-    def upload(self, local: str, name: str, *, gone: Callable[[], bool]) -> bool:
-        """Upload the local entry ``local`` (a file or a directory) as ``name``: its files,
-        digested while they are sent, then its manifest. Returns False, writing no
-        manifest, when the entry disappeared meanwhile (pruned: ``gone()``)."""
+    def upload(self, local: str, name: str) -> None:
+        """Upload the local entry ``local`` (a file or a directory, which must not change
+        meanwhile: `hookloop.runfile.remote_mirror` uploads a snapshot of links) as
+        ``name``: its files, digested while they are sent, then its manifest."""
         if name in self.saves():
             self.fs.rm(self.path(name + MANIFEST_SUFFIX))  # never vouch for new bytes
         files: dict[str, dict[str, Any]] = {}
-        try:
-            if os.path.isdir(local):
-                for folder, _, names in os.walk(local):
-                    for file in sorted(names):
-                        path = os.path.join(folder, file)
-                        key = f"{name}/{os.path.relpath(path, local).replace(os.sep, '/')}"
-                        files[key] = self._put(path, key)
-            else:
-                files[name] = self._put(local, name)
-        except FileNotFoundError:
-            if gone():
-                return False
-            raise
-        if not files or gone():
-            return False
+        if os.path.isdir(local):
+            for folder, _, names in os.walk(local):
+                for file in sorted(names):
+                    path = os.path.join(folder, file)
+                    key = f"{name}/{os.path.relpath(path, local).replace(os.sep, '/')}"
+                    files[key] = self._put(path, key)
+        else:
+            files[name] = self._put(local, name)
+        if not files:
+            raise CheckpointError(f"{local}: an empty checkpoint directory; not uploaded.")
         manifest = {_TAG: _FORMAT, "name": name, _ID: uuid.uuid4().hex, OBJECTS: files}
         with self.fs.open(self.path(name + MANIFEST_SUFFIX), "wb") as handle:
             handle.write(json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
-        return True
 
     def _put(self, local: str, key: str) -> dict[str, Any]:
         with open(local, "rb") as source, self.fs.open(self.path(key), "wb") as target:
