@@ -43,7 +43,7 @@ def test_sigkills_of_a_sharded_run_uploading_to_s3_resume_exactly(tmp_path: Path
             while set(store.objects()) == before and process.poll() is None and \
                     time.monotonic() - begun < TIMEOUT:
                 time.sleep(0.1)  # until this launch uploads
-            time.sleep(chooser.uniform(0.0, 2.0))
+            time.sleep(chooser.uniform(0.0, 1.0))
             if process.poll() is not None:
                 break  # it finished: the relaunch below must still end exactly
             os.killpg(process.pid, signal.SIGKILL)

@@ -15,7 +15,8 @@ from s3_endpoint import s3_endpoint
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_sigkill_during_uploads_to_s3_resumes_exactly(tmp_path: Path, async_save: bool) -> None:
     with s3_endpoint() as options:  # async: fewer kills, the mirror's path is the same
-        counts = campaign(f"s3://runs/killed-{async_save}", options, str(tmp_path / "staging"), str(tmp_path),
+        counts = campaign(f"s3://runs/killed-{async_save}", options,
+                          str(tmp_path / "staging"), str(tmp_path),
                           kills=15 if async_save else 30, seconds=60.0, pause=0.6,
                           async_save=async_save)
     print(f"{counts['kills']} kills ({'async' if async_save else 'sync'} saves), "

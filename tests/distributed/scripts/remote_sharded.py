@@ -3,9 +3,9 @@ localhost), for tests/distributed/test_remote_sharded_processes.py.
 
 Usage: torchrun --nproc_per_node=2 remote_sharded.py OUT_DIR URL ENDPOINT LABEL
 
-LABEL ``reference``: 3 epochs without checkpoints; else: ``Checkpoint(URL, every_n_steps=1,
-keep_last=2, resume=True)`` over a staging directory in OUT_DIR (the test kills it at random
-moments and relaunches it). Both save the gathered weights as ``LABEL-weights``.
+LABEL ``reference``: 40 epochs (160 steps) without checkpoints; else:
+``Checkpoint(URL, every_n_steps=1, keep_last=2, resume=True)`` over a staging directory in
+OUT_DIR (the test kills it at random moments and relaunches it). Both save the gathered weights as ``LABEL-weights``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 from hookloop import Callback, Loop
 from hookloop.callbacks import FSDP, Checkpoint
 
-EPOCHS, KEEP = 3, 2
+EPOCHS, KEEP = 40, 2
 
 
 def main() -> None:
