@@ -5,7 +5,8 @@ Usage: torchrun --nproc_per_node=2 remote_sharded.py OUT_DIR URL ENDPOINT LABEL
 
 LABEL ``reference``: 40 epochs (160 steps) without checkpoints; else:
 ``Checkpoint(URL, every_n_steps=1, keep_last=2, resume=True)`` over a staging directory in
-OUT_DIR (the test kills it at random moments and relaunches it). Both save the gathered weights as ``LABEL-weights``.
+OUT_DIR (the test kills it at random moments and relaunches it). Both save the gathered
+weights as ``LABEL-weights``.
 """
 
 from __future__ import annotations
