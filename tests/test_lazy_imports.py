@@ -11,7 +11,8 @@ import pytest
 
 from conftest import subprocess_env
 
-HEAVY = ("tensorboard", "torch.utils.tensorboard", "torchinfo", "rich", "safetensors")
+HEAVY = ("tensorboard", "torch.utils.tensorboard", "torchinfo", "rich", "safetensors",
+         "fsspec", "s3fs", "gcsfs", "moto")  # object stores: only a Checkpoint URL's fit
 
 
 @pytest.mark.slow

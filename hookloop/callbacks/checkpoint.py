@@ -19,6 +19,7 @@ from hookloop.callback import Callback
 from hookloop.base.checks import (check_choice, check_name, check_number, check_optional_int,
                                    check_path)
 from hookloop.base.deprecation import CheckpointAliases
+from hookloop.checkpoint_remote import UrlDispatch
 from hookloop.monitor import MODES, Monitor
 from hookloop.runfile.background_save import RotatingWrites
 from hookloop.runfile.checkpoint_files import resumable
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["Checkpoint"]
 
 
-class Checkpoint(Callback, CheckpointAliases):
+class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: hookloop/checkpoint_remote.py
     """Save resumable checkpoints atomically, keep the best weights, and resume exactly.
 
     A rotating file ``epoch=EEEE-step=SSSSSSSS.pt`` holds `Loop.state_dict`. It is written every
@@ -44,7 +45,7 @@ class Checkpoint(Callback, CheckpointAliases):
     checkpoint.md: the step waits for the copy; a failure is raised at the next step).
 
     Args:
-        dirpath: Directory of the checkpoints (created when missing).
+        dirpath: Directory of the checkpoints (created when missing), or an fsspec URL.
         monitor: Metric deciding ``best.pt`` (e.g. ``"val_loss"``); None: no ``best.pt``.
         mode: ``"auto"`` (from the metric's name), ``"min"`` or ``"max"``.
         every_n_epochs: Save every n epochs; None: not by epochs.

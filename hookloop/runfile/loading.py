@@ -13,6 +13,7 @@ from hookloop.base.modules import unwrap
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.runfile.checkpoint_files import read_checkpoint
 from hookloop.runfile.format import OPTIMIZER, SHARDS
+from hookloop.runfile.remote_store import fetched, is_url
 from hookloop.runfile.sharded import is_distributed_module
 from hookloop.runfile.weights import load_weights
 
@@ -28,7 +29,8 @@ def _default_location(model: nn.Module) -> torch.device:
 
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *,
-                    map_location: Any = None, strict: bool = True) -> dict[str, Any]:
+                    map_location: Any = None, strict: bool = True,
+                    storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load the weights of a hookloop checkpoint into ``model`` (inference, fine-tuning).
 
     Reads rotating checkpoints and ``best.pt`` alike, with ``torch.load(weights_only=True)``
@@ -36,7 +38,8 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
     model is on, never the device recorded in the file.
 
     Args:
-        path: The checkpoint file, or a sharded checkpoint directory (``.dcp``).
+        path: The checkpoint file, or a sharded checkpoint directory (``.dcp``), or a save
+            of a `Checkpoint` URL (``s3://bucket/run/best.pt``).
         model: The module to load into (unwrapped from DDP and compile wrappers), sharded
             by FSDP or not: a file written by ``FSDP(state_dict="full")`` loads into an
             unsharded model for inference, and a directory of shards into either.
@@ -45,6 +48,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
         strict: False loads into a changed model (fine-tuning with another head): the
             tensors whose names and shapes match are loaded, the others keep their values,
             and a ``RuntimeWarning`` names them. A file into an unsharded model only.
+        storage_options: For a URL: the fsspec filesystem's options (as `Checkpoint`'s).
 
     Returns:
         The checkpoint's contents (``metrics``, ``loop`` counters, ``callbacks`` states...).
@@ -74,6 +78,10 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
         >>> torch.equal(fresh.weight, model.weight)
         True
     """
+    if is_url(path):  # verified against its manifest, then read as a local file
+        with fetched(str(path), storage_options) as local:
+            return load_checkpoint(local, model, optimizer, map_location=map_location,
+                                   strict=strict)
     model = unwrap(model)
     path = os.fspath(path)
     location = _default_location(model) if map_location is None else map_location
@@ -89,4 +97,3 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
             "FSDP(state_dict='full') and load that file into an unsharded model.")
     load_weights(path, model, optimizer, payload, strict=strict)
     return payload
-

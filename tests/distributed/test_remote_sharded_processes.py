@@ -1,0 +1,64 @@
+"""Sharded checkpoints (2 ranks, FSDP, gloo) saved to ``s3://`` on moto's local server,
+SIGKILLed (the whole torchrun group) at random moments while saves are uploaded: after
+every kill each save the store lists is complete (every object of its manifest, of its
+size and SHA-256) and keep-last holds; the relaunch ends on the uninterrupted run's
+weights (scripts/remote_sharded.py)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from launch import SCRIPTS, TIMEOUT, read, run_ok, start
+
+from hookloop.runfile.remote_store import RemoteStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from remote_kill_campaign import check_store  # noqa: E402
+from s3_endpoint import s3_endpoint  # noqa: E402
+
+KEEP, SECONDS = 2, 100.0
+
+
+@pytest.mark.slow
+def test_sigkills_of_a_sharded_run_uploading_to_s3_resume_exactly(tmp_path: Path) -> None:
+    with s3_endpoint() as options:
+        endpoint = options["client_kwargs"]["endpoint_url"]
+        url = "s3://runs/sharded"
+        store = RemoteStore(url, options)
+        script = SCRIPTS / "remote_sharded.py"
+        run_ok(script, str(tmp_path), url, endpoint, "reference")
+        chooser, kills, mid_upload = random.Random(1), 0, 0
+        deadline = time.monotonic() + SECONDS
+        while time.monotonic() < deadline:
+            process = start(script, str(tmp_path), url, endpoint, "run")
+            begun = time.monotonic()
+            before = set(store.objects())
+            while set(store.objects()) == before and process.poll() is None and \
+                    time.monotonic() - begun < TIMEOUT:
+                time.sleep(0.1)  # until this launch uploads
+            time.sleep(chooser.uniform(0.0, 1.0))
+            if process.poll() is not None:
+                break  # it finished: the relaunch below must still end exactly
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            kills += 1
+            rotating, partial = check_store(store)
+            assert rotating <= KEEP + 1, store.saves()
+            mid_upload += partial > 0
+        output = run_ok(script, str(tmp_path), url, endpoint, "resumed")
+        rotating, partial = check_store(store)
+        assert partial == 0 and rotating <= KEEP
+        assert all(name.endswith(".dcp") for name in store.saves())
+    print(f"{kills} kills of the sharded run, {mid_upload} left a partial upload")
+    assert kills >= 3, output[-3000:]
+    reference, resumed = read(tmp_path, "reference-weights", 0), read(tmp_path,
+                                                                        "resumed-weights", 0)
+    for name, value in reference.items():
+        assert torch.equal(resumed[name], value), name
