@@ -22,7 +22,6 @@ from hookloop.base.deprecation import CheckpointAliases
 from hookloop.checkpoint_remote import UrlDispatch
 from hookloop.monitor import MODES, Monitor
 from hookloop.runfile.background_save import RotatingWrites
-from hookloop.runfile.checkpoint_files import resumable
 from hookloop.runfile.ranking import TopK, check_ranking_options
 from hookloop.runfile.weights import finite_model_state, non_finite_weights_advice, run_is_finite
 
@@ -166,8 +165,8 @@ class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: hookloop/c
                     self.files.run_files() if distributed.is_main() else None):
                 raise self.files.earlier_run_error(found)
         elif self.resume is True:
-            files = self.files.rotating() if distributed.is_main() else []
-            path = distributed.broadcast_object(resumable(files, loop.callbacks, self.dirpath))
+            newest = self.files.resumable(loop.callbacks) if distributed.is_main() else None
+            path = distributed.broadcast_object(newest)
             if path is not None:
                 self._resume_from(loop, path)
             else:

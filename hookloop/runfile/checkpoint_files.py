@@ -18,7 +18,7 @@ import re
 import time
 import warnings
 from contextlib import suppress
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from hookloop.runfile.ranking import TopK  # noqa: F811 - the type, beside FILE
 
 # file_meta is run_file's, named here as before.
-__all__ = ["CheckpointFiles", "RETIRED_PREFIX", "file_meta", "read_checkpoint", "resumable"]
+__all__ = ["CheckpointFiles", "RETIRED_PREFIX", "file_meta", "read_checkpoint"]
 
 _FILE, _DIRECTORY = ".pt", ".dcp"
 _SUFFIX = r"\.(?:pt|dcp)"
@@ -213,6 +213,20 @@ class CheckpointFiles:
             if match:
                 found.append(((int(match.group(2)), int(match.group(1))), name))
         return _entries(self.dirpath, [name for _, name in sorted(found)])
+
+    def resumable(self, callbacks: Iterable[object]) -> str | None:
+        """The file ``Checkpoint(resume=True)`` resumes: the newest rotating file; None when
+        there is none, or when a callback's setup restored the whole run (its
+        ``restored_run`` names the source: `FaultTolerance`'s live peer, whose state is newer
+        than any file here; said once)."""
+        for callback in callbacks:
+            source = getattr(callback, "restored_run", None)
+            if isinstance(source, str):
+                print(f"Checkpoint: not resuming from {self.dirpath}: this fit continues the "
+                      f"run restored from {source}.", flush=True)
+                return None
+        files = self.rotating()
+        return files[-1] if files else None
 
     def scored(self) -> list[tuple[float, int, str]]:
         """Top-k files as ``(value, step, path)``, oldest first, read from the names only."""
@@ -607,17 +621,3 @@ class CheckpointFiles:
             f"Checkpoint: resuming from {os.path.basename(resumed)} (step {step}) abandons "
             f"{len(later)} later file(s) of this run; moved to {target} (nothing "
             "deleted), so resume=True continues the new branch.", RuntimeWarning, stacklevel=5)
-
-
-def resumable(files: Sequence[str], callbacks: Iterable[object], dirpath: str) -> str | None:
-    """The file ``Checkpoint(resume=True)`` resumes: the newest of ``files``; None when
-    there is none, or when a callback's setup restored the whole run (its ``restored_run``
-    names the source: `FaultTolerance`'s live peer, whose state is newer than any file of
-    ``dirpath``; said once)."""
-    for callback in callbacks:
-        source = getattr(callback, "restored_run", None)
-        if isinstance(source, str):
-            print(f"Checkpoint: not resuming from {dirpath}: this fit continues the run "
-                  f"restored from {source}.", flush=True)
-            return None
-    return files[-1] if files else None

@@ -49,7 +49,7 @@ PACKAGE_LINES = 12_500
 #: functions; a resume 14 modules and 702 lines beyond a fresh start; 111 names imported
 #: from the format by 15 modules. After the parts: 24 modules and 75 functions a save.)
 RATCHET = {"save modules": 20, "save functions": 67, "resume modules": 15,
-           "resume lines": 730, "format names": 64, "format importers": 13}
+           "resume lines": 731, "format names": 64, "format importers": 13}
 NOT_YET = pytest.mark.xfail(strict=True, reason="issue 34's targets are not reached yet: "
                             "see RATCHET for where the code stands")
 
