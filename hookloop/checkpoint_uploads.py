@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from hookloop.errors import ConfigurationError
+from hookloop.runfile.storage import snapshot
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -110,18 +111,8 @@ def _stage(source: str, holder: str, upload: Upload) -> str:
     with open(os.path.join(holder, _RECORD), "w", encoding="utf-8") as handle:
         json.dump(upload.metadata(), handle)
     target = os.path.join(holder, os.path.basename(source))
-
-    def link_or_copy(origin: str, destination: str) -> None:
-        try:
-            os.link(origin, destination)
-        except OSError:
-            shutil.copy2(origin, destination)
-
     try:
-        if os.path.isdir(source):
-            shutil.copytree(source, target, copy_function=link_or_copy)
-        else:
-            link_or_copy(source, target)
+        snapshot(source, target)
     except BaseException:
         shutil.rmtree(holder, ignore_errors=True)
         raise

@@ -26,7 +26,7 @@ from typing import Any
 from hookloop.errors import CheckpointError
 from hookloop.runfile.remote_lease import RemoteLease
 from hookloop.runfile.remote_store import OBJECTS, RemoteStore, is_checkpoint_name, same_file
-from hookloop.runfile.storage import is_temporary
+from hookloop.runfile.storage import is_temporary, snapshot
 
 __all__ = ["RemoteMirror", "default_staging"]
 
@@ -201,20 +201,8 @@ class RemoteMirror:
         next start), so pruning the entry cannot cut its upload short; None: gone."""
         holder = tempfile.mkdtemp(prefix=".tmp-mirror-", suffix=".part", dir=self.staging)
         target = os.path.join(holder, os.path.basename(path))
-
-        def link(source: str, destination: str) -> None:
-            try:
-                os.link(source, destination)
-            except FileNotFoundError:
-                raise
-            except OSError:
-                shutil.copy2(source, destination)
-
         try:
-            if os.path.isdir(path):
-                shutil.copytree(path, target, copy_function=link)
-            else:
-                link(path, target)
+            snapshot(path, target)
         except (FileNotFoundError, shutil.Error):
             shutil.rmtree(holder, ignore_errors=True)
             return None

@@ -8,6 +8,7 @@ reads what a file holds; this module does the file work under both.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import tempfile
 import warnings
@@ -25,7 +26,7 @@ __all__ = ["TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "write_atomic",
            "write_text_atomic", "link_atomic", "fsync_directory", "describe_os_error",
            "prepare_directory", "regular_checkpoint_files", "verify_archive",
            "entry_problem", "link_outside", "read_own_text",
-           "checkpoint_directories", "link_out_of", "link_target"]
+           "checkpoint_directories", "link_out_of", "link_target", "snapshot"]
 
 TEMP_PREFIX = ".tmp-"
 TEMP_SUFFIX = ".part"
@@ -468,3 +469,22 @@ def verify_archive(path: str) -> None:
     except (OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as error:
         raise CheckpointError(
             f"{path}: the file is truncated or corrupt ({type(error).__name__}: {error}).") from None
+
+
+def snapshot(source: str, target: str) -> None:
+    """Make ``target`` the file or directory of files ``source`` by hard links (a copy where a
+    link cannot be made: another file system), so that deleting or replacing ``source``
+    leaves ``target`` whole. A ``source`` that vanishes raises `FileNotFoundError`."""
+
+    def link(origin: str, destination: str) -> None:
+        try:
+            os.link(origin, destination)
+        except FileNotFoundError:
+            raise
+        except OSError:
+            shutil.copy2(origin, destination)
+
+    if os.path.isdir(source):
+        shutil.copytree(source, target, copy_function=link)
+    else:
+        link(source, target)
