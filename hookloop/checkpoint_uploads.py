@@ -155,9 +155,9 @@ class CheckpointUploads:
             needs = "Checkpoint(dirpath, monitor='val_loss')" if self.mode == "best" else \
                 "Checkpoint(dirpath)"
             raise ConfigurationError(
-                f"{self.owner}(log_checkpoints={self.mode!r}) uploads the checkpoints a "
-                f"{'monitoring ' if self.mode == 'best' else ''}Checkpoint writes, but the "
-                f"stack has none: add {needs} after it, or log_checkpoints=None.")
+                f"{self.owner}(log_checkpoints={self.mode!r}) uploads the checkpoints of the "
+                f"stack's Checkpoint{' (one with a monitor)' if self.mode == 'best' else ''}, "
+                f"but the stack has none: add {needs} after it, or log_checkpoints=None.")
 
     def look(self, loop: Loop) -> None:
         """Queue what completed since the last look (the tracker run must be open)."""

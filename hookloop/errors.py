@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import torch
 
 from hookloop.base.os_errors import write_failure
 
@@ -196,7 +195,10 @@ def is_int(value: Any) -> bool:
 
 
 def _short(value: Any) -> str:
-    text = repr(value) if not isinstance(value, torch.Tensor) else f"of shape {tuple(value.shape)}"
+    # A tensor by its shape (its repr may be huge), known without importing torch: this
+    # module loads before torch does (the CLI's usage errors come before torch's import).
+    shape = getattr(value, "shape", None) if type(value).__module__.startswith("torch") else None
+    text = repr(value) if shape is None else f"of shape {tuple(shape)}"
     return f"({text[:60]}{'...' if len(text) > 60 else ''})"
 
 

@@ -76,8 +76,8 @@ def _ema_state(path: str, payload: Mapping[str, Any], ema: bool | str) -> tuple[
         hint = (" It is a best file: it holds the validated weights (the EMA's, when the EMA "
                 "validated with them), not the callbacks' states; export it without ema."
                 if CALLBACKS not in payload else " Was an EMA callback in the run's stack?")
-        raise CheckpointError(f"{path}: holds no EMA weights (no callback state with a "
-                              f"{EMA_SHADOW!r} entry).{hint}")
+        raise CheckpointError(f"{path}: holds no EMA weights (no callback state has the "
+                              f"entry {EMA_SHADOW!r}).{hint}")
     if ema is True:
         if len(found) > 1:
             raise CheckpointError(
