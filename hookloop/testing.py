@@ -48,7 +48,6 @@ import io
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -499,7 +498,9 @@ def check_ranks(factory: Factory, directory: str | os.PathLike[str] | None = Non
         try:
             output, _ = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as error:
-            os.killpg(process.pid, signal.SIGKILL)
+            # torchrun starts each rank in a session of its own: only torchrun can end them
+            # (SIGTERM, then SIGKILL after its grace), so a SIGKILL to it would orphan them.
+            process.terminate()
             process.communicate()
             raise KitFailure(f"the 2 ranks did not finish in {timeout} s (a hang: a "
                              "decision one rank made alone?)") from error

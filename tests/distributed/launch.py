@@ -1,8 +1,12 @@
 """Launching the torchrun scripts of tests/distributed/scripts/: a timeout on every launch,
 and the files the scripts write read back.
 
-A launch that overruns its timeout kills the whole process group (torchrun and its workers)
-and fails the test: a hang is a failure, never a stuck run.
+A launch that overruns its timeout is killed whole (`kill_job`) and fails the test: a hang
+is a failure, never a stuck run.
+
+torchrun starts each worker in a session of its own, so a signal to torchrun's process
+group never reaches the workers: killed that way, they train on as orphans (and finish the
+run a kill campaign meant to interrupt). `kill_job` signals every process of the launch.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +25,7 @@ import torch
 
 from conftest import ROOT, subprocess_env
 
-__all__ = ["SCRIPTS", "TIMEOUT", "read", "run_ok", "start", "torchrun"]
+__all__ = ["SCRIPTS", "TIMEOUT", "kill_job", "read", "run_ok", "start", "torchrun"]
 
 SCRIPTS = ROOT / "tests" / "distributed" / "scripts"
 TIMEOUT = 150  # seconds per launch; a healthy one takes ~10 s on 2 busy cores
@@ -39,6 +44,53 @@ def start(script: Path, *args: str, processes: int = 2) -> subprocess.Popen[str]
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid``, from /proc (children of each of its threads)."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as file:
+                children = [int(child) for child in file.read().split()]
+        except FileNotFoundError:
+            continue
+        for child in children:
+            found += [child, *_descendants(child)]
+    return found
+
+
+def kill_job(process: subprocess.Popen[str], sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to the launch ``process`` and every process under it: torchrun, its
+    workers (each in a session of its own) and theirs (data loader workers), workers first,
+    so that torchrun never sees one die and starts a replacement."""
+    own = os.getpgrp()
+    workers = _descendants(process.pid)
+    for pid in [*workers, process.pid]:
+        try:
+            group = os.getpgid(pid)
+            os.killpg(group, sig) if group != own else os.kill(pid, sig)
+        except ProcessLookupError:
+            pass  # ended on its own meanwhile
+    if sig != signal.SIGKILL:
+        return
+    deadline = time.monotonic() + 30
+    while (alive := [pid for pid in workers if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not alive, f"processes {alive} of the launch outlived a SIGKILL"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def torchrun(script: Path, *args: str, timeout: float = TIMEOUT, processes: int = 2
              ) -> subprocess.CompletedProcess[str]:
     """Run ``script`` on 2 processes (or ``processes``); kill the whole process group if it
@@ -47,7 +99,7 @@ def torchrun(script: Path, *args: str, timeout: float = TIMEOUT, processes: int 
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_job(process)
         output, _ = process.communicate()
         pytest.fail(f"{script.name} hung: killed after {timeout} s\n{output[-6000:]}")
     return subprocess.CompletedProcess(process.args, process.returncode, output, "")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, console_script, subprocess_env
-from launch import SCRIPTS, TIMEOUT
+from launch import SCRIPTS, TIMEOUT, kill_job
 
 
 def _start(*args: str) -> subprocess.Popen[str]:
@@ -29,7 +29,7 @@ def _finish(process: subprocess.Popen[str]) -> str:
     try:
         return process.communicate(timeout=TIMEOUT)[0]
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_job(process)
         pytest.fail(f"hookloop run hung:\n{process.communicate()[0][-6000:]}")
 
 

@@ -3,7 +3,6 @@ no hang, ranks told apart after the group is gone, SIGTERM leaves a resumable ch
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import SCRIPTS, TIMEOUT, read, run_ok, start
+from launch import SCRIPTS, TIMEOUT, kill_job, read, run_ok, start
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +64,7 @@ def test_sigterm_to_torchrun_leaves_a_resumable_checkpoint(tmp_path: Path) -> No
     try:
         output, _ = process.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_job(process)
         pytest.fail(f"preempted run hung:\n{process.communicate()[0][-4000:]}")
     assert process.returncode != 0
     assert "SIGTERM received" in output, output[-4000:]

@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-from launch import SCRIPTS, TIMEOUT, start
+from launch import SCRIPTS, TIMEOUT, kill_job, start
 
 
 def launch(directory: Path, ready: Path, epochs: str) -> subprocess.Popen[str]:
@@ -30,7 +28,7 @@ def test_a_second_ddp_launch_on_a_running_job_s_directory_is_refused(tmp_path: P
         try:
             output, _ = second.communicate(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
-            os.killpg(second.pid, signal.SIGKILL)
+            kill_job(second)
             raise AssertionError(f"the refused launch hung:\n{second.communicate()[0][-4000:]}")
         assert second.returncode != 0 and not (tmp_path / "ready2").exists()
         # Rank 1, which never touches the files, raises rank 0's refusal instead of waiting
@@ -41,5 +39,5 @@ def test_a_second_ddp_launch_on_a_running_job_s_directory_is_refused(tmp_path: P
         assert f"pid {holder} on host {socket.gethostname()}" in refusals[0]
         assert first.poll() is None  # the running job goes on
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
+        kill_job(first)
         first.communicate(timeout=60)

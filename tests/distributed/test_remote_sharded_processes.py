@@ -1,21 +1,21 @@
 """Sharded checkpoints (2 ranks, FSDP, gloo) saved to ``s3://`` on moto's local server,
-SIGKILLed (the whole torchrun group) at random moments while saves are uploaded: after
+SIGKILLed (the whole torchrun group) 10 times, every other kill aimed at a save in
+flight (objects listed without their manifest), the others at random moments: after
 every kill each save the store lists is complete (every object of its manifest, of its
 size and SHA-256) and keep-last holds; the relaunch ends on the uninterrupted run's
 weights (scripts/remote_sharded.py)."""
 
 from __future__ import annotations
 
-import os
 import random
-import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from launch import SCRIPTS, TIMEOUT, read, run_ok, start
+from launch import SCRIPTS, TIMEOUT, kill_job, read, run_ok, start
 
 from hookloop.runfile.remote_store import RemoteStore
 
@@ -23,7 +23,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from remote_kill_campaign import check_store  # noqa: E402
 from s3_endpoint import s3_endpoint  # noqa: E402
 
-KEEP, SECONDS = 2, 100.0
+KEEP, KILLS, SECONDS = 2, 10, 600.0  # the bound only stops a runaway: ~150 s on 2 cores
+
+
+def kill_moment(store: RemoteStore, process: subprocess.Popen, aim: bool,
+                delay: float) -> None:
+    """Wait until this launch uploads; then, if ``aim``, until a save is in flight (objects
+    of a checkpoint without its manifest), else ``delay`` seconds more."""
+    begun, before = time.monotonic(), set(store.objects())
+    while set(store.objects()) == before and process.poll() is None and \
+            time.monotonic() - begun < TIMEOUT:
+        time.sleep(0.05)
+    if not aim:
+        time.sleep(delay)
+        return
+    while not store.partial() and process.poll() is None and \
+            time.monotonic() - begun < TIMEOUT:
+        pass  # each listing is an HTTP round trip: no sleep, or the window is missed
 
 
 @pytest.mark.slow
@@ -36,17 +52,12 @@ def test_sigkills_of_a_sharded_run_uploading_to_s3_resume_exactly(tmp_path: Path
         run_ok(script, str(tmp_path), url, endpoint, "reference")
         chooser, kills, mid_upload = random.Random(1), 0, 0
         deadline = time.monotonic() + SECONDS
-        while time.monotonic() < deadline:
+        while kills < KILLS and time.monotonic() < deadline:
             process = start(script, str(tmp_path), url, endpoint, "run")
-            begun = time.monotonic()
-            before = set(store.objects())
-            while set(store.objects()) == before and process.poll() is None and \
-                    time.monotonic() - begun < TIMEOUT:
-                time.sleep(0.1)  # until this launch uploads
-            time.sleep(chooser.uniform(0.0, 1.0))
+            kill_moment(store, process, aim=kills % 2 == 0, delay=chooser.uniform(0.0, 1.0))
             if process.poll() is not None:
                 break  # it finished: the relaunch below must still end exactly
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_job(process)
             process.communicate()
             kills += 1
             rotating, partial = check_store(store)
@@ -57,7 +68,8 @@ def test_sigkills_of_a_sharded_run_uploading_to_s3_resume_exactly(tmp_path: Path
         assert partial == 0 and rotating <= KEEP
         assert all(name.endswith(".dcp") for name in store.saves())
     print(f"{kills} kills of the sharded run, {mid_upload} left a partial upload")
-    assert kills >= 3, output[-3000:]
+    assert kills == KILLS, output[-3000:]
+    assert mid_upload >= KILLS // 4, f"only {mid_upload} of {kills} kills fell mid-upload"
     reference, resumed = read(tmp_path, "reference-weights", 0), read(tmp_path,
                                                                         "resumed-weights", 0)
     for name, value in reference.items():

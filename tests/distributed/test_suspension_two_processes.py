@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import SCRIPTS, TIMEOUT, read, start
+from launch import SCRIPTS, TIMEOUT, kill_job, read, start
 
 SCRIPT = SCRIPTS / "suspended.py"
 MOMENTS = 5
@@ -52,7 +52,7 @@ def _launch(out: Path, names: list[str], chooser: random.Random) -> str:
             os.kill(json.loads((out / f"pid.rank{rank}.json").read_text())["pid"], number)
         output, _ = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
     except BaseException:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_job(process)
         raise
     return output
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
-from common import out_dir, rank, regression_data, save, shuffled_loader
-from fsdp import gathered, make_model, make_optimizer
+import torch
+from common import FEATURES, out_dir, rank, regression_data, save, shuffled_loader
+from fsdp import gathered, make_optimizer
 from torch import nn
 
 from hookloop import Callback, Loop
@@ -24,12 +26,28 @@ from hookloop.callbacks import FSDP, Checkpoint
 EPOCHS, KEEP = 40, 2
 
 
+def make_model(seed: int) -> nn.Module:
+    """~0.3M parameters (odd row counts, so the shards are uneven): with AdamW's moments a
+    save is ~3.5 MB in about ten objects, so an upload lasts long enough to be killed in."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(FEATURES, 511), nn.Tanh(), nn.Linear(511, 511), nn.Tanh(),
+                         nn.Linear(511, 1))
+
+
+class Compute(Callback):
+    """50 ms per step outside the GIL, as a GPU step leaves the host thread waiting: the tiny
+    model alone trains 160 steps in about a second, before most uploads could begin."""
+
+    def on_batch_end(self, loop: Loop) -> None:
+        time.sleep(0.05)
+
+
 def main() -> None:
     out = out_dir()
     url, endpoint, label = sys.argv[2:5]
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1"})
-    callbacks: list[Callback] = [FSDP(state_dict="sharded")]
+    callbacks: list[Callback] = [FSDP(state_dict="sharded"), Compute()]
     if label != "reference":
         callbacks.append(Checkpoint(url, every_n_steps=1, keep_last=KEEP, resume=True,
                                     staging_dir=str(out / "staging"), storage_options={
