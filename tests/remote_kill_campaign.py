@@ -4,11 +4,15 @@ then a relaunch to the end, compared with an uninterrupted run (`test_remote_kil
 Children are forked from a forkserver that imported torch once (as `kill_campaign`). After
 each kill: every save the store lists has all its objects, each of the size and SHA-256
 its manifest holds (downloaded and checked); the store lists at most ``KEEP + 1`` rotating
-saves; and the objects without a manifest (a killed upload) are counted.
+saves and ``TOP_K + 1`` ranked ones (``best-val_loss=...``; the one over is a new best
+whose predecessor's deletion the kill cut); and the objects without a manifest (a killed
+upload) are counted. After the relaunch the ranked saves are the ``TOP_K`` steps with the
+lowest validation loss of the uninterrupted run.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import random
@@ -25,7 +29,7 @@ from hookloop.runfile.remote_store import RemoteStore
 
 from builders import adam, make_loop, regression_dataset, shuffled
 
-BATCHES, KEEP = 50, 2
+BATCHES, KEEP, TOP_K = 50, 2, 2
 
 
 def train_until_done(url: str | None, out: str, options: dict, staging: str,
@@ -45,24 +49,44 @@ def train_until_done(url: str | None, out: str, options: dict, staging: str,
             if started is not None:
                 started.set()  # type: ignore[attr-defined]
 
-    callbacks: list[Callback] = [Started()]
+    class Record(Callback):  # each validation's (step, val_loss): the top-k oracle
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, float]] = []
+
+        def on_validation_end(self, loop: Loop) -> None:
+            self.seen.append((loop.state.step, float(loop.state.metrics["val_loss"])))
+
+    record = Record()
+    callbacks: list[Callback] = [Started(), record]
     if url is not None:
         callbacks.insert(0, Checkpoint(url, every_n_steps=1, keep_last=KEEP, resume=True,
+                                       monitor="val_loss", save_top_k=TOP_K,
                                        storage_options=options, staging_dir=staging,
                                        async_save=async_save))
-    loop = make_loop(callbacks, model=model, train=loader, optimizer=adam(1e-4))
+    val = shuffled(regression_dataset(32, features=128, seed=3), 16, seed=4)
+    loop = make_loop(callbacks, model=model, train=loader, val=val, optimizer=adam(1e-4))
     loop.fit(epochs)
+    with open(out + ".json", "w", encoding="utf-8") as file:
+        json.dump(record.seen, file)  # the reference's; a relaunch records only its own
     assert loop.state.step == BATCHES * epochs
     torch.save(loop.model.state_dict(), out)
 
 
 def check_store(store: RemoteStore) -> tuple[int, int]:
-    """Every listed save complete and verified; ``(rotating saves, partial names)``."""
+    """Every listed save complete and verified; ``(rotating saves, partial names)``; at
+    most ``TOP_K + 1`` ranked saves."""
     names = store.saves()
     with tempfile.TemporaryDirectory() as folder:
         for name in names:
             store.download(name, os.path.join(folder, name))  # raises on a missing object
+    assert len(ranked_steps(names)) <= TOP_K + 1, names
     return sum(name.startswith("epoch=") for name in names), len(store.partial())
+
+
+def ranked_steps(names: list[str]) -> list[int]:
+    """The steps of the ranked saves (``best-val_loss=0.25-step=00000030.pt``)."""
+    return sorted(int(name.rsplit("step=", 1)[1].split(".")[0]) for name in names
+                  if name.startswith("best-"))
 
 
 def campaign(url: str, options: dict, staging: str, out: str, *, kills: int, seconds: float,
@@ -111,6 +135,10 @@ def campaign(url: str, options: dict, staging: str, out: str, *, kills: int, sec
         assert torch.equal(resumed[key], value), key
     rotating, partial = check_store(store)
     assert partial == 0 and rotating <= KEEP
+    with open(f"{out}/reference.pt.json", encoding="utf-8") as file:
+        seen = json.load(file)
+    best = sorted(step for step, _ in sorted(seen, key=lambda item: item[1])[:TOP_K])
+    assert ranked_steps(store.saves()) == best, (store.saves(), seen)
     # At the end the store holds exactly the saves of the staging directory.
     assert store.saves() == sorted(name for name in os.listdir(staging) if name.endswith(".pt"))
     return counts

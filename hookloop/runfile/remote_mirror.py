@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -48,6 +49,13 @@ def _key(path: str) -> Any:
         return one(path)
     return tuple(sorted((os.path.relpath(os.path.join(folder, name), path), one(
         os.path.join(folder, name))) for folder, _, names in os.walk(path) for name in names))
+
+
+def _newest(names: list[str]) -> str | None:
+    """The save of the latest step (the step its name ends with), or None."""
+    stepped = [(int(match.group(1)), name) for name in names
+               if (match := re.search(r"step=(\d+)\.\w+$", name))]
+    return max(stepped)[1] if stepped else None
 
 
 class RemoteMirror:
@@ -169,7 +177,12 @@ class RemoteMirror:
         upload, delete on the store the saves the directory no longer holds (but the one
         just uploaded, so the store always keeps its newest complete save); then the
         objects of abandoned uploads. The store holds at most one save beyond the
-        directory's (keep-last and top-k hold on it as on the disk, plus the newest)."""
+        directory's (keep-last and top-k hold on it as on the disk, plus the newest).
+
+        The saves pruned before this sync go first, but for the store's newest: a relaunch
+        replicates the store's saves, the one beyond keep-last among them, and a kill
+        after each next upload would otherwise leave one more there every time."""
+        self._prune(keep=_newest(self.store.saves()))
         last = None
         for name, key in sorted(self._local().items()):
             path = os.path.join(self.staging, name)
