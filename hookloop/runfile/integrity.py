@@ -35,12 +35,13 @@ import torch
 
 from hookloop.base.os_errors import describe_os_error, write_failure
 from hookloop.errors import CheckpointError, CheckpointWriteError
+from hookloop.runfile.digests import recording_file_system
 from hookloop.runfile.storage import link_out_of, link_target
 
 __all__ = ["DIGEST", "KEYS", "FILES_KEY", "SAVE_ID_KEY", "cause_of", "check_files", "control_flow",
            "file_digest", "new_save_id", "read_error", "read_metadata", "record_files",
            "refuse_links",
-           "safe_planner", "verified_reader", "write_error", "writer"]
+           "safe_planner", "verified_reader", "write_error", "writer", "writer_record"]
 
 #: Keys of the ``hookloop`` entry of a directory's plain part, written, checked and read
 #: here: the save's id, and each file's ``{"bytes": size, "sha256": digest}``.
@@ -316,7 +317,8 @@ def safe_planner() -> Any:
 
 
 def writer(path: str, save_id: str) -> Any:
-    """A DCP ``FileSystemWriter`` of ``path`` whose ``.metadata`` records ``save_id``."""
+    """A DCP ``FileSystemWriter`` of ``path`` whose ``.metadata`` records ``save_id``, and
+    which digests each file as it writes it (`writer_record`)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     class RecordingWriter(FileSystemWriter):
@@ -326,7 +328,17 @@ def writer(path: str, save_id: str) -> Any:
 
     recording = RecordingWriter(path)
     recording.save_id = save_id
+    # Each file's size and SHA-256, taken as DCP writes it (`writer_record`): no read-back.
+    recording.fs = recording_file_system()
     return recording
+
+
+def writer_record(storage_writer: Any) -> dict[str, dict[str, Any]]:
+    """``{name: {"bytes": size, "sha256": digest}}`` of the files `writer`'s
+    ``storage_writer`` wrote (this rank's shards; ``.metadata`` on the rank that wrote it)."""
+    storage_writer.fs.close()
+    return {name: {BYTES: size, DIGEST: digest}
+            for name, (size, digest) in storage_writer.fs.record.items()}
 
 
 def _failures(error: BaseException) -> list[BaseException]:

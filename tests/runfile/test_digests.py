@@ -1,0 +1,69 @@
+"""hookloop.runfile.digests: a directory of shards is digested as DCP writes it, in one pass
+(no file of it is read back by the save), and the digests recorded are those of the bytes
+on disk (the oracle: hashlib over each file, read back here)."""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hookloop.runfile import integrity, shard_files
+from hookloop.runfile.checkpoint_files import CheckpointFiles, file_meta
+from hookloop.runfile.digests import HashingWriter
+from hookloop.runfile.format import META, SHARDS, read_payload
+from hookloop.runfile.shard_files import PLAIN_FILE
+
+
+def test_a_sharded_save_reads_none_of_its_files_back_and_records_their_real_digests(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    state = {f"w{index}": torch.randn(300_000) for index in range(3)}  # > 1 MB writes
+    reads: list[str] = []
+    real_open, real_os_open = builtins.open, os.open
+
+    def watched_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if "r" in mode and "+" not in mode and ".tmp-" in str(file):
+            reads.append(str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    def watched_os_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR) == 0 and ".tmp-" in str(path) \
+                and not os.path.isdir(path):  # a directory's fsync reads no shard
+            reads.append(str(path))
+        return real_os_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", watched_open)
+    monkeypatch.setattr(os, "open", watched_os_open)
+    files = CheckpointFiles(str(tmp_path))
+    path = files.write({"hookloop": file_meta("best"), "model": state}, "a.dcp", shards=True)
+    monkeypatch.undo()
+    assert reads == []  # the old save read every shard back to digest it
+    record = read_payload(os.path.join(str(path), PLAIN_FILE), "cpu")[META][integrity.FILES_KEY]
+    on_disk = sorted(name for name in os.listdir(str(path)) if name != PLAIN_FILE)
+    assert sorted(record) == on_disk and ".metadata" in record
+    for name in on_disk:
+        data = (Path(str(path)) / name).read_bytes()
+        assert record[name] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    targets = {"model": {key: torch.empty_like(value) for key, value in state.items()}}
+    shard_files.read_directory(str(path), "cpu")[SHARDS].read_into(targets)
+    assert all(torch.equal(targets["model"][key], state[key]) for key in state)
+
+
+def test_the_hashing_writer_hashes_large_and_small_writes_in_order() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunks = [b"x" * 10, os.urandom(3 << 20), b"yz", bytearray(os.urandom(1 << 20))]
+    sink = io.BytesIO()
+    with ThreadPoolExecutor(1) as pool:
+        writer = HashingWriter(sink, pool)
+        for chunk in chunks:
+            assert writer.write(chunk) == len(chunk)
+    joined = b"".join(bytes(chunk) for chunk in chunks)
+    assert sink.getvalue() == joined and writer.size == len(joined)
+    assert writer.hexdigest() == hashlib.sha256(joined).hexdigest()
+    assert writer.tell() == len(joined)  # the rest is the stream's
