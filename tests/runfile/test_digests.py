@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from hookloop.runfile import integrity, shard_files
@@ -67,3 +68,30 @@ def test_the_hashing_writer_hashes_large_and_small_writes_in_order() -> None:
     assert sink.getvalue() == joined and writer.size == len(joined)
     assert writer.hexdigest() == hashlib.sha256(joined).hexdigest()
     assert writer.tell() == len(joined)  # the rest is the stream's
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io", encoding="ascii") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith("rchar:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io") or os.name != "posix",
+                    reason="reads counted by Linux's /proc/self/io")
+def test_a_single_file_is_verified_and_loaded_without_a_second_pass(tmp_path: Path) -> None:
+    """Every CRC is checked over the mapped file and torch.load maps the same pages: the
+    process reads (read calls) a small part of the file, where the old path read it twice
+    (the CRC pass through zipfile, then torch.load). The tensors are the saved ones, and
+    writing into them leaves the file as it was (the mapping is private)."""
+    state = {f"w{index}": torch.randn(1 << 20) for index in range(4)}  # 16 MB
+    path = str(tmp_path / "a.pt")
+    CheckpointFiles(str(tmp_path)).write({"hookloop": file_meta("best"), "model": state},
+                                         "a.pt")
+    size = os.path.getsize(path)
+    before = _bytes_read()
+    payload = read_payload(path, "cpu")
+    read = _bytes_read() - before
+    assert read < size // 4, (read, size)  # the old path read 2 x size
+    assert all(torch.equal(payload["model"][key], state[key]) for key in state)
+    payload["model"]["w0"].add_(1.0)
+    again = torch.load(path, weights_only=True)
+    assert torch.equal(again["model"]["w0"], state["w0"])
