@@ -6,7 +6,8 @@ item 5 asks for, each as a ratio against the plain torch path.
   same state (``{k: v.detach().to("cpu", copy=True)}`` of the model's and the optimizer's
   tensors), and the step time while a save runs in the background against a step with none.
 * ``file``: a single ``.pt`` file saved by hookloop (`CheckpointFiles.write`: temporary
-  file, fsync, rename; torch.save's CRC-32s) against ``torch.save``, and read back verified
+  file, fsync, rename; torch.save's CRC-32s are its digests) against ``torch.save`` (and
+  against ``torch.save`` with an fsync: the same durability), and read back verified
   (`hookloop.runfile.format.read_payload`: every CRC checked) against ``torch.load``; both
   loads end with the tensors copied into the model's own (as a resume does).
 * ``sharded``: a directory of shards (DCP, one process) with hookloop's save id and
@@ -76,6 +77,8 @@ def _report(label: str, medians: dict[str, tuple[float, float]], gigabytes: floa
           f"load {loaded:.3f} s vs {plain_loaded:.3f} s")
     print(f"{label} verified/plain: save {saved / plain_saved:.3f}x  "
           f"load {loaded / plain_loaded:.3f}x")
+    if "synced" in medians:  # the same durability: the bytes on the disk when it returns
+        print(f"{label} verified/plain+fsync: save {saved / medians['synced'][0]:.3f}x")
 
 
 def single_file(megabytes: int, rounds: int, directory: str) -> None:
@@ -99,7 +102,21 @@ def single_file(megabytes: int, rounds: int, directory: str) -> None:
         os.unlink(path)
         return saved, loaded
 
-    _report("file", _median_pairs(rounds, {"verified": verified, "plain": plain}),
+    def synced() -> tuple[float, float]:
+        path = os.path.join(directory, "synced.pt")
+
+        def save() -> None:
+            with open(path, "wb") as handle:
+                torch.save(payload, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+
+        saved = _timed(save)
+        os.unlink(path)
+        return saved, 0.0
+
+    _report("file", _median_pairs(rounds, {"verified": verified, "plain": plain,
+                                           "synced": synced}),
             megabytes * (1 << 20) / 1e9)
 
 
