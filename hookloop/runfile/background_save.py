@@ -239,7 +239,7 @@ class RotatingWrites:
         `CheckpointWriteError` naming that rank and its cause."""
         if self._writer is None:
             return
-        if not self._pending:
+        if not (self._pending and self._agreeing()):
             self._writer.poll()
             return
         self._agree(done=not self._writer.busy())
@@ -250,7 +250,7 @@ class RotatingWrites:
         position again)."""
         if self._writer is None:
             return
-        if self._pending and raising:
+        if self._pending and raising and self._agreeing():  # the group is still up
             self._agree(done=True)
             return
         self._pending, failure, self._failure = False, self._failure, None
