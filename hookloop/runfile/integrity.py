@@ -107,10 +107,15 @@ def _recorded(directory: str, plain: str) -> set[str]:
             if name != plain and os.path.isfile(os.path.join(directory, name))}
 
 
-def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
+def check_files(directory: str, meta: Mapping[str, Any], plain: str, *,
+                every_rank: bool = False) -> None:
     """Check that the files of the sharded checkpoint ``directory`` are the ones its plain
     part ``plain`` (whose ``hookloop`` entry is ``meta``) recorded: none missing, none
     added, each of the recorded size and SHA-256.
+
+    ``every_rank``: every rank checks the same directory now (a resume): each file is
+    hashed by one rank (they take turns over the sorted names) and what differs is
+    gathered, so every rank raises the same error (a collective then).
 
     Raises:
         CheckpointError: naming the file and what differs; when no file matches, naming
@@ -129,24 +134,20 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
     refuse_links(directory)  # before a size or digest of a foreign file is taken
     present = _recorded(directory, plain)
     differ: list[tuple[str, str]] = []
-    for name in sorted(record):
-        path = os.path.join(directory, name)
-        entry = record[name]
+    rank, ranks = _share(every_rank)
+    for index, name in enumerate(sorted(record)):
         if name not in present:
             differ.append((name, "is missing"))
             continue
-        info = os.lstat(path)
-        size = info.st_size
-        if not stat.S_ISREG(info.st_mode):
-            differ.append((name, "is not a regular file (a link or a device): refused unread"))
-        elif size != entry[BYTES]:
-            how = "truncated, or another file" if size < entry[BYTES] else "another file"
-            differ.append((name, f"is {size} bytes where the save wrote {entry[BYTES]} "
-                                 f"({how})"))
-        elif _digest_or_none(path) != entry[DIGEST]:
-            differ.append((name, "has other bytes than the save wrote (its SHA-256 differs "
-                                 "from the recorded one: flipped bits, or the file of another "
-                                 "save)"))
+        what = _difference(os.path.join(directory, name), record[name],
+                           hashed=index % ranks == rank)
+        if what is not None:
+            differ.append((name, what))
+    if ranks > 1:  # each rank hashed its turns: every rank learns what differs
+        from hookloop import distributed
+
+        differ = sorted({item for part in distributed.all_gather_object(differ)
+                         for item in part})
     for name in sorted(present - set(record)):
         differ.append((name, f"is not a file of save {save_id}"))
     if not differ:
@@ -163,6 +164,33 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
         f"{os.path.join(directory, name)}: {what}{more}; {plain} records save {save_id}. "
         "The directory's files do not belong together, so it is refused before anything "
         "is read. Resume from another checkpoint, or copy this one again from its source.")
+
+
+def _difference(path: str, entry: Mapping[str, Any], *, hashed: bool) -> str | None:
+    """How the file ``path`` differs from its record ``entry`` (its SHA-256 compared only
+    where ``hashed``: this rank's turn), or None."""
+    info = os.lstat(path)
+    size = info.st_size
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file (a link or a device): refused unread"
+    if size != entry[BYTES]:
+        how = "truncated, or another file" if size < entry[BYTES] else "another file"
+        return f"is {size} bytes where the save wrote {entry[BYTES]} ({how})"
+    if hashed and _digest_or_none(path) != entry[DIGEST]:
+        return ("has other bytes than the save wrote (its SHA-256 differs from the recorded "
+                "one: flipped bits, or the file of another save)")
+    return None
+
+
+def _share(every_rank: bool) -> tuple[int, int]:
+    """``(rank, ranks)``: which of a directory's files this rank hashes (every ``ranks``-th
+    from ``rank``); ``(0, 1)``: all of them."""
+    if not every_rank:
+        return 0, 1
+    from hookloop import distributed
+
+    return (distributed.rank(), distributed.world_size()) if distributed.is_initialized() \
+        else (0, 1)
 
 
 def _digest_or_none(path: str) -> str | None:

@@ -378,8 +378,11 @@ class Shards:
                                   f"model or optimizer: {text}") from None
 
 
-def read_directory(path: str, map_location: Any) -> dict[str, Any]:
+def read_directory(path: str, map_location: Any, *, every_rank: bool = False
+                   ) -> dict[str, Any]:
     """The plain part of the sharded checkpoint ``path``, its `Shards` under `SHARDS`.
+    ``every_rank``: every rank reads it now, and the files' digests are split among them
+    (`hookloop.runfile.integrity.check_files`).
 
     Raises:
         CheckpointError: the directory is not a complete sharded checkpoint, or its
@@ -395,7 +398,7 @@ def read_directory(path: str, map_location: Any) -> dict[str, Any]:
             "edited or damaged). Resume from another checkpoint.")
     payload = read_payload(os.path.join(path, PLAIN_FILE), map_location)
     meta = payload[META]
-    integrity.check_files(path, meta, PLAIN_FILE)  # before DCP reads any of them
+    integrity.check_files(path, meta, PLAIN_FILE, every_rank=every_rank)  # before DCP reads
     recorded = integrity.read_metadata(path).storage_meta.save_id
     if recorded != meta[integrity.SAVE_ID_KEY]:
         raise CheckpointError(

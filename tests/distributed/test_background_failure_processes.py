@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -26,3 +27,26 @@ def test_a_background_save_failed_on_rank_0_is_a_named_error_on_every_rank_at_on
         assert "input/output error" in error["message"], error
         assert error["step"] == 4, error
     assert "failed on rank 0" in errors[1]["message"]
+
+
+@pytest.mark.slow
+def test_at_a_resume_on_two_ranks_each_file_is_hashed_by_one_rank(tmp_path: Path) -> None:
+    """Each file of the newest directory hashed once in all (before: once per rank), the
+    resumed weights those the run saved, and a bit flipped in a file rank 1 hashes refused
+    by name on both ranks with the same message."""
+    from launch import run_ok
+
+    run_ok(SCRIPTS / "digest_split.py", str(tmp_path))
+    seen = [read(tmp_path, "hashed", rank) for rank in (0, 1)]
+    newest = seen[0]["newest"]
+    files = sorted(name for name in os.listdir(tmp_path / "ckpt" / newest)
+                   if name != "hookloop.pt")
+    hashed = [sorted(item for item in part["files"] if item.startswith(newest))
+              for part in seen]
+    assert sorted(hashed[0] + hashed[1]) == [f"{newest}/{name}" for name in files]
+    assert not set(hashed[0]) & set(hashed[1]) and hashed[0] and hashed[1]
+    damaged = [read(tmp_path, "damaged", rank) for rank in (0, 1)]
+    assert damaged[0]["error"] is not None and damaged[0]["error"] == damaged[1]["error"]
+    assert damaged[0]["file"] in damaged[0]["error"]
+    assert "other bytes than the save wrote" in damaged[0]["error"]
+    assert f"damaged/{damaged[0]['file']}" in str(damaged[1]["hashed"])  # rank 1's turn
