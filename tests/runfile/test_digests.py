@@ -8,6 +8,7 @@ import builtins
 import hashlib
 import io
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +96,22 @@ def test_a_single_file_is_verified_and_loaded_without_a_second_pass(tmp_path: Pa
     payload["model"]["w0"].add_(1.0)
     again = torch.load(path, weights_only=True)
     assert torch.equal(again["model"]["w0"], state["w0"])
+
+
+@pytest.mark.parametrize("spare", [False, True], ids=["inline", "beside"])
+def test_both_ways_of_hashing_record_the_digests_of_the_bytes_on_disk(
+        tmp_path: Path, monkeypatch: Any, spare: bool) -> None:
+    """Hashed inline (2 cores) or in the helper thread beside each large write (cores to
+    spare): the same digests, those of the files read back here."""
+    from hookloop.runfile import digests
+
+    monkeypatch.setattr(digests, "_SPARE_CORES", 1 if spare else 1 << 20)
+    state = {f"w{index}": torch.randn(400_000) for index in range(3)}
+    files = CheckpointFiles(str(tmp_path))
+    path = files.write({"hookloop": file_meta("best"), "model": state}, "a.dcp", shards=True)
+    record = read_payload(os.path.join(str(path), PLAIN_FILE), "cpu")[META][integrity.FILES_KEY]
+    for name, entry in record.items():
+        data = (Path(str(path)) / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert not any(thread.name.startswith("hookloop-digest") and thread.is_alive()
+                   for thread in threading.enumerate())  # the helper stopped with the save
