@@ -46,8 +46,7 @@ _FILE, _DIRECTORY = ".pt", ".dcp"
 _SUFFIX = r"\.(?:pt|dcp)"
 
 
-def read_checkpoint(path: str, map_location: Any, *, every_rank: bool = False
-                    ) -> dict[str, Any]:
+def read_checkpoint(path: str, map_location: Any, *, every_rank: bool = False) -> dict[str, Any]:
     """A checkpoint file (`hookloop.runfile.format.read_payload`) or directory of shards
     (`hookloop.runfile.shard_files.read_directory`: its tensors are read when the run is
     restored): what a resume, a rollback and the ranking's recovery read. ``every_rank``:

@@ -265,7 +265,8 @@ def check_payload(path: str, payload: Mapping[str, Any]) -> None:
 # --------------------------------------------------------------------------- reading
 def _check_container(path: str) -> bool:
     """The file is there, not empty, and a whole ``torch.save`` archive (its CRCs checked
-    by `hookloop.runfile.storage.verify_archive`: True), or a legacy pickle (False)."""
+    by `hookloop.runfile.storage.verify_archive`: True where ``torch.load`` may map it, on
+    POSIX), or a legacy pickle (False)."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as handle:
@@ -293,16 +294,14 @@ def _check_container(path: str) -> bool:
             f"with {head!r}).")
     if head.startswith(b"PK"):
         verify_archive(path)
-        return True
-    return False
+    return head.startswith(b"PK") and os.name == "posix"  # (Windows cannot unlink a mapped file)
 
 
 def _load(path: str, map_location: Any, *, mapped: bool = False) -> Any:
     try:
         # mapped: the archive's pages, which verify_archive has just read, are mapped, not
-        # read again (POSIX: Windows cannot replace or delete a mapped file).
-        return torch.load(path, map_location=map_location, weights_only=True,
-                          mmap=mapped and os.name == "posix")
+        # read again.
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mapped)
     except Exception as error:  # noqa: BLE001 - every failure becomes one clear error
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if "weights_only" in str(error) or "Weights only" in str(error):

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from hookloop import distributed
 from hookloop.base.os_errors import describe_os_error, write_failure
 from hookloop.errors import CheckpointError, CheckpointWriteError
 from hookloop.runfile.digests import recording_file_system
@@ -134,7 +135,8 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str, *,
     refuse_links(directory)  # before a size or digest of a foreign file is taken
     present = _recorded(directory, plain)
     differ: list[tuple[str, str]] = []
-    rank, ranks = _share(every_rank)
+    ranks = distributed.world_size() if every_rank else 1  # 1 without a process group
+    rank = distributed.rank() if ranks > 1 else 0
     for index, name in enumerate(sorted(record)):
         if name not in present:
             differ.append((name, "is missing"))
@@ -144,8 +146,6 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str, *,
         if what is not None:
             differ.append((name, what))
     if ranks > 1:  # each rank hashed its turns: every rank learns what differs
-        from hookloop import distributed
-
         differ = sorted({item for part in distributed.all_gather_object(differ)
                          for item in part})
     for name in sorted(present - set(record)):
@@ -180,17 +180,6 @@ def _difference(path: str, entry: Mapping[str, Any], *, hashed: bool) -> str | N
         return ("has other bytes than the save wrote (its SHA-256 differs from the recorded "
                 "one: flipped bits, or the file of another save)")
     return None
-
-
-def _share(every_rank: bool) -> tuple[int, int]:
-    """``(rank, ranks)``: which of a directory's files this rank hashes (every ``ranks``-th
-    from ``rank``); ``(0, 1)``: all of them."""
-    if not every_rank:
-        return 0, 1
-    from hookloop import distributed
-
-    return (distributed.rank(), distributed.world_size()) if distributed.is_initialized() \
-        else (0, 1)
 
 
 def _digest_or_none(path: str) -> str | None:

@@ -441,71 +441,44 @@ def verify_archive(path: str) -> None:
         >>> verify_archive(path)  # intact: returns None
     """
     try:
-        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0,
-                                                   access=mmap.ACCESS_READ) as mapped:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ
+                                                   ) as mapped, memoryview(mapped) as view:
             with zipfile.ZipFile(handle) as archive:  # its central directory only
                 records = archive.infolist()
-            for info in records:
-                _check_record(path, info)
-            view = memoryview(mapped)
-            try:
-                for info in records:
-                    _check_crc(path, info, view)
-            finally:
-                view.release()
+            for info in records:  # its bytes follow its local header, as zip readers find them
+                if info.flag_bits & 0x1:
+                    raise CheckpointError(
+                        f"{path}: record {info.filename!r} is encrypted; torch.save never "
+                        "writes encrypted records, so this is not a checkpoint. Refused.")
+                if info.compress_type != zipfile.ZIP_STORED:
+                    method = _COMPRESSION_NAMES.get(info.compress_type, f"method {info.compress_type}")
+                    raise CheckpointError(
+                        f"{path}: record {info.filename!r} is compressed ({method}, "
+                        f"{info.compress_size} bytes claiming {info.file_size}); torch.save "
+                        "never compresses records, so the file was repacked or crafted. "
+                        "Refused without inflating it; load it with torch.load yourself if "
+                        "you trust it.")
+                if info.compress_size != info.file_size:
+                    raise CheckpointError(
+                        f"{path}: record {info.filename!r} is damaged (its stored size "
+                        f"{info.compress_size} differs from its size {info.file_size}).")
+                magic, name, extra = _LOCAL_HEADER.unpack_from(view, info.header_offset)
+                begin = info.header_offset + _LOCAL_HEADER.size + name + extra
+                # Released before the unmap. A damaged header or a cut-off record reads
+                # other (or fewer) bytes: its CRC fails.
+                with view[begin:begin + info.file_size] as data:
+                    if magic != b"PK\x03\x04" or zlib.crc32(data) != info.CRC:
+                        raise CheckpointError(
+                            f"{path}: the file is damaged: Bad CRC-32 for file {info.filename!r}"
+                            " (its bytes changed after it was written: a disk, memory or copy "
+                            "error). Delete it to resume from an older one, or copy it again.")
     except CheckpointError:
         raise
-    except zipfile.BadZipFile as error:
+    except (zipfile.BadZipFile, struct.error) as error:
         raise CheckpointError(f"{path}: the file is truncated or corrupt ({error}).") from None
     except (OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as error:
         raise CheckpointError(
             f"{path}: the file is truncated or corrupt ({type(error).__name__}: {error}).") from None
-
-
-def _check_record(path: str, info: zipfile.ZipInfo) -> None:
-    """Refuse a record ``torch.save`` never writes (encrypted, compressed, mis-sized)."""
-    if info.flag_bits & 0x1:
-        raise CheckpointError(
-            f"{path}: record {info.filename!r} is encrypted; torch.save never "
-            "writes encrypted records, so this is not a checkpoint. Refused.")
-    if info.compress_type != zipfile.ZIP_STORED:
-        method = _COMPRESSION_NAMES.get(info.compress_type, f"method {info.compress_type}")
-        raise CheckpointError(
-            f"{path}: record {info.filename!r} is compressed ({method}, "
-            f"{info.compress_size} bytes claiming {info.file_size}); torch.save "
-            "never compresses records, so the file was repacked or crafted. "
-            "Refused without inflating it; load it with torch.load yourself if "
-            "you trust it.")
-    if info.compress_size != info.file_size:
-        raise CheckpointError(
-            f"{path}: record {info.filename!r} is damaged (its stored size "
-            f"{info.compress_size} differs from its size {info.file_size}).")
-
-
-def _check_crc(path: str, info: zipfile.ZipInfo, view: memoryview) -> None:
-    """Check the CRC-32 of the record ``info`` over the mapped file ``view``, after its
-    local header (which must name the same record)."""
-    start = info.header_offset
-    header = bytes(view[start:start + _LOCAL_HEADER.size])
-    if len(header) < _LOCAL_HEADER.size:
-        raise zipfile.BadZipFile(f"the header of record {info.filename!r} is cut off")
-    magic, name_length, extra_length = _LOCAL_HEADER.unpack(header)
-    name = bytes(view[start + _LOCAL_HEADER.size:start + _LOCAL_HEADER.size + name_length])
-    if magic != b"PK\x03\x04" or name != info.orig_filename.encode("utf-8"):
-        raise zipfile.BadZipFile(f"the header of record {info.filename!r} is damaged")
-    begin = start + _LOCAL_HEADER.size + name_length + extra_length
-    data = view[begin:begin + info.file_size]
-    if data.nbytes != info.file_size:
-        raise zipfile.BadZipFile(f"record {info.filename!r} is cut off")
-    try:
-        if zlib.crc32(data) != info.CRC:
-            raise CheckpointError(
-                f"{path}: the file is damaged: Bad CRC-32 for file {info.filename!r} (the "
-                "bytes of that record changed after the file was written: a disk, memory "
-                "or copy error). Delete it to resume from an older checkpoint, or copy it "
-                "again from its source.")
-    finally:
-        data.release()
 
 
 def snapshot(source: str, target: str) -> None:
