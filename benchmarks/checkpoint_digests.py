@@ -35,7 +35,7 @@ from hookloop.runfile.format import SHARDS
 def without_digests() -> Iterator[None]:
     """The save records no digest and the load checks none (the save id stays)."""
     record, check = shard_files._gathered_record, integrity.check_files
-    shard_files._gathered_record = lambda directory, group: {}  # type: ignore[assignment]
+    shard_files._gathered_record = lambda own, group: {}  # type: ignore[assignment]
     integrity.check_files = lambda directory, meta, plain: None  # type: ignore[assignment]
     try:
         yield

@@ -240,7 +240,7 @@ class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: hookloop/c
 
     # ------------------------------------------------------------------ inside
     def _resume_from(self, loop: Loop, path: str, *, rollback: bool = False) -> None:
-        payload = self.files.read_resume(path)
+        payload = self.files.read_resume(path, every_rank=True)  # every rank resumes here
         if rollback and distributed.is_main():
             self.files.retire_after(payload, path)
         loop.load_state_dict(payload, source=path)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from hookloop import distributed
 from hookloop.base.checks import check_flag
+from hookloop.errors import CheckpointWriteError
 from hookloop.parallel.suspension import TimedSaves
 from hookloop.runfile.checkpoint_files import CheckpointFiles
 from hookloop.runfile.shard_files import contains_shards
@@ -118,6 +119,10 @@ class BackgroundWriter:
                                         daemon=True)
         self._thread.start()
 
+    def busy(self) -> bool:
+        """Whether a write is running."""
+        return self._thread is not None and self._thread.is_alive()
+
     def poll(self) -> None:
         """Hand back a write that finished (without waiting for one that did not)."""
         if self._thread is not None and not self._thread.is_alive():
@@ -169,7 +174,8 @@ class RotatingWrites:
         self._writer = BackgroundWriter() if check_flag("Checkpoint async_save",
                                                         background) else None
         self._side: tuple[Any, Any] | None = None  # (default group, its gloo twin)
-        self._collective = False  # the write in flight is every rank's (a directory of shards)
+        self._pending = False  # several ranks: a write's outcome is not agreed yet
+        self._failure: BaseException | None = None  # this rank's, until agreed
         #: Path of the newest complete rotating checkpoint written (or resumed from).
         self.last_path: str | None = None
 
@@ -184,7 +190,7 @@ class RotatingWrites:
         metrics = dict(metrics)
         shards = contains_shards(run)
         if self._writer is None or now or not (shards or distributed.is_main()):
-            self.wait()
+            self.wait(raising=not now)  # now: the exception path drained it, no collective
             try:
                 path = self.files.write_resume(run, epoch, step, metrics, shards=shards)
             except BaseException:
@@ -192,10 +198,10 @@ class RotatingWrites:
                 raise
             if path is not None:
                 self._written(path)
+            self._pending = self._writer is not None and not now and self._agreeing()
             return
         group = self._side_group() if shards and distributed.is_initialized() else None
         self.wait()
-        self._collective = group is not None and distributed.world_size() > 1
         copied = host_copy(run)  # what the training step waits for
 
         def write() -> str | None:
@@ -204,6 +210,12 @@ class RotatingWrites:
 
         self._writer.submit(write, on_failure=lambda error: failed(),
                             on_done=lambda path: None if path is None else self._written(path))
+        self._pending = self._agreeing()
+
+    @staticmethod
+    def _agreeing() -> bool:
+        """Whether the ranks agree on each background write's outcome (several ranks)."""
+        return distributed.is_initialized() and distributed.world_size() > 1
 
     def _side_group(self) -> Any:
         """A gloo group over every rank, made once per default group (every rank makes it
@@ -220,22 +232,58 @@ class RotatingWrites:
     def poll(self) -> None:
         """At a step boundary: finish a write that completed; raise one that failed.
 
-        Not for a directory of shards on several ranks: each rank's thread may end before
-        or after its own step boundary, so ranks would raise at different steps (and the
-        others wait in a collective for one that left). Its outcome is handed back at the
-        next save or the epoch's end (`wait`), where every rank is at the same step."""
-        if self._writer is not None and not self._collective:
+        On several ranks every rank learns at the same boundary that the write is over on
+        all of them (one small all-reduce per step while a write is in flight, from the
+        main thread: in order with the training's collectives), and then each raises a
+        failure: the rank whose write failed its own error, the others a
+        `CheckpointWriteError` naming that rank and its cause."""
+        if self._writer is None:
+            return
+        if not (self._pending and self._agreeing()):
             self._writer.poll()
+            return
+        self._agree(done=not self._writer.busy())
 
     def wait(self, *, raising: bool = True) -> None:
-        """Wait for the write in flight; ``raising=False`` drops its failure (the exception
-        path saves that position again)."""
-        if self._writer is not None:
+        """Wait for the write in flight; ``raising=False`` drops its failure and takes no
+        collective (the exception path: the other ranks may be gone; it saves that
+        position again)."""
+        if self._writer is None:
+            return
+        if self._pending and raising and self._agreeing():  # the group is still up
+            self._agree(done=True)
+            return
+        self._pending, failure, self._failure = False, self._failure, None
+        if failure is not None and raising:
+            raise failure
+        try:
+            self._writer.wait()
+        except Exception:
+            if raising:
+                raise
+
+    def _agree(self, *, done: bool) -> None:
+        """Every rank: is every rank's write over, and did one fail? Then hand it back."""
+        if done:
             try:
-                self._writer.wait()
-            except Exception:
-                if raising:
-                    raise
+                self._writer.wait()  # type: ignore[union-attr]
+            except Exception as error:  # kept until every rank is over
+                self._failure = error
+        flags = torch.tensor([0.0 if done else 1.0, 0.0 if self._failure is None else 1.0],
+                             device=distributed.collective_device())
+        agreed = distributed.all_reduce_max(flags).tolist()
+        if agreed[0] > 0:  # a rank's write is still in flight: ask again at the next step
+            return
+        own, self._failure, self._pending = self._failure, None, False
+        if agreed[1] == 0:
+            return
+        told = distributed.all_gather_object(None if own is None else str(own))
+        if own is not None:
+            raise own
+        rank, said = next((rank, text) for rank, text in enumerate(told) if text is not None)
+        raise CheckpointWriteError(
+            f"Checkpoint: the background save failed on rank {rank}, so this rank stops "
+            f"too (every rank stops at the same step): {said}")
 
     def close(self, *, release: bool) -> None:
         """At fit end: wait for the write in flight, then (``release``: rank 0) give the

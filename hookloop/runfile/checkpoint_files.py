@@ -46,12 +46,13 @@ _FILE, _DIRECTORY = ".pt", ".dcp"
 _SUFFIX = r"\.(?:pt|dcp)"
 
 
-def read_checkpoint(path: str, map_location: Any) -> dict[str, Any]:
+def read_checkpoint(path: str, map_location: Any, *, every_rank: bool = False) -> dict[str, Any]:
     """A checkpoint file (`hookloop.runfile.format.read_payload`) or directory of shards
     (`hookloop.runfile.shard_files.read_directory`: its tensors are read when the run is
-    restored): what a resume, a rollback and the ranking's recovery read."""
+    restored): what a resume, a rollback and the ranking's recovery read. ``every_rank``:
+    every rank reads it now (a resume: a directory's digests are split among them)."""
     if os.path.isdir(path):
-        return read_directory(path, map_location)
+        return read_directory(path, map_location, every_rank=every_rank)
     return read_payload(path, map_location)
 
 
@@ -328,8 +329,9 @@ class CheckpointFiles:
         return False
 
     # ---------------------------------------------------------------- reading
-    def read_resume(self, path: str) -> dict[str, Any]:
-        """A training state to resume from, checked to be one (not a best file, same format).
+    def read_resume(self, path: str, *, every_rank: bool = False) -> dict[str, Any]:
+        """A training state to resume from, checked to be one (not a best file, same format);
+        ``every_rank``: every rank reads it now (see `read_checkpoint`).
 
         Raises:
             CheckpointError: naming the file and what to do instead.
@@ -337,7 +339,7 @@ class CheckpointFiles:
         # Onto the CPU, never the device recorded in the file; the loop copies each tensor
         # to where its model, optimizer or callback lives.
         try:
-            payload = read_checkpoint(path, torch.device("cpu"))
+            payload = read_checkpoint(path, torch.device("cpu"), every_rank=every_rank)
         except CheckpointError as error:
             raise self.newest_damaged(path, error) from None
         meta = payload[META]

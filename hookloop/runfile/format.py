@@ -263,9 +263,10 @@ def check_payload(path: str, payload: Mapping[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- reading
-def _check_container(path: str) -> None:
+def _check_container(path: str) -> bool:
     """The file is there, not empty, and a whole ``torch.save`` archive (its CRCs checked
-    by `hookloop.runfile.storage.verify_archive`), or a legacy pickle."""
+    by `hookloop.runfile.storage.verify_archive`: True where ``torch.load`` may map it, on
+    POSIX), or a legacy pickle (False)."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as handle:
@@ -293,11 +294,14 @@ def _check_container(path: str) -> None:
             f"with {head!r}).")
     if head.startswith(b"PK"):
         verify_archive(path)
+    return head.startswith(b"PK") and os.name == "posix"  # (Windows cannot unlink a mapped file)
 
 
-def _load(path: str, map_location: Any) -> Any:
+def _load(path: str, map_location: Any, *, mapped: bool = False) -> Any:
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        # mapped: the archive's pages, which verify_archive has just read, are mapped, not
+        # read again.
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mapped)
     except Exception as error:  # noqa: BLE001 - every failure becomes one clear error
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if "weights_only" in str(error) or "Weights only" in str(error):
@@ -314,12 +318,13 @@ def read_payload(path: str | os.PathLike[str], map_location: Any) -> dict[str, A
     """Load a hookloop checkpoint file safely, or raise `CheckpointError` saying what is
     wrong.
 
-    The archive's CRCs are checked first (`hookloop.runfile.storage.verify_archive`), then it is
-    loaded with ``torch.load(weights_only=True)`` and its layout checked (`check_payload`).
+    The archive's CRCs are checked first (`hookloop.runfile.storage.verify_archive`, the one
+    read of the file), then it is loaded with ``torch.load(weights_only=True, mmap=True)``
+    from the same pages (on POSIX: tensors loaded to the CPU stay backed by the file's
+    pages, copied on write) and its layout checked (`check_payload`).
     """
     path = os.fspath(path)
-    _check_container(path)
-    payload = _load(path, map_location)
+    payload = _load(path, map_location, mapped=_check_container(path))
     if not isinstance(payload, dict) or not isinstance(payload.get(META), dict):
         keys = (f"top-level keys: {', '.join(map(str, list(payload)[:8]))}"
                 if isinstance(payload, dict)

@@ -33,14 +33,16 @@ from typing import Any
 
 import torch
 
+from hookloop import distributed
 from hookloop.base.os_errors import describe_os_error, write_failure
 from hookloop.errors import CheckpointError, CheckpointWriteError
+from hookloop.runfile.digests import recording_file_system
 from hookloop.runfile.storage import link_out_of, link_target
 
 __all__ = ["DIGEST", "KEYS", "FILES_KEY", "SAVE_ID_KEY", "cause_of", "check_files", "control_flow",
            "file_digest", "new_save_id", "read_error", "read_metadata", "record_files",
            "refuse_links",
-           "safe_planner", "verified_reader", "write_error", "writer"]
+           "safe_planner", "verified_reader", "write_error", "writer", "writer_record"]
 
 #: Keys of the ``hookloop`` entry of a directory's plain part, written, checked and read
 #: here: the save's id, and each file's ``{"bytes": size, "sha256": digest}``.
@@ -106,10 +108,15 @@ def _recorded(directory: str, plain: str) -> set[str]:
             if name != plain and os.path.isfile(os.path.join(directory, name))}
 
 
-def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
+def check_files(directory: str, meta: Mapping[str, Any], plain: str, *,
+                every_rank: bool = False) -> None:
     """Check that the files of the sharded checkpoint ``directory`` are the ones its plain
     part ``plain`` (whose ``hookloop`` entry is ``meta``) recorded: none missing, none
     added, each of the recorded size and SHA-256.
+
+    ``every_rank``: every rank checks the same directory now (a resume): each file is
+    hashed by one rank (they take turns over the sorted names) and what differs is
+    gathered, so every rank raises the same error (a collective then).
 
     Raises:
         CheckpointError: naming the file and what differs; when no file matches, naming
@@ -128,24 +135,19 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
     refuse_links(directory)  # before a size or digest of a foreign file is taken
     present = _recorded(directory, plain)
     differ: list[tuple[str, str]] = []
-    for name in sorted(record):
-        path = os.path.join(directory, name)
-        entry = record[name]
+    ranks = distributed.world_size() if every_rank else 1  # 1 without a process group
+    rank = distributed.rank() if ranks > 1 else 0
+    for index, name in enumerate(sorted(record)):
         if name not in present:
             differ.append((name, "is missing"))
             continue
-        info = os.lstat(path)
-        size = info.st_size
-        if not stat.S_ISREG(info.st_mode):
-            differ.append((name, "is not a regular file (a link or a device): refused unread"))
-        elif size != entry[BYTES]:
-            how = "truncated, or another file" if size < entry[BYTES] else "another file"
-            differ.append((name, f"is {size} bytes where the save wrote {entry[BYTES]} "
-                                 f"({how})"))
-        elif _digest_or_none(path) != entry[DIGEST]:
-            differ.append((name, "has other bytes than the save wrote (its SHA-256 differs "
-                                 "from the recorded one: flipped bits, or the file of another "
-                                 "save)"))
+        what = _difference(os.path.join(directory, name), record[name],
+                           hashed=index % ranks == rank)
+        if what is not None:
+            differ.append((name, what))
+    if ranks > 1:  # each rank hashed its turns: every rank learns what differs
+        differ = sorted({item for part in distributed.all_gather_object(differ)
+                         for item in part})
     for name in sorted(present - set(record)):
         differ.append((name, f"is not a file of save {save_id}"))
     if not differ:
@@ -162,6 +164,22 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str) -> None:
         f"{os.path.join(directory, name)}: {what}{more}; {plain} records save {save_id}. "
         "The directory's files do not belong together, so it is refused before anything "
         "is read. Resume from another checkpoint, or copy this one again from its source.")
+
+
+def _difference(path: str, entry: Mapping[str, Any], *, hashed: bool) -> str | None:
+    """How the file ``path`` differs from its record ``entry`` (its SHA-256 compared only
+    where ``hashed``: this rank's turn), or None."""
+    info = os.lstat(path)
+    size = info.st_size
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file (a link or a device): refused unread"
+    if size != entry[BYTES]:
+        how = "truncated, or another file" if size < entry[BYTES] else "another file"
+        return f"is {size} bytes where the save wrote {entry[BYTES]} ({how})"
+    if hashed and _digest_or_none(path) != entry[DIGEST]:
+        return ("has other bytes than the save wrote (its SHA-256 differs from the recorded "
+                "one: flipped bits, or the file of another save)")
+    return None
 
 
 def _digest_or_none(path: str) -> str | None:
@@ -316,7 +334,8 @@ def safe_planner() -> Any:
 
 
 def writer(path: str, save_id: str) -> Any:
-    """A DCP ``FileSystemWriter`` of ``path`` whose ``.metadata`` records ``save_id``."""
+    """A DCP ``FileSystemWriter`` of ``path`` whose ``.metadata`` records ``save_id``, and
+    which digests each file as it writes it (`writer_record`)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     class RecordingWriter(FileSystemWriter):
@@ -326,7 +345,17 @@ def writer(path: str, save_id: str) -> Any:
 
     recording = RecordingWriter(path)
     recording.save_id = save_id
+    # Each file's size and SHA-256, taken as DCP writes it (`writer_record`): no read-back.
+    recording.fs = recording_file_system()
     return recording
+
+
+def writer_record(storage_writer: Any) -> dict[str, dict[str, Any]]:
+    """``{name: {"bytes": size, "sha256": digest}}`` of the files `writer`'s
+    ``storage_writer`` wrote (this rank's shards; ``.metadata`` on the rank that wrote it)."""
+    storage_writer.fs.close()
+    return {name: {BYTES: size, DIGEST: digest}
+            for name, (size, digest) in storage_writer.fs.record.items()}
 
 
 def _failures(error: BaseException) -> list[BaseException]:

@@ -16,7 +16,8 @@ rank 0 wrote ``hookloop.pt``: a kill at any point leaves the earlier checkpoints
 were and at worst a temporary directory, which the next start deletes.
 
 ``hookloop.pt`` records the save's id (also in ``.metadata``) and the size and SHA-256 of
-every other file (each rank digests the shards it wrote); `read_directory` checks them
+every other file (each rank digests the shards it writes as DCP writes them, in one pass:
+`hookloop.runfile.digests`); `read_directory` checks them
 before DCP reads a byte, and DCP reads through `hookloop.runfile.integrity`'s reader, which admits
 only DCP's metadata classes (see that module). A final-named directory that is not
 complete was damaged: it is listed, and reading it is a `CheckpointError` naming it.
@@ -135,31 +136,15 @@ def split_shards(payload: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, 
 _failed = integrity.write_error
 
 
-def _own_files(directory: str, rank: int) -> dict[str, dict[str, Any]]:
-    """The record (`hookloop.runfile.integrity.record_files`) of the shard files rank ``rank`` of a
-    save wrote in ``directory`` (DCP names them ``__<rank>_<n>.distcp``), and of
-    ``.metadata`` on rank 0."""
-    names = [name for name in os.listdir(directory) if name.startswith(f"__{rank}_")]
-    return integrity.record_files(directory, names + ([_METADATA] if rank == 0 else []))
-
-
-def _gathered_record(directory: str, group: Any) -> dict[str, dict[str, Any]] | str:
-    """Every rank's `_own_files`, merged on every rank; or the first failure's text."""
+def _gathered_record(own: dict[str, dict[str, Any]], group: Any) -> dict[str, dict[str, Any]]:
+    """Every rank's record of the files it wrote (`hookloop.runfile.integrity.writer_record`:
+    digested as DCP wrote them), merged on every rank."""
     import torch.distributed as dist
 
-    grouped = distributed.is_initialized()
-    rank = dist.get_rank(group) if grouped else 0
-    try:
-        own: dict[str, Any] | str = _own_files(directory, rank)
-    except OSError as error:
-        own = f"reading back the shards of rank {rank}: {integrity.cause_of(error)}"
     parts: list[Any] = [own]
-    if grouped and dist.get_world_size(group) > 1:
+    if distributed.is_initialized() and dist.get_world_size(group) > 1:
         parts = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, own, group=group)
-    failed = [part for part in parts if isinstance(part, str)]
-    if failed:
-        return failed[0]
     return {name: entry for part in parts for name, entry in part.items()}
 
 
@@ -242,12 +227,13 @@ def write_directory(payload: Mapping[str, Any], path: str, *, group: Any = None)
         os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}{TEMP_SUFFIX}") if main else "",
         group=group)
     save_id = integrity.new_save_id()
+    storage_writer = integrity.writer(temporary, save_id)
     try:
         # DCP gathers every rank's outcome: a failure on one rank raises on all of them (a
         # CheckpointException, a BaseException: caught here, Ctrl-C and exit excepted).
-        dcp.save(tensors, storage_writer=integrity.writer(temporary, save_id),
-                 process_group=group)
+        dcp.save(tensors, storage_writer=storage_writer, process_group=group)
     except BaseException as error:
+        integrity.writer_record(storage_writer)  # its helper thread stops
         if main:
             shutil.rmtree(temporary, ignore_errors=True)
         stop = integrity.control_flow(error)
@@ -255,13 +241,10 @@ def write_directory(payload: Mapping[str, Any], path: str, *, group: Any = None)
             raise stop from None
         raise _failed(path, error, "writing the shards (torch.distributed.checkpoint.save)"
                       ) from None
-    record = _gathered_record(temporary, group)  # each rank digests its own shards
+    # Each rank digested its own shards as DCP wrote them.
+    record = _gathered_record(integrity.writer_record(storage_writer), group)
     failure: Exception | None = None
-    if isinstance(record, str):
-        failure = CheckpointWriteError(f"Cannot write the sharded checkpoint {path}: {record}.")
-        if main:
-            shutil.rmtree(temporary, ignore_errors=True)
-    elif main:
+    if main:
         plain[META] = {**plain.get(META, {}), integrity.SAVE_ID_KEY: save_id,
                              integrity.FILES_KEY: record}
         try:
@@ -395,8 +378,11 @@ class Shards:
                                   f"model or optimizer: {text}") from None
 
 
-def read_directory(path: str, map_location: Any) -> dict[str, Any]:
+def read_directory(path: str, map_location: Any, *, every_rank: bool = False
+                   ) -> dict[str, Any]:
     """The plain part of the sharded checkpoint ``path``, its `Shards` under `SHARDS`.
+    ``every_rank``: every rank reads it now, and the files' digests are split among them
+    (`hookloop.runfile.integrity.check_files`).
 
     Raises:
         CheckpointError: the directory is not a complete sharded checkpoint, or its
@@ -412,7 +398,7 @@ def read_directory(path: str, map_location: Any) -> dict[str, Any]:
             "edited or damaged). Resume from another checkpoint.")
     payload = read_payload(os.path.join(path, PLAIN_FILE), map_location)
     meta = payload[META]
-    integrity.check_files(path, meta, PLAIN_FILE)  # before DCP reads any of them
+    integrity.check_files(path, meta, PLAIN_FILE, every_rank=every_rank)  # before DCP reads
     recorded = integrity.read_metadata(path).storage_meta.save_id
     if recorded != meta[integrity.SAVE_ID_KEY]:
         raise CheckpointError(

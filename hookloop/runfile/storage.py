@@ -7,12 +7,15 @@ reads what a file holds; this module does the file work under both.
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import stat
+import struct
 import tempfile
 import warnings
 import zipfile
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
 from typing import Any
@@ -409,6 +412,9 @@ def link_atomic(source: str, path: str) -> None:
     _replace_atomically(path, fill)
 
 
+# A zip local file header: its signature, then (after 22 bytes) the lengths of the name and
+# of the extra field that precede the record's bytes.
+_LOCAL_HEADER = struct.Struct("<4s22xHH")
 _COMPRESSION_NAMES = {zipfile.ZIP_DEFLATED: "deflate", zipfile.ZIP_BZIP2: "bzip2",
                       zipfile.ZIP_LZMA: "lzma"}
 
@@ -418,10 +424,12 @@ def verify_archive(path: str) -> None:
 
     ``torch.save`` writes a zip archive of stored (uncompressed) records, each with a
     CRC-32 of its bytes, but ``torch.load`` never checks those CRCs: a flipped byte in
-    tensor data loads silently as a wrong weight. This reads every record once and checks
-    its CRC (reading the file a second time: about as long as the load itself, from the
-    page cache). A compressed or encrypted record (which ``torch.save`` never writes) is
-    refused before anything is inflated, so a small crafted file cannot fill the memory.
+    tensor data loads silently as a wrong weight. This maps the file and checks each
+    record's CRC over the mapped bytes: the one read of the file, whose pages
+    ``torch.load(mmap=True)`` then maps again (`hookloop.runfile.format.read_payload`), so
+    the load makes no second pass over it. A compressed or encrypted record (which
+    ``torch.save`` never writes) is refused before anything is inflated, so a small crafted
+    file cannot fill the memory.
 
     Raises:
         CheckpointError: naming the file, the record and what is wrong.
@@ -433,9 +441,11 @@ def verify_archive(path: str) -> None:
         >>> verify_archive(path)  # intact: returns None
     """
     try:
-        with zipfile.ZipFile(path) as archive:
-            records = archive.infolist()
-            for info in records:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ
+                                                   ) as mapped, memoryview(mapped) as view:
+            with zipfile.ZipFile(handle) as archive:  # its central directory only
+                records = archive.infolist()
+            for info in records:  # its bytes follow its local header, as zip readers find them
                 if info.flag_bits & 0x1:
                     raise CheckpointError(
                         f"{path}: record {info.filename!r} is encrypted; torch.save never "
@@ -452,20 +462,20 @@ def verify_archive(path: str) -> None:
                     raise CheckpointError(
                         f"{path}: record {info.filename!r} is damaged (its stored size "
                         f"{info.compress_size} differs from its size {info.file_size}).")
-            for info in records:
-                with archive.open(info) as record:
-                    while record.read(1 << 22):
-                        pass
+                magic, name, extra = _LOCAL_HEADER.unpack_from(view, info.header_offset)
+                begin = info.header_offset + _LOCAL_HEADER.size + name + extra
+                # Released before the unmap. A damaged header or a cut-off record reads
+                # other (or fewer) bytes: its CRC fails.
+                with view[begin:begin + info.file_size] as data:
+                    if magic != b"PK\x03\x04" or zlib.crc32(data) != info.CRC:
+                        raise CheckpointError(
+                            f"{path}: the file is damaged: Bad CRC-32 for file {info.filename!r}"
+                            " (its bytes changed after it was written: a disk, memory or copy "
+                            "error). Delete it to resume from an older one, or copy it again.")
     except CheckpointError:
         raise
-    except zipfile.BadZipFile as error:
-        detail = str(error)
-        if "CRC" in detail:
-            raise CheckpointError(
-                f"{path}: the file is damaged: {detail} (the bytes of that record changed "
-                "after the file was written: a disk, memory or copy error). Delete it to "
-                "resume from an older checkpoint, or copy it again from its source.") from None
-        raise CheckpointError(f"{path}: the file is truncated or corrupt ({detail}).") from None
+    except (zipfile.BadZipFile, struct.error) as error:
+        raise CheckpointError(f"{path}: the file is truncated or corrupt ({error}).") from None
     except (OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as error:
         raise CheckpointError(
             f"{path}: the file is truncated or corrupt ({type(error).__name__}: {error}).") from None

@@ -315,10 +315,16 @@ def all_finite(weights: Mapping[str, Any], *, agree: bool = False) -> bool:
         False
     """
     tensors = [value for value in weights.values() if isinstance(value, torch.Tensor)]
-    checks = [torch.isfinite(cast(Any, value).to_local() if is_sharded_tensor(value)
-                            else value).all()
-              for value in tensors if value.is_floating_point()]
-    finite = bool(torch.stack([check.cpu() for check in checks]).all()) if checks else True
+    local = [cast(Any, value).to_local() if is_sharded_tensor(value) else value
+             for value in tensors if value.is_floating_point()]
+    # A sum reads each tensor once and allocates nothing: a NaN or an inf anywhere makes it
+    # non-finite. Only a tensor whose sum is not finite (an inf, a NaN, or finite values
+    # whose sum overflows, as float16 ones may) is checked element by element.
+    sums = [torch.isfinite(value.sum()) for value in local]
+    finite = bool(torch.stack([check.cpu() for check in sums]).all()) if sums else True
+    if not finite:
+        finite = all(bool(torch.isfinite(value).all()) for value, check in zip(local, sums)
+                     if not bool(check))
     if agree or any(is_sharded_tensor(value) for value in tensors):
         finite = not distributed.any_true(not finite)
     return finite

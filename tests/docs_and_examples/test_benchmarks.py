@@ -83,6 +83,21 @@ def test_checkpoint_digest_benchmark_runs_and_reports_the_cost_per_gb() -> None:
 
 
 @pytest.mark.slow
+def test_save_speed_benchmark_prints_every_ratio_of_issue_36() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "save_speed.py"), "--mb", "4", "--rounds",
+         "1"], env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    ratio = r"\d+\.\d+x"
+    for pattern in (rf"^blocked: state .* one host copy .*: {ratio}$",
+                    rf"^blocked: step .* while one is written: {ratio}$",
+                    rf"^file verified/plain: save {ratio}  load {ratio}$",
+                    rf"^file verified/plain\+fsync: save {ratio}$",
+                    rf"^sharded verified/plain: save {ratio}  load {ratio}$"):
+        assert re.search(pattern, result.stdout, re.MULTILINE), (pattern, result.stdout)
+
+
+@pytest.mark.slow
 def test_resume_benchmark_prints_a_row_for_every_kind_and_the_snapshot_cost() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "resume.py"), "--samples", "320",
