@@ -173,7 +173,7 @@ class RotatingWrites:
         self.keep_last = keep_last
         self._writer = BackgroundWriter() if check_flag("Checkpoint async_save",
                                                         background) else None
-        self._side: tuple[Any, Any] | None = None  # (default group, its gloo twin)
+        self._side: tuple[Any, Any, Any] | None = None  # (default group, 2 gloo twins)
         self._pending = False  # several ranks: a write's outcome is not agreed yet
         self._failure: BaseException | None = None  # this rank's, until agreed
         #: Path of the newest complete rotating checkpoint written (or resumed from).
@@ -217,13 +217,16 @@ class RotatingWrites:
         """Whether the ranks agree on each background write's outcome (several ranks)."""
         return distributed.is_initialized() and distributed.world_size() > 1
 
-    def _side_group(self) -> Any:
-        """A gloo group over every rank, made once per default group (every rank makes it
-        at the same save: `new_group` is a collective)."""
+    def _side_group(self, *, agreeing: bool = False) -> Any:
+        """A gloo group over every rank for the background writes of shards, and one for
+        the main thread's agreement on their outcome (two threads must never share a group:
+        their collectives would interleave in different orders on different ranks). Made
+        once per default group, both at once, by every rank at the same point
+        (`new_group` is a collective)."""
         world = dist.group.WORLD
         if self._side is None or self._side[0] is not world:
-            self._side = (world, dist.new_group(backend="gloo"))
-        return self._side[1]
+            self._side = (world, dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+        return self._side[2 if agreeing else 1]
 
     def _written(self, path: str) -> None:
         self.last_path = path
@@ -234,7 +237,7 @@ class RotatingWrites:
 
         On several ranks every rank learns at the same boundary that the write is over on
         all of them (one small all-reduce per step while a write is in flight, from the
-        main thread: in order with the training's collectives), and then each raises a
+        main thread, over a gloo group in host memory), and then each raises a
         failure: the rank whose write failed its own error, the others a
         `CheckpointWriteError` naming that rank and its cause."""
         if self._writer is None:
@@ -269,13 +272,14 @@ class RotatingWrites:
                 self._writer.wait()  # type: ignore[union-attr]
             except Exception as error:  # kept until every rank is over
                 self._failure = error
-        flags = torch.tensor([0.0 if done else 1.0, 0.0 if self._failure is None else 1.0],
-                             device=distributed.collective_device())
-        agreed = distributed.all_reduce_max(flags).tolist()
-        if agreed[0] > 0:  # a rank's write is still in flight: ask again at the next step
+        # On the gloo twin, in host memory: under nccl a device tensor read back each step
+        # would wait for the GPU's queue (a host-device sync per batch while a save runs).
+        agreed = torch.tensor([0.0 if done else 1.0, 0.0 if self._failure is None else 1.0])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._side_group(agreeing=True))
+        if agreed[0].item() > 0:  # a rank's write is still in flight: ask at the next step
             return
         own, self._failure, self._pending = self._failure, None, False
-        if agreed[1] == 0:
+        if agreed[1].item() == 0:
             return
         told = distributed.all_gather_object(None if own is None else str(own))
         if own is not None:
