@@ -25,7 +25,7 @@ from hookloop.engine.ordering import overrides
 from hookloop.errors import ConfigurationError, Terminated
 
 __all__ = ["Table", "MaybeTable", "Wrapper", "Handlers", "add_note", "annotate", "bind",
-           "INLINE"]
+           "INLINE", "NULL_CONTEXT"]
 
 
 class _NullContext:
@@ -40,6 +40,8 @@ class _NullContext:
 
 
 _NULL_CONTEXT: Any = _NullContext()
+#: A context that does nothing and costs no Python call (``with x if hooks else NULL_CONTEXT``).
+NULL_CONTEXT: Any = _NULL_CONTEXT
 _LISTS = tuple(event.value for event in Event) + (
     "forward_context", "train_step_context", "validation_context", "scale_loss", "setup")
 
