@@ -13,8 +13,8 @@ each holds exactly the instructions of ``count`` training batches after ``warmup
 one fetch to the fetch ``count`` batches later, of every thread. The region opens with a
 dump, not with ``--zero-before``: callgrind's zeroing clears only the counters of the
 thread that enters the function, so a background thread (tensorboard's event writer) would
-bring into the region all it did before it (its event file's first records: the hparams
-session start, checksummed in Python, some 2.3 million instructions). Those two C
+bring into the region all it did before it (its event file's first records, the hparams
+session start among them, checksummed in Python: millions of instructions). Those two C
 functions are called by nothing else during training (the worker checks that it got one
 dump per variant). The marker calls are the same few instructions in every variant; a loop
 that fetches a batch ahead (Lightning) moves the region by a batch, not its length.

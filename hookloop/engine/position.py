@@ -236,10 +236,11 @@ class Position:
         # torch's generators at every boundary, read here without `capture_rng`'s call and
         # CUDA question (a tenth of a tiny step's own work); Python's and NumPy's when read.
         generators = self.generators
-        self.rng = {RNG_TORCH: _default_state(),
-                    RNG_GENERATORS: [gen.get_state() for gen in generators] if generators else []}
+        rng = self.rng = {RNG_TORCH: _default_state(),
+                          RNG_GENERATORS: [gen.get_state() for gen in generators] if generators
+                          else []}
         if self._cuda:
-            self.rng.update(cuda_rng())
+            rng.update(cuda_rng())
         self.host_now = True
 
     def mark_validated(self) -> None:
