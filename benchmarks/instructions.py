@@ -2,18 +2,22 @@
 counted by valgrind's callgrind, which a loaded machine cannot blur.
 
 How the region is exact. The worker runs under
-``valgrind --tool=callgrind --instr-atstart=no --zero-before=sys_getswitchinterval
+``valgrind --tool=callgrind --instr-atstart=no --dump-before=sys_getswitchinterval
 --dump-before=sys_getallocatedblocks``: imports run uninstrumented (fast), then the worker
 switches instrumentation on once (``callgrind_control -i on`` on its own pid, waiting for
 the answer). Every variant's data iterable (`Marked`) calls ``sys.getswitchinterval()``
-right before it hands out batch ``warmup`` (callgrind zeroes its counters when that C
-function is entered) and ``sys.getallocatedblocks()`` right before it hands out batch
-``warmup + count`` (callgrind writes the counters to a file when that one is entered): each
-dump holds exactly the instructions of ``count`` training batches after ``warmup``, from
-one fetch to the fetch ``count`` batches later, of every thread. Those two C functions are
-called by nothing else during training (the worker checks that it got one dump per
-variant). The marker calls are the same few instructions in every variant; a loop that
-fetches a batch ahead (Lightning) moves the region by a batch, not its length.
+right before it hands out batch ``warmup`` and ``sys.getallocatedblocks()`` right before
+it hands out batch ``warmup + count``; callgrind writes the counters to a file, and starts
+them afresh, when either C function is entered. The dumps the second one makes are kept:
+each holds exactly the instructions of ``count`` training batches after ``warmup``, from
+one fetch to the fetch ``count`` batches later, of every thread. The region opens with a
+dump, not with ``--zero-before``: callgrind's zeroing clears only the counters of the
+thread that enters the function, so a background thread (tensorboard's event writer) would
+bring into the region all it did before it (its event file's first records, the hparams
+session start among them, checksummed in Python: millions of instructions). Those two C
+functions are called by nothing else during training (the worker checks that it got one
+dump per variant). The marker calls are the same few instructions in every variant; a loop
+that fetches a batch ahead (Lightning) moves the region by a batch, not its length.
 
 Variants (each ends on its reference's weights, checked in the worker with torch.equal):
 
@@ -345,7 +349,7 @@ def measure(names: Sequence[str], warmup: int, count: int,
     with tempfile.TemporaryDirectory(prefix="hookloop-callgrind-") as directory:
         out = Path(directory)
         command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
-                   f"--zero-before={ZERO}", f"--dump-before={DUMP}",
+                   f"--dump-before={ZERO}", f"--dump-before={DUMP}",
                    f"--callgrind-out-file={out}/callgrind.out.%p", python_binary(),
                    str(Path(bench.__file__)), "--count-worker", json.dumps(list(names)),
                    "--warmup", str(warmup), "--count", str(count), "--out", str(out)]

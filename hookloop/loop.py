@@ -26,7 +26,7 @@ from hookloop.engine.boundary import BoundaryStates
 from hookloop.engine.cadence import Cadence
 from hookloop.engine.data import LossSum
 from hookloop.engine.describe import describe
-from hookloop.engine.dispatch import MaybeTable, Table, Wrapper
+from hookloop.engine.dispatch import NULL_CONTEXT, MaybeTable, Table, Wrapper
 from hookloop.engine.forward import ForwardRule, Selector, check_loss, new_rule, predict_dtype
 from hookloop.engine.geometry import Geometry
 from hookloop.engine.ordering import check_callbacks
@@ -454,7 +454,8 @@ class Loop(Geometry, Status):
         self.model.to(self.device)
         self._load_pending()
         self._table = Table(self.callbacks, self, self.handler_wrapper, main=distributed.is_main())
-        self._stepper.prepare(self.state, self._rule, lambda: self.model, self.accumulation_steps)
+        self._stepper.prepare(self.state, self._rule, lambda: self.model, self.accumulation_steps,
+                              routed=self._table.step is not None)
         self._position.attach(self.train_data, self.accumulation_steps, self.partial_window_steps)
         return self._table
 
@@ -483,11 +484,13 @@ class Loop(Geometry, Status):
                                              check=self._rule().check_batch)
         if self._cadence.owed_on_resume(batches.start, state.step, self._position.validated):
             self._step_validation(batches)  # the run stopped during the one due at this step
+        boundary, contexts = self._boundary, table.train_step_context
         for batch_idx, batch, state.step_boundary in batches:
-            batch = current_batch(state, batch, batch_idx, self.device, self._rule())
+            batch = current_batch(state, batch, batch_idx, self.device, new_rule(
+                (self, self.forward, self.loss_fn, self.inputs, self.targets)))
             for handler in table.on_batch_start:  # called inline: no emit call per event
                 handler(self)
-            with table.entered(table.train_step_context):
+            with table.entered(contexts) if contexts else NULL_CONTEXT:  # no call when none
                 loss = self._forward(batch, batches, table)
                 loss.backward()
             for handler in table.after_backward:
@@ -496,8 +499,8 @@ class Loop(Geometry, Status):
                 self._step(batches, table)
             for handler in table.on_batch_end:
                 handler(self)
-            if state.step_boundary:
-                self._boundary.mark(self._position)
+            if state.step_boundary and boundary.callbacks:
+                boundary.mark(self._position)
         train_loss = batches.train_loss()
         if train_loss is not None:
             state.metrics["train_loss"] = train_loss
@@ -505,10 +508,12 @@ class Loop(Geometry, Status):
 
     def _forward(self, batch: Any, batches: EpochPass, table: Table) -> torch.Tensor:
         """Outputs and loss of a training batch; returns the loss to backpropagate."""
-        state = self.state
-        with table.entered(table.forward_context):
-            outputs, loss = self._rule().compute(self.model, batch)
-        loss = check_loss(loss, training=True)  # a DTensor loss: its plain value, from here on
+        state, contexts = self.state, table.forward_context
+        with table.entered(contexts) if contexts else NULL_CONTEXT:
+            outputs, loss = new_rule((self, self.forward, self.loss_fn, self.inputs,
+                                      self.targets)).compute(self.model, batch)
+        if type(loss) is not torch.Tensor or loss.dim() or not loss.requires_grad:
+            loss = check_loss(loss, training=True)  # a DTensor loss: its plain value
         state.outputs, state.loss = outputs, loss
         for handler in table.after_forward:
             handler(self)
@@ -527,8 +532,10 @@ class Loop(Geometry, Status):
         for handler in table.after_step if stepper.stepped else ():
             handler(self)
         self.optimizer.zero_grad(set_to_none=True)
-        self._end.check_steps()
-        if stepper.stepped and self._cadence.after_step(state.step):
+        if state.max_steps is not None:
+            self._end.check_steps()
+        if stepper.stepped and self._cadence.every_n_steps is not None and \
+                self._cadence.after_step(state.step):
             self._step_validation(batches)
 
     def _step_validation(self, batches: EpochPass) -> None:

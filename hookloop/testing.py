@@ -454,7 +454,7 @@ def check_dispatch(factory: Factory, directory: str | os.PathLike[str] | None = 
         KitFailure: an event method on the instance, or a table holding a method the class
             does not override.
     """
-    from hookloop.engine.dispatch import Table
+    from hookloop.engine.dispatch import Table, listens
 
     with _folder(directory) as root:
         callbacks = _as_list(_make(factory, root))
@@ -468,7 +468,8 @@ def check_dispatch(factory: Factory, directory: str | os.PathLike[str] | None = 
                                      "in the class")
                 listed = any(getattr(handler, "__self__", None) is callback
                              for handler in getattr(table, name))
-                if listed != overrides(callback, name):
+                # A method the callback's settings make a no-op (`_silent_events`) is left out.
+                if listed != listens(callback, name):
                     raise KitFailure(f"{callback!r}: {name} is "
                                      f"{'in' if listed else 'not in'} the dispatch table")
 

@@ -60,6 +60,9 @@ def _checked_scaler_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:
     return dict(arguments)
 
 
+#: AMP's methods that only act with a GradScaler (`AMP._silent_events`).
+_SCALER_EVENTS = ("scale_loss", "before_step", "on_batch_end", "optimizer_step")
+
 class AMP(Callback):
     """Automatic mixed precision with ``torch.autocast`` and ``torch.amp.GradScaler``.
 
@@ -205,6 +208,16 @@ class AMP(Callback):
 
     def on_fit_start(self, loop: Loop) -> None:
         self._unscaled = False
+
+    @property
+    def _silent_events(self) -> tuple[str, ...]:
+        """Without a scaler (bfloat16) its loss, step and batch-end methods do nothing but
+        call ``optimizer.step()``: not called (the loop steps the optimizer itself), so a
+        batch pays no call of them. Read when the fit's table is built, after ``setup``."""
+        if self._scaler is not None:
+            return ()
+        return tuple(name for name in _SCALER_EVENTS  # a subclass's own method is called
+                     if getattr(type(self), name) is getattr(AMP, name))
 
     def on_fit_end(self, loop: Loop) -> None:
         self._finish_cancelled_step()

@@ -118,6 +118,12 @@ class GradAccumulation(Callback):
         start = batch_idx - batch_idx % self.steps
         return max(1, min(self.steps, self._batches - start))
 
+    @property
+    def _silent_events(self) -> tuple[str, ...]:
+        """Without ``"drop"``, nothing to do at a batch start: not called there."""
+        own = type(self).on_batch_start is GradAccumulation.on_batch_start  # else a subclass's
+        return () if self.last_window == "drop" or not own else ("on_batch_start",)
+
     def on_batch_start(self, loop: Loop) -> None:
         """With ``"drop"``: the batch that ends the data inside a window is no boundary.
 

@@ -25,7 +25,7 @@ from hookloop.engine.ordering import overrides
 from hookloop.errors import ConfigurationError, Terminated
 
 __all__ = ["Table", "MaybeTable", "Wrapper", "Handlers", "add_note", "annotate", "bind",
-           "INLINE"]
+           "INLINE", "NULL_CONTEXT", "listens"]
 
 
 class _NullContext:
@@ -40,6 +40,8 @@ class _NullContext:
 
 
 _NULL_CONTEXT: Any = _NullContext()
+#: A context that does nothing and costs no Python call (``with x if hooks else NULL_CONTEXT``).
+NULL_CONTEXT: Any = _NULL_CONTEXT
 _LISTS = tuple(event.value for event in Event) + (
     "forward_context", "train_step_context", "validation_context", "scale_loss", "setup")
 
@@ -79,8 +81,8 @@ class Table:
         callbacks = [callback for callback in callbacks if main or not callback.rank_zero_only]
 
         for name in _LISTS:
-            setattr(self, name, tuple(entry(c, name) for c in callbacks if _listens(c, name)))
-        routers = [c for c in callbacks if overrides(c, "optimizer_step")]
+            setattr(self, name, tuple(entry(c, name) for c in callbacks if listens(c, name)))
+        routers = [c for c in callbacks if listens(c, "optimizer_step")]
         self.step = entry(routers[0], "optimizer_step") if routers else None
         self.host = host
 
@@ -198,7 +200,7 @@ def add_note(exc: BaseException, note: str) -> None:
         setattr(exc, "__notes__", [*getattr(exc, "__notes__", []), note])
 
 
-def _listens(callback: Callback, name: str) -> bool:
+def listens(callback: Callback, name: str) -> bool:
     """Whether ``callback`` is called at event ``name``: it overrides the method, and does not
     name the event in its ``_silent_events`` (read when the table is built, after ``setup``:
     a view whose settings make a per-batch method a no-op, as TensorBoard's graph tracing

@@ -103,17 +103,6 @@ def _call(model: Any, call: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
         raise
 
 
-def _call_one(model: Any, inputs: Any) -> Any:
-    """``model(inputs)``: `_call` for the inputs of a pair, without building its arguments."""
-    try:
-        return model(inputs)
-    except _NOT_THE_BATCH:
-        raise
-    except (RuntimeError, TypeError) as error:
-        _raise_input_problem(model, (inputs,), {}, error)
-        raise
-
-
 def _raise_input_problem(model: Any, args: Any, kwargs: Any, error: BaseException) -> None:
     """A `ConfigurationError` naming what in the inputs the model could not run on, when
     that is known (else the caller raises ``error`` as it is)."""
@@ -130,9 +119,15 @@ def _loss(loss_fn: Any, outputs: Any, targets: Any) -> Any:
     except _NOT_THE_BATCH:
         raise
     except (RuntimeError, TypeError, ValueError) as error:
-        problem = target_problem(outputs, targets)
-        if problem is None:
-            raise
+        _raise_target_problem(outputs, targets, error)
+        raise
+
+
+def _raise_target_problem(outputs: Any, targets: Any, error: BaseException) -> None:
+    """A `ConfigurationError` saying which targets ``loss_fn`` wants, when that is known
+    (else the caller raises ``error`` as it is)."""
+    problem = target_problem(outputs, targets)
+    if problem is not None:
         raise ConfigurationError(f"loss_fn(outputs, targets) failed: {problem}") from error
 
 
@@ -258,10 +253,27 @@ class ForwardRule(NamedTuple):
             if loss_fn is None:
                 return outputs, _loss_of(outputs, f"model(inputs) (inputs={self.inputs!r})")
             return outputs, _loss(loss_fn, outputs, self.targets_of(batch))
-        if loss_fn is not None and is_pair(batch):  # the usual batch: no helper per item
-            outputs = _call_one(model, batch[0])
+        kind = type(batch)
+        if loss_fn is not None and (len(batch) == 2 if kind is tuple or kind is list
+                                    else is_pair(batch)):
+            # The usual batch: the model and the loss called here, no helper frame each
+            # (the errors of `_call` and `_loss`).
+            inputs = batch[0]
+            try:
+                outputs = model(inputs)
+            except _NOT_THE_BATCH:
+                raise
+            except (RuntimeError, TypeError) as error:
+                _raise_input_problem(model, (inputs,), {}, error)
+                raise
             targets = batch[1] if self.targets is None else self.targets_of(batch)
-            return outputs, _loss(loss_fn, outputs, targets)
+            try:
+                return outputs, loss_fn(outputs, targets)
+            except _NOT_THE_BATCH:
+                raise
+            except (RuntimeError, TypeError, ValueError) as error:
+                _raise_target_problem(outputs, targets, error)
+                raise
         if isinstance(batch, Mapping):
             self.check_batch(batch)
             outputs = model(**batch)

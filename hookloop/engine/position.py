@@ -25,11 +25,14 @@ from hookloop.engine.resumable import (
     stateful_part,
     stateful_view,
 )
-from hookloop.engine.rng import (RNG_PYTHON, capture_rng, host_rng, loader_generators,
-                                  restore_generators, restore_host_rng, restore_rng)
+from hookloop.engine.rng import (RNG_GENERATORS, RNG_PYTHON, RNG_TORCH, capture_rng, cuda_rng,
+                                  host_rng, loader_generators, restore_generators,
+                                  restore_host_rng, restore_rng)
 from hookloop.errors import ConfigurationError
 
 __all__ = ["Position", "EpochPass", "RunPosition"]
+
+_default_state = torch.default_generator.get_state  # bound once: read at every step boundary
 
 
 class RunPosition(NamedTuple):
@@ -93,9 +96,9 @@ class Position:
     restore (`hookloop.engine.position_part`) the epoch is replayed from the recorded generators instead.
     """
 
-    __slots__ = ("epoch", "batches_done", "step", "loss_sum", "samples",
-                 "rng", "epoch_rng", "prefetch_rng", "validated", "generators", "host_now",
-                 "host_mark", "_replay", "_live", "source", "workers_rng", "data_state",
+    __slots__ = ("epoch", "batches_done", "step", "loss_sum", "samples", "rng", "_cuda",
+                 "epoch_rng", "prefetch_rng", "validated", "generators", "host_now", "host_mark",
+                 "_replay", "_live", "source", "workers_rng", "data_state",
                  "_stateful", "batch_samples", "epoch_samples", "step_offset", "base",
                  "loaded", "order", "attached", "batches", "drawn_ahead",
                  "_ahead")
@@ -106,6 +109,7 @@ class Position:
         #: after a load, the saved tensor.
         self.loss_sum: LossMark | torch.Tensor | None = None
         self.rng: dict[str, Any] | None = None
+        self._cuda = False  # CUDA was initialized at the epoch's start: record its generators
         self.epoch_rng: dict[str, Any] | None = None
         #: Data without a length, read one batch ahead: the random state the batch after
         #: the position was fetched with (before the position's own).
@@ -182,6 +186,7 @@ class Position:
         steps)."""
         self.attached, self.batches = True, length_of(data)
         self.generators = loader_generators(data)
+        self._cuda = torch.cuda.is_initialized() and torch.cuda.is_available()
         self.source = data_source(data)
         self._ahead = prefetched_batches(data) if self.source == "sampler" else 0
         self._stateful = stateful_view(data) if self.source == "stateful" else None
@@ -228,7 +233,14 @@ class Position:
         self.drawn_ahead = self._ahead
         self.epoch, self.batches_done, self.step = epoch, batches_done, step
         self.loss_sum, self.samples = loss_sum, samples
-        self.rng = capture_rng(self.generators, full=False)  # host_rng when read (at a save)
+        # torch's generators at every boundary, read here without `capture_rng`'s call and
+        # CUDA question (a tenth of a tiny step's own work); Python's and NumPy's when read.
+        generators = self.generators
+        rng = self.rng = {RNG_TORCH: _default_state(),
+                          RNG_GENERATORS: [gen.get_state() for gen in generators] if generators
+                          else []}
+        if self._cuda:
+            rng.update(cuda_rng())
         self.host_now = True
 
     def mark_validated(self) -> None:
@@ -267,6 +279,9 @@ class Position:
         from there.
         """
         generators = self.generators
+        # Read once an epoch, not at every boundary: a GPU run has initialized CUDA by its
+        # setup (the model moved there), a CPU run does not draw from CUDA's generators.
+        self._cuda = torch.cuda.is_initialized() and torch.cuda.is_available()
         live, self._live = self._live, None
         skip = self.batches_done if self.epoch == epoch else 0
         data, phase = self._resharded(data, skip)

@@ -22,8 +22,8 @@ KEYS = (RNG_TORCH, RNG_GENERATORS, RNG_CUDA, RNG_PYTHON, RNG_NUMPY)
 SHARED_WORDS = frozenset(KEYS)
 
 __all__ = ["KEYS", "RNG_TORCH", "RNG_GENERATORS", "RNG_CUDA", "RNG_PYTHON", "RNG_NUMPY",
-           "capture_rng", "host_rng", "restore_rng", "restore_host_rng", "restore_generators",
-           "loader_generators", "rng_state_problem"]
+           "capture_rng", "cuda_rng", "host_rng", "restore_rng", "restore_host_rng",
+           "restore_generators", "loader_generators", "rng_state_problem"]
 
 try:  # numpy is optional
     import numpy as _numpy
@@ -54,10 +54,15 @@ def capture_rng(generators: Iterable[torch.Generator] = (), *, full: bool = True
     }
     # is_initialized first: it is a flag, is_available asks the driver (microseconds).
     if torch.cuda.is_initialized() and torch.cuda.is_available():
-        state[RNG_CUDA] = torch.cuda.get_rng_state_all()
+        state.update(cuda_rng())
     if full:
         state.update(host_rng())
     return state
+
+
+def cuda_rng() -> dict[str, Any]:
+    """Every CUDA device's generator, under its key of a `capture_rng` state."""
+    return {RNG_CUDA: torch.cuda.get_rng_state_all()}
 
 
 def host_rng() -> dict[str, Any]:

@@ -126,7 +126,9 @@ class RunEnd:
         boundaries), or on a `STOP` (agreed alone: a plain stop, the run ends). An end
         agreed before an epoch's first batch ends that epoch there, so its ``on_epoch_end``
         (where `Checkpoint` saves) still runs."""
-        if self.due():
+        state = self._state  # `due` inlined: asked at every boundary of every batch
+        if (self.release() if self.held is not None else self.requested) or (
+                state.max_steps is not None and state.step >= state.max_steps):
             return True
         agreed = self.vote.agree()
         if agreed is not None and agreed.causes == (STOP.name,):  # the run ends, agreed

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from hookloop.base.deprecation import REMOVED_IN
 from hookloop.engine.data import batch_size_of, move_to_device
@@ -198,15 +199,24 @@ def current_batch(state: LoopState, batch: Any, batch_idx: int, device: torch.de
     """Move ``batch`` to ``device`` and make it ``state``'s current one, with its targets
     (by the ``rule``'s ``targets=``) and its size; return it."""
     state.batch_idx = batch_idx
-    state.batch = batch = move_to_device(batch, device)
     kind = type(batch)
     if rule.targets is None and (kind is tuple or kind is list) and len(batch) == 2:
-        # A pair: what targets_of and batch_size_of say, without their calls.
-        targets = state.targets = batch[1]
-        if isinstance(targets, torch.Tensor) and targets.dim() > 0:
+        # A pair: what move_to_device, targets_of and batch_size_of say, without their
+        # calls where its tensors are on the device already (a list is copied, as moved).
+        inputs, targets = batch
+        if type(inputs) is Tensor and type(targets) is Tensor and (
+                inputs.is_cpu and targets.is_cpu if device.type == "cpu"  # no device objects
+                else inputs.device == device and targets.device == device):
+            batch = batch if kind is tuple else list(batch)
+        else:
+            batch = move_to_device(batch, device)
+            targets = batch[1]
+        state.batch, state.targets = batch, targets
+        if isinstance(targets, Tensor) and targets.dim() > 0:
             state.batch_size = targets.shape[0]
             return batch
     else:
+        state.batch = batch = move_to_device(batch, device)
         targets = state.targets = rule.targets_of(batch)
     state.batch_size = batch_size_of(batch, targets)
     return batch

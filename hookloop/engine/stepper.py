@@ -42,7 +42,8 @@ class OptimizerStep:
     the ``scale_loss`` hooks, ``backward``. No other event fires in it.
     """
 
-    __slots__ = ("cancelled", "stepped", "_observed", "_checked", "_closure", "_recompute")
+    __slots__ = ("cancelled", "stepped", "_observed", "_checked", "_closure", "_recompute",
+                 "_handle")
 
     def __init__(self) -> None:
         #: A callback called ``loop.cancel_step()`` at this boundary.
@@ -53,17 +54,19 @@ class OptimizerStep:
         self._checked = False  # the first routed step of the fit was checked
         self._closure = False  # the optimizer's step needs a closure (LBFGS)
         self._recompute: Recompute | None = None  # what a closure recomputes (`prepare`)
+        self._handle: Any = None  # the step hook of the running fit, while one is registered
 
     @contextmanager
     def observing(self, optimizer: Any) -> Iterator[None]:
         """For one fit: watch ``optimizer.step`` through its step hook, where it has one."""
         register = getattr(optimizer, "register_step_post_hook", None)
-        handle = register(self._mark) if register is not None else None
+        handle = self._handle = register(self._mark) if register is not None else None
         self._observed, self._checked = handle is not None, False
         self._closure = needs_closure(optimizer)
         try:
             yield
         finally:
+            self._handle = None
             if handle is not None:
                 handle.remove()
 
@@ -71,11 +74,18 @@ class OptimizerStep:
         self.stepped = True
 
     def prepare(self, state: LoopState, rule: Callable[[], ForwardRule],
-                model: Callable[[], Any], accumulation_steps: int) -> None:
+                model: Callable[[], Any], accumulation_steps: int, routed: bool = True) -> None:
         """After setup: what a closure optimizer's closure recomputes (the current batch of
         ``state`` by ``rule()`` on ``model()``, the rule and the model of the moment) and
-        over how many batches a step accumulates."""
+        over how many batches a step accumulates.
+
+        ``routed=False`` (no callback routes the step): every step is the loop's own call of
+        ``optimizer.step``, which stepped once it returned (its step hook would say just
+        that): the hook goes, the call is trusted, and a step pays no hook call."""
         self._recompute = Recompute(state, rule, model, accumulation_steps)
+        if not routed and self._handle is not None:
+            self._handle.remove()
+            self._handle, self._observed = None, False
 
     def take(self, optimizer: Any, scaler: Any, table: Table) -> bool:
         """``before_step``, then the step unless cancelled; True when the optimizer stepped.

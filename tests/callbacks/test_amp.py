@@ -453,3 +453,29 @@ def test_amp_scale_never_reaches_zero_when_steps_are_cancelled() -> None:
     # allowed below 2**-16"); and the 10 clean batches at the end must be stepped.
     assert amp.scaler.get_scale() >= amp_module.MIN_SCALE, amp.scaler.get_scale()
     assert loop.state.step == 10
+
+
+def test_bfloat16_amp_calls_nothing_per_batch_but_its_autocast() -> None:
+    # Without a GradScaler, AMP's loss, step and batch-end methods would only call
+    # optimizer.step(): the fit's table leaves them out (issue 38), the loop steps the
+    # optimizer itself, and the weights are those of the same autocast by hand.
+    def run(callbacks: list[Callback]) -> Loop:
+        torch.manual_seed(0)
+        model = two_layers(3, 8, 1)
+        loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), regression_batches(6),
+                    loss_fn=F.mse_loss, callbacks=callbacks, device="cpu")
+        loop.fit(2)
+        return loop
+
+    class Autocast(Callback):
+        def forward_context(self, loop: Loop):
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    loop = run([AMP(torch.bfloat16)])
+    table = loop._table
+    assert table.step is None
+    assert (table.scale_loss, table.before_step, table.on_batch_end) == ((), (), ())
+    assert len(table.forward_context) == 1
+    reference = run([Autocast()])
+    assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(),
+                                                 reference.model.parameters()))

@@ -152,3 +152,15 @@ def test_bad_steps(steps: object) -> None:
 
 def test_stateless() -> None:
     assert GradAccumulation(2).state_dict() == {}
+
+
+@pytest.mark.parametrize("last_window", ["mean", "as_full", "drop"])
+def test_only_drop_is_called_at_every_batch_start(last_window: str) -> None:
+    # Without "drop" its on_batch_start does nothing: left out of the fit's table (issue 38).
+    model = two_layers(3, 8, 1)
+    accumulation = GradAccumulation(2, last_window=last_window)
+    loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1), regression_batches(5),
+                loss_fn=F.mse_loss, callbacks=[accumulation], device="cpu")
+    loop.fit(1)
+    listed = [handler.__self__ for handler in loop._table.on_batch_start]
+    assert listed == ([accumulation] if last_window == "drop" else [])

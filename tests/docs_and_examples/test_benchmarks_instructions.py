@@ -3,14 +3,15 @@ per batch counted by callgrind (not seconds, which a loaded machine moves), on a
 region of the tiny workload, every variant ending on its reference's weights.
 
 Two of the project's targets (issue 38) are met and guarded as they are: at most 3k
-instructions per listening callback per batch (2,725 to 2,783 measured), and a worker's
-generator stamp within 0.1x of making a cheap batch (0.076x). Two are not met yet and are
+instructions per listening callback per batch (2,556 to 2,750 measured), and a worker's
+generator stamp within 0.1x of making a cheap batch (0.068x). Two are not met yet and are
 guarded at the level reached, so that they do not get worse: hookloop bare over the
-hand-written loop (target 1.01x, 1.046x to 1.052x over 200 batches: about 10.5k of its
-47k to 52k instructions are the torch generator state recorded at every step boundary),
-and the standard stack with its views over the same stack by hand without views (target
-1.01x, 1.049x over 200 batches, 1.057x to 1.060x over the 100 counted here: the region holds
-one logging step of the views, step 50, and fewer quiet steps to dilute it).
+hand-written loop (target 1.01x; 1.038x to 1.041x, from 1.046x to 1.053x: about 8,500 of
+its 38,000 to 41,000 instructions are the torch generator state recorded at every step
+boundary, kept on purpose), and the standard stack with its views over the same stack by
+hand without views (target 1.01x; 1.039x to 1.041x; the 1.057x to 1.060x counted before
+were partly a measuring error: tensorboard's writer thread brought its earlier work into
+the region, see benchmarks/instructions.py).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ import pytest
 from conftest import ROOT, subprocess_env
 
 VARIANTS = "hand,hookloop,hookloop+listen50,hand+stack,hookloop+stack+views"
-# Reached over these 100 batches after 20 (one machine): 1.053x bare, 1.057x to 1.060x
-# with views (two runs); 1.046-1.052x and 1.049x over 200 batches after 50.
-BARE, VIEWS = 1.06, 1.07
+# Reached over these 100 batches after 20 (one machine): 1.038x to 1.040x bare, 1.0405x
+# with views; 1.038x to 1.041x and 1.039x to 1.040x over 200 batches after 50. The bare
+# loop before this round, 1.050x to 1.053x here, fails its bound.
+BARE, VIEWS = 1.047, 1.047
 
 
 @pytest.mark.slow

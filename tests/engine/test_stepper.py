@@ -65,3 +65,35 @@ def test_a_router_that_calls_the_optimizer_is_observed_through_its_hook() -> Non
             loop.optimizer.step()
 
     assert _loop([Plain()]).fit(1).step == 3
+
+
+class HooksAtStep(Callback):
+    """The optimizer's step post hooks as ``after_step`` sees them, at every step."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def after_step(self, loop):
+        self.seen.append(len(loop.optimizer._optimizer_step_post_hooks))
+
+
+def test_an_unrouted_step_pays_no_hook_and_every_step_counts() -> None:
+    # The loop's own optimizer.step() stepped once it returned: no step hook watches it
+    # (a call per step less, issue 38), and every step is counted as before.
+    hooks = HooksAtStep()
+    loop = _loop([hooks])
+    assert loop.fit(2).step == 6
+    assert hooks.seen == [0] * 6
+    assert len(loop.optimizer._optimizer_step_post_hooks) == 0  # nothing left behind
+
+
+def test_a_routed_step_is_watched_by_one_hook_for_the_fit_only() -> None:
+    class Plain(Callback):
+        def optimizer_step(self, loop):
+            loop.optimizer.step()
+
+    hooks = HooksAtStep()
+    loop = _loop([Plain(), hooks])
+    assert loop.fit(1).step == 3
+    assert hooks.seen == [1] * 3
+    assert len(loop.optimizer._optimizer_step_post_hooks) == 0

@@ -102,7 +102,8 @@ def test_a_closure_optimizer_where_the_closure_cannot_be_right_is_refused_before
     ranks the line searches would make different numbers of all-reduces and hang."""
     model, optimizer = build()
     before = [parameter.detach().clone() for parameter in model.parameters()]
-    callbacks = {"amp": [AMP(torch.bfloat16)], "accumulation": [GradAccumulation(2)],
+    # float16: a GradScaler routes the step (bfloat16 has none: the loop steps, next test).
+    callbacks = {"amp": [AMP(torch.float16)], "accumulation": [GradAccumulation(2)],
                  "two processes": []}[case]
     if case == "two processes":
         monkeypatch.setattr("hookloop.engine.stepper.world_size", lambda: 2)
@@ -115,6 +116,26 @@ def test_a_closure_optimizer_where_the_closure_cannot_be_right_is_refused_before
     with pytest.raises(ConfigurationError, match=r"LBFGS\.step needs a closure.*" + expected):
         loop.fit(1)
     assert all(torch.equal(old, new) for old, new in zip(before, model.parameters()))
+
+
+def test_bfloat16_amp_leaves_a_closure_optimizer_to_the_loop_under_its_autocast() -> None:
+    """Without a GradScaler AMP routes no step (issue 38): the loop gives LBFGS its closure,
+    recomputed under AMP's autocast, the same weights as an autocast callback's."""
+    class Autocast(Callback):
+        def forward_context(self, loop: Loop):
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    trained = []
+    for callbacks in ([AMP(torch.bfloat16)], [Autocast()]):
+        model, optimizer = build()
+        inputs, targets = waves()
+        Loop(model, optimizer, [(inputs, targets)] * 2, loss_fn=nn.functional.mse_loss,
+             device="cpu", callbacks=callbacks).fit(1)
+        trained.append([parameter.detach().clone() for parameter in model.parameters()])
+    first, second = trained
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    model, _ = build()
+    assert not all(torch.equal(a, b) for a, b in zip(first, model.parameters()))  # it trained
 
 
 class ClosureRouter(Callback):
