@@ -110,6 +110,37 @@ def _check_every_sample_once(ledger: list[list[int]], epochs: int) -> None:
         assert sorted(samples) == list(range(SAMPLES)), f"epoch {epoch}: {sorted(samples)}"
 
 
+def _check_logs_once_each(out: Path, oracle: dict[str, Any], epochs: int) -> None:
+    """The CSV file (read by the csv module) and the TensorBoard directory (read by
+    TensorBoard's own EventAccumulator) hold every step's row once, with plain DDP's
+    values: the loss of the global batch (to summation order) and the learning rate."""
+    import csv
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    expected = oracle["steps"]
+    with open(out / "log.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    steps = [row for row in rows if row["kind"] == "step"]
+    assert [int(row["step"]) for row in steps] == sorted(expected), "each step's row once"
+    for row in steps:
+        loss, lr = expected[int(row["step"])]
+        assert abs(float(row["loss"]) - loss) <= 1e-4, (row, loss)
+        assert float(row["lr"]) == lr, (row, lr)
+    history = [int(row["epoch"]) for row in rows if row["kind"] == "history"]
+    assert history == list(range(epochs)), history
+    events = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    for tag in events.Tags()["scalars"]:
+        tag_steps = [event.step for event in events.Scalars(tag)]
+        assert len(tag_steps) == len(set(tag_steps)), (tag, tag_steps)
+    for tag, column in (("step/loss", 0), ("step/lr", 1)):
+        scalars = events.Scalars(tag)
+        assert sorted(event.step for event in scalars) == sorted(expected), tag
+        for event in scalars:
+            assert abs(event.value - expected[event.step][column]) <= 1e-4, (tag, event)
+
+
 @pytest.mark.slow
 def test_no_fault_equals_plain_ddp(tmp_path: Path) -> None:
     (tmp_path / "ddp").mkdir()
@@ -134,6 +165,7 @@ def test_no_fault_equals_plain_ddp(tmp_path: Path) -> None:
         seconds = sum(result["goodput"]["seconds"].values())
         wall = result["ended"] - result["started"]
         assert abs(seconds - wall) <= 0.01 * wall, (seconds, wall)
+    _check_logs_once_each(out, oracle, epochs=3)
 
 
 def _all_reduce_cues(run: _Run, group: int) -> int:
@@ -236,6 +268,7 @@ def test_random_kills_train_every_sample_once_and_equal_the_fault_free_run(
         _check_goodput(result, started)
         counts = result["goodput"]["counts"]
         assert counts["retried"] >= 1 and counts["dropped"] >= 1 and counts["joined"] >= 1
+    _check_logs_once_each(tmp_path / "ft", oracle, epochs=epochs)
     print("kill campaign:", {k: v for k, v in campaign.items() if k != "results"},
           "goodput:", campaign["results"][0]["goodput"])
 
