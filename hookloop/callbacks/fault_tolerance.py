@@ -59,8 +59,11 @@ class FaultTolerance(Callback):
     """Data-parallel training over replica groups that survives a dead group, on torchft.
 
     Each replica group is one process (start them with ``hookloop run --groups N``, or by
-    hand with the variables of `hookloop.parallel.ft_plan`); a torchft lighthouse forms a
-    quorum of the live groups at every step. Per step, after the loop's backward:
+    hand with the variables of `hookloop.parallel.ft_plan`), or a torchrun of several with
+    ``FSDP(state_dict="sharded")`` before this callback (HSDP: FSDP inside the group, each
+    rank all-reducing its gradient shards with the same-rank rank of the other groups, and
+    taking its own shards from that rank when its group heals); a torchft lighthouse forms
+    a quorum of the live groups at every step. Per step, after the loop's backward:
 
     * the quorum of live groups (the first one, at setup, waits for every group of a new
       run, so a run starts with all of them);
@@ -99,7 +102,8 @@ class FaultTolerance(Callback):
 
     Raises:
         ConfigurationError: at setup: torchft missing (``pip install hookloop[ft]``), a
-            bad group number, training data that is not a map-style DataLoader, or
+            bad group number, training data that is not a map-style DataLoader, a group of
+            several processes without ``FSDP(state_dict="sharded")`` before it, or
             gradient accumulation.
         HookloopError: a group with no live peer, nothing restored and a run that had
             committed steps; a group left behind by its peers in the middle of a fit.
@@ -213,13 +217,17 @@ class FaultTolerance(Callback):
         """This process's rank in its replica group: one process, or (HSDP) the ranks of the
         `FSDP` that shards the model inside the group, which must be set up first."""
         self._rank, self._ranks = distributed.rank(), distributed.world_size()
-        if self._ranks > 1 and not any(
-                type(callback).__name__ == "FSDP" for callback in
-                loop.callbacks[:loop.callbacks.index(self)]):
+        if self._ranks == 1:
+            return
+        fsdp = [callback for callback in loop.callbacks[:loop.callbacks.index(self)]
+                if type(callback).__name__ == "FSDP"]
+        if not fsdp or fsdp[0].state_dict_layout != "sharded":
+            # a peer's state is taken rank by rank: each rank's own shards, no gathering
             raise ConfigurationError(
                 f"FaultTolerance runs in a replica group of {self._ranks} processes, which "
-                "needs FSDP inside the group (HSDP) listed before it: callbacks=[FSDP(), "
-                "FaultTolerance(), ...]; or launch each group as one process.")
+                "needs FSDP(state_dict='sharded') inside the group (HSDP), listed before it: "
+                "callbacks=[FSDP(state_dict='sharded'), FaultTolerance(), ...]; or launch "
+                "each group as one process.")
 
     def _shard(self, loop: Loop) -> None:
         data = loop.train_data
@@ -270,7 +278,9 @@ class FaultTolerance(Callback):
     # -------------------------------------------------------------- recovery
     def _state_for_peer(self) -> dict[str, Any]:
         self._record.goodput.charge("healing")  # the snapshot's clock is now
-        state: dict[str, Any] = self._loop.state_dict(gather=False)
+        # One process: its own state. HSDP: gathered as a checkpoint is (the group's ranks
+        # all serve their same-rank peer, in the same quorum, so the collective lines up).
+        state: dict[str, Any] = self._loop.state_dict(gather=self._ranks > 1)
         return state
 
     def _load_from_peer(self, state: dict[str, Any]) -> None:

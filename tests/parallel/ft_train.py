@@ -87,7 +87,7 @@ def main(mode: str, out_dir: str, checkpoint: bool, step_sleep: float) -> None:
     else:
         ft = FaultTolerance()
         index = ft.group
-        callbacks[:0] = [FSDP(), ft] if mode == "hsdp" else [ft]
+        callbacks[:0] = [FSDP(state_dict="sharded"), ft] if mode == "hsdp" else [ft]
         callbacks += [CSVLogger(os.path.join(out_dir, "log.csv"), every_n_steps=1),
                       TensorBoard(os.path.join(out_dir, "tb"), every_n_steps=1)]
         if checkpoint and index == 0:  # disk checkpoints come from one group

@@ -6,6 +6,7 @@ One launch per scenario, every process with a timeout: a hang is a failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -33,13 +34,26 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (torchrun's workers run in sessions of their own, so a
+    process group's signal would miss them)."""
+    found = [pid]
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+                found += _tree(int(child))
+    return found
+
+
 class _Run:
-    """A lighthouse and the replica groups of one scenario, all killed at the end."""
+    """A lighthouse and the replica groups of one scenario, all killed at the end. A group
+    is one process, or (``ranks=2``: HSDP) torchrun with two, FSDP inside the group."""
 
     def __init__(self, out: Path, *, epochs: int, step_sleep: float, groups: int = 2,
-                 checkpoint: bool = False) -> None:
-        self.out, self.groups, self.processes = out, groups, {}
-        self.args = ["ft", str(out), "--step-sleep", str(step_sleep)]
+                 checkpoint: bool = False, ranks: int = 1) -> None:
+        self.out, self.groups, self.processes, self.ranks = out, groups, {}, ranks
+        self.args = ["ft" if ranks == 1 else "hsdp", str(out), "--step-sleep",
+                     str(step_sleep)]
         if checkpoint:
             self.args.append("--checkpoint")
         port = _free_port()
@@ -57,9 +71,17 @@ class _Run:
         self.starts[group] += 1
         log = open(self.out / f"group{group}_{self.starts[group]}.log", "w")
         env = dict(self.env, HOOKLOOP_FT_GROUP=str(group))
+        launch = [] if self.ranks == 1 else [
+            "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.ranks}"]
         self.processes[group] = subprocess.Popen(
-            [sys.executable, str(SCRIPT), *self.args], cwd=ROOT, env=env, stdout=log,
+            [sys.executable, *launch, str(SCRIPT), *self.args], cwd=ROOT, env=env, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True)
+
+    def signal(self, group: int, number: int) -> None:
+        """Send ``number`` to every process of ``group`` (torchrun and its workers)."""
+        for pid in _tree(self.processes[group].pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, number)
 
     def log(self, group: int) -> str:
         return (self.out / f"group{group}_{self.starts[group]}.log").read_text()
@@ -74,25 +96,26 @@ class _Run:
         return codes
 
     def close(self) -> None:
-        for process in [*self.processes.values(), self.lighthouse]:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        for group, process in self.processes.items():
+            self.signal(group, signal.SIGKILL)
+            process.wait()
+        os.killpg(self.lighthouse.pid, signal.SIGKILL)
+        self.lighthouse.wait()
 
 
-def _ddp_oracle(out: Path, epochs: int) -> dict[str, Any]:
+def _ddp_oracle(out: Path, epochs: int, ranks: int = 2) -> dict[str, Any]:
     env = subprocess_env()
     env["FT_TEST_EPOCHS"] = str(epochs)
     env.pop("RANK", None)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
          str(SCRIPT), "ddp", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=TIMEOUT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return torch.load(out / "result_0.pt")
 
 
-def _check_every_sample_once(ledger: list[list[int]], epochs: int) -> None:
+def _check_every_sample_once(ledger: list[list[int]], epochs: int, ranks: int = 1) -> None:
     from ft_train import BATCH, SAMPLES
 
     from hookloop.parallel.ft_plan import shard_indices
@@ -101,9 +124,9 @@ def _check_every_sample_once(ledger: list[list[int]], epochs: int) -> None:
     assert steps == list(range(len(ledger))), "each committed step once, in order"
     trained: dict[int, list[int]] = {epoch: [] for epoch in range(epochs)}
     for _, epoch, batch, *plan in ledger:
-        for shard in range(len(plan)):
+        for shard in range(len(plan) * ranks):  # a group's shard: one per rank of it
             # the loader's seed: its generator's (ft_train.py seeds it with 7)
-            trained[epoch] += shard_indices(SAMPLES, len(plan), shard, epoch=epoch,
+            trained[epoch] += shard_indices(SAMPLES, len(plan) * ranks, shard, epoch=epoch,
                                             batch=batch, batch_size=BATCH, shuffle=True,
                                             seed=7)
     for epoch, samples in trained.items():
@@ -181,18 +204,19 @@ def _kill_inside_all_reduce(run: _Run, victim: int, deadline: float) -> None:
         if run.processes[victim].poll() is not None:
             return
         time.sleep(0.005)
-    os.killpg(run.processes[victim].pid, signal.SIGSTOP)
+    run.signal(victim, signal.SIGSTOP)
     time.sleep(0.4)  # the all-reduce's sleep is 0.1 s: the peer is inside it now
 
 
-def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int) -> dict[str, Any]:
+def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int,
+                  ranks: int = 1) -> dict[str, Any]:
     """Two groups; ``faults`` SIGKILLs of one group at a time, each restarted after a
     delay, never while the other is still healing: the even faults at a random moment, the
     odd ones while the peer waits for the victim inside the all-reduce. Returns what the
     test checks."""
     chooser = random.Random(seed)
-    run = _Run(out, epochs=epochs, step_sleep=0.15)
-    deadline = time.monotonic() + TIMEOUT
+    run = _Run(out, epochs=epochs, step_sleep=0.15, ranks=ranks)
+    deadline = time.monotonic() + TIMEOUT * ranks
     kills, inside = [], 0
     try:
         run.start(0)
@@ -215,7 +239,7 @@ def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int) -> dict[str
                 time.sleep(chooser.uniform(0.0, 1.0))
             if run.processes[victim].poll() is not None:
                 break  # the run ended
-            os.killpg(run.processes[victim].pid, signal.SIGKILL)
+            run.signal(victim, signal.SIGKILL)
             run.processes[victim].wait()
             kills.append(time.monotonic())
             time.sleep(chooser.uniform(0.2, 1.5))
@@ -327,3 +351,59 @@ def test_a_group_with_no_live_peer_resumes_from_the_checkpoint_or_refuses(
             assert torch.allclose(result["weights"][key], value, atol=1e-5, rtol=0), key
         assert result["goodput"]["counts"]["resumed"] == 1
         assert result["goodput"]["seconds"]["restart"] > 0
+
+
+@pytest.mark.slow
+def test_hsdp_without_fault_equals_plain_4_rank_ddp(tmp_path: Path) -> None:
+    """Two groups of two processes (FSDP inside), no fault: plain DDP over 4 ranks, up to
+    FSDP's summation order; every step's rows once, by the lowest group."""
+    (tmp_path / "ddp").mkdir()
+    oracle = _ddp_oracle(tmp_path / "ddp", epochs=4, ranks=4)
+    out = tmp_path / "ft"
+    out.mkdir()
+    run = _Run(out, epochs=4, step_sleep=0.0, ranks=2)
+    try:
+        run.start(0)
+        run.start(1)
+        codes = run.wait_all(time.monotonic() + TIMEOUT)
+        assert codes == {0: 0, 1: 0}, run.log(0)[-3000:] + run.log(1)[-3000:]
+    finally:
+        run.close()
+    for group in (0, 1):
+        result = torch.load(out / f"result_{group}.pt")
+        for key, value in oracle["weights"].items():
+            assert torch.allclose(result["weights"][key], value, atol=1e-6, rtol=0), key
+        assert result["lr"] == oracle["lr"] and result["step"] == oracle["step"] == 12
+        assert [entry[3:] for entry in result["ledger"]] == [[0, 1]] * 12
+        _check_every_sample_once(result["ledger"], epochs=4, ranks=2)
+    _check_logs_once_each(out, oracle, epochs=4)
+
+
+@pytest.mark.slow
+def test_hsdp_random_kills_train_every_sample_once_and_equal_plain_4_rank_ddp(
+        tmp_path: Path) -> None:
+    """HSDP: two replica groups of two processes (torchrun, FSDP inside a group), whole
+    groups SIGKILLed (torchrun and both workers), half of them inside the all-reduce. The
+    oracle is plain DDP over the same 4 ranks (FSDP's reduce-scatter sums in another order:
+    within 1e-5, not bit for bit)."""
+    (tmp_path / "ddp").mkdir()
+    epochs, faults = 200, 6
+    oracle = _ddp_oracle(tmp_path / "ddp", epochs=epochs, ranks=4)
+    (tmp_path / "ft").mkdir()
+    started = time.time()
+    campaign = kill_campaign(tmp_path / "ft", faults=faults, epochs=epochs, seed=36, ranks=2)
+    assert campaign["kills"] >= faults and campaign["inside"] >= faults // 2
+    assert campaign["survivor_restarts"] == 0
+    for result in campaign["results"]:
+        _check_every_sample_once(result["ledger"], epochs=epochs, ranks=2)
+        assert result["step"] == oracle["step"] and result["lr"] == oracle["lr"]
+        for key, value in oracle["weights"].items():
+            assert torch.allclose(result["weights"][key], value, atol=1e-5, rtol=0), key
+        _check_goodput(result, started)
+        assert result["goodput"]["counts"]["joined"] >= 1
+    _check_logs_once_each(tmp_path / "ft", oracle, epochs=epochs)
+    print("hsdp kill campaign:", {k: v for k, v in campaign.items() if k != "results"},
+          "max weight difference:", max(
+              float((result["weights"][key] - value).abs().max())
+              for result in campaign["results"] for key, value in oracle["weights"].items()),
+          "seconds:", time.time() - started)
