@@ -102,9 +102,8 @@ class FaultTolerance(Callback):
 
     Raises:
         ConfigurationError: at setup: torchft missing (``pip install hookloop[ft]``), a
-            bad group number, training data that is not a map-style DataLoader, a group of
-            several processes without ``FSDP(state_dict="sharded")`` before it, or
-            gradient accumulation.
+            bad group number, training data that is not a map-style DataLoader, or a group
+            of several processes without ``FSDP(state_dict="sharded")`` before it.
         HookloopError: a group with no live peer, nothing restored and a run that had
             committed steps; a group left behind by its peers in the middle of a fit.
 
@@ -296,10 +295,6 @@ class FaultTolerance(Callback):
 
     # ------------------------------------------------------------------ events
     def on_fit_start(self, loop: Loop) -> None:
-        if loop.accumulation_steps != 1:
-            raise ConfigurationError(
-                "FaultTolerance does not support GradAccumulation yet: it commits every "
-                "optimizer step through torchft. Drop GradAccumulation, or use a larger batch.")
         record, manager = self._record, self._manager
         record.from_peer = False
         if self.restored_run is not None:
@@ -347,7 +342,7 @@ class FaultTolerance(Callback):
                 losses = own_loss.clone()
                 for shard, group in enumerate(plan):
                     if group == self.group and shard != self.group:
-                        losses += self._train_shard(loop, shard)
+                        losses += self._train_window(loop, shard)
                 goodput.charge("takeover")
                 global_loss = self._all_reduce(manager, params, losses)
             step = manager.current_step()
@@ -424,15 +419,29 @@ class FaultTolerance(Callback):
             loss /= self._ranks
         return loss.reshape(())
 
-    def _train_shard(self, loop: Loop, shard: int) -> torch.Tensor:
-        """Forward and backward of a missing group's shard of this batch, accumulated;
-        returns the shard's loss."""
+    def _train_window(self, loop: Loop, shard: int) -> torch.Tensor:
+        """A missing group's shard of every batch of this step's accumulation window (one
+        batch without `GradAccumulation`; windows start at multiples of its ``steps`` in an
+        epoch), accumulated; returns the loss of the window's last batch, as the loop's."""
+        state = loop.state
+        last = state.batch_idx
+        loss = torch.zeros(())
+        try:
+            for batch in range(last - last % loop.accumulation_steps, last + 1):
+                state.batch_idx = batch  # a scale_loss reads its window from it
+                loss = self._train_shard(loop, shard, batch)
+        finally:
+            state.batch_idx = last
+        return loss
+
+    def _train_shard(self, loop: Loop, shard: int, batch_idx: int) -> torch.Tensor:
+        """Forward and backward of a missing group's shard of batch ``batch_idx``,
+        accumulated; returns the shard's loss."""
         sampler, data = self._sampler, loop.train_data
         indices = ft_plan.shard_indices(
             len(sampler.dataset), self.groups * self._ranks, shard * self._ranks + self._rank,
-            epoch=loop.state.epoch,
-            batch=loop.state.batch_idx, batch_size=data.batch_size, shuffle=sampler.shuffle,
-            seed=sampler.seed)
+            epoch=loop.state.epoch, batch=batch_idx, batch_size=data.batch_size,
+            shuffle=sampler.shuffle, seed=sampler.seed)
         batch = move_to_device(data.collate_fn([data.dataset[i] for i in indices]),
                                loop.device)
         rule = ForwardRule(loop, loop.forward, loop.loss_fn, loop.inputs, loop.targets)

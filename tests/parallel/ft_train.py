@@ -1,15 +1,17 @@
 """One replica group of a fault-tolerant run, or one rank of the plain DDP run it must equal.
 
-    python ft_train.py ft OUT_DIR [--checkpoint] [--step-sleep S]   (HOOKLOOP_FT_* set)
+    python ft_train.py ft OUT_DIR [--checkpoint] [--step-sleep S] [--accumulate K]
+        (HOOKLOOP_FT_* set; --accumulate: GradAccumulation(K), in ddp too)
     torchrun --nproc_per_node=2 ft_train.py hsdp OUT_DIR [--step-sleep S]   (a group of 2)
     torchrun --nproc_per_node=2 ft_train.py ddp OUT_DIR   (or 4: the oracle of hsdp)
 
 ``hsdp`` is a replica group of two processes: FSDP inside the group, FaultTolerance across
-groups. Writes OUT_DIR/result_<group or rank>.pt (an hsdp group: rank 0, the weights whole): the final weights, the final learning rate, (for
-ft) the ledger and (for ddp) each step's loss over the global batch and learning rate. An
-ft group also logs to OUT_DIR/log.csv and OUT_DIR/tb (every group, the same paths: the
-writer of each step is the lowest group of its quorum). ``--step-sleep`` slows each step, so that a test can kill a group at
-a random moment, inside the all-reduce or between steps.
+groups. Writes OUT_DIR/result_<group or rank>.pt (an hsdp group: rank 0's, the weights
+whole): the final weights, the final learning rate, (for ft) the ledger and (for ddp) each
+step's loss over the global batch and learning rate. An ft group also logs to
+OUT_DIR/log.csv and OUT_DIR/tb (every group, the same paths: the writer of each step is
+the lowest group of its quorum). ``--step-sleep`` slows each step, so that a test can kill
+a group at a random moment, inside the all-reduce or between steps.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 
 from hookloop import Callback, Loop
 from hookloop.callbacks import (
-    DDP, FSDP, Checkpoint, CSVLogger, FaultTolerance, LRScheduler, TensorBoard)
+    DDP, FSDP, Checkpoint, CSVLogger, FaultTolerance, GradAccumulation, LRScheduler,
+    TensorBoard)
 
 SAMPLES, BATCH = 48, 4  # 2 groups: 6 steps per epoch
 EPOCHS = int(os.environ.get("FT_TEST_EPOCHS", "3"))
@@ -69,7 +72,8 @@ class _GlobalSteps(Callback):
                                       float(loop.optimizer.param_groups[0]["lr"]))
 
 
-def main(mode: str, out_dir: str, checkpoint: bool, step_sleep: float) -> None:
+def main(mode: str, out_dir: str, checkpoint: bool, step_sleep: float,
+         accumulate: int = 1) -> None:
     torch.manual_seed(0)
     inputs, targets = torch.randn(SAMPLES, 6), torch.randn(SAMPLES, 1)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -95,6 +99,8 @@ def main(mode: str, out_dir: str, checkpoint: bool, step_sleep: float) -> None:
                                         resume=True, keep_last=1))
     if step_sleep:
         callbacks.append(_Slow(step_sleep, ft))
+    if accumulate > 1:
+        callbacks.append(GradAccumulation(accumulate))
     loop = Loop(model, optimizer, data, loss_fn=torch.nn.functional.mse_loss,
                 callbacks=callbacks, device="cpu", sanity_val_batches=0)
     started = time.time()
@@ -114,4 +120,6 @@ if __name__ == "__main__":
     arguments = sys.argv[1:]
     sleep = float(arguments[arguments.index("--step-sleep") + 1]) \
         if "--step-sleep" in arguments else 0.0
-    main(arguments[0], arguments[1], "--checkpoint" in arguments, sleep)
+    windows = int(arguments[arguments.index("--accumulate") + 1]) \
+        if "--accumulate" in arguments else 1
+    main(arguments[0], arguments[1], "--checkpoint" in arguments, sleep, windows)

@@ -7,6 +7,7 @@ One launch per scenario, every process with a timeout: a hang is a failure.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import random
 import signal
@@ -50,10 +51,10 @@ class _Run:
     is one process, or (``ranks=2``: HSDP) torchrun with two, FSDP inside the group."""
 
     def __init__(self, out: Path, *, epochs: int, step_sleep: float, groups: int = 2,
-                 checkpoint: bool = False, ranks: int = 1) -> None:
+                 checkpoint: bool = False, ranks: int = 1, extra: tuple[str, ...] = ()) -> None:
         self.out, self.groups, self.processes, self.ranks = out, groups, {}, ranks
         self.args = ["ft" if ranks == 1 else "hsdp", str(out), "--step-sleep",
-                     str(step_sleep)]
+                     str(step_sleep), *extra]
         if checkpoint:
             self.args.append("--checkpoint")
         port = _free_port()
@@ -103,19 +104,21 @@ class _Run:
         self.lighthouse.wait()
 
 
-def _ddp_oracle(out: Path, epochs: int, ranks: int = 2) -> dict[str, Any]:
+def _ddp_oracle(out: Path, epochs: int, ranks: int = 2,
+                extra: tuple[str, ...] = ()) -> dict[str, Any]:
     env = subprocess_env()
     env["FT_TEST_EPOCHS"] = str(epochs)
     env.pop("RANK", None)
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-         str(SCRIPT), "ddp", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+         str(SCRIPT), "ddp", str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=TIMEOUT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return torch.load(out / "result_0.pt")
 
 
-def _check_every_sample_once(ledger: list[list[int]], epochs: int, ranks: int = 1) -> None:
+def _check_every_sample_once(ledger: list[list[int]], epochs: int, ranks: int = 1,
+                             window: int = 1) -> None:
     from ft_train import BATCH, SAMPLES
 
     from hookloop.parallel.ft_plan import shard_indices
@@ -123,9 +126,11 @@ def _check_every_sample_once(ledger: list[list[int]], epochs: int, ranks: int = 
     steps = [entry[0] for entry in ledger]
     assert steps == list(range(len(ledger))), "each committed step once, in order"
     trained: dict[int, list[int]] = {epoch: [] for epoch in range(epochs)}
-    for _, epoch, batch, *plan in ledger:
-        for shard in range(len(plan) * ranks):  # a group's shard: one per rank of it
-            # the loader's seed: its generator's (ft_train.py seeds it with 7)
+    for _, epoch, last, *plan in ledger:
+        for batch, shard in itertools.product(  # a step: its accumulation window's batches
+                range(last - last % window, last + 1), range(len(plan) * ranks)):
+            # a group's shard: one per rank of it; the loader's seed: its generator's
+            # (ft_train.py seeds it with 7)
             trained[epoch] += shard_indices(SAMPLES, len(plan) * ranks, shard, epoch=epoch,
                                             batch=batch, batch_size=BATCH, shuffle=True,
                                             seed=7)
@@ -208,14 +213,14 @@ def _kill_inside_all_reduce(run: _Run, victim: int, deadline: float) -> None:
     time.sleep(0.4)  # the all-reduce's sleep is 0.1 s: the peer is inside it now
 
 
-def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int,
-                  ranks: int = 1) -> dict[str, Any]:
+def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int, ranks: int = 1,
+                  extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """Two groups; ``faults`` SIGKILLs of one group at a time, each restarted after a
     delay, never while the other is still healing: the even faults at a random moment, the
     odd ones while the peer waits for the victim inside the all-reduce. Returns what the
     test checks."""
     chooser = random.Random(seed)
-    run = _Run(out, epochs=epochs, step_sleep=0.15, ranks=ranks)
+    run = _Run(out, epochs=epochs, step_sleep=0.15, ranks=ranks, extra=extra)
     deadline = time.monotonic() + TIMEOUT * ranks
     kills, inside = [], 0
     try:
@@ -407,3 +412,25 @@ def test_hsdp_random_kills_train_every_sample_once_and_equal_plain_4_rank_ddp(
               float((result["weights"][key] - value).abs().max())
               for result in campaign["results"] for key, value in oracle["weights"].items()),
           "seconds:", time.time() - started)
+
+
+@pytest.mark.slow
+def test_grad_accumulation_beside_fault_tolerance_equals_the_fault_free_run(
+        tmp_path: Path) -> None:
+    """GradAccumulation(2) in both groups and in the oracle: a missing group's shards of
+    every batch of the window are taken over, so a step with a fault trains the fault-free
+    step's window. Two kills (one between steps, one inside the all-reduce)."""
+    extra = ("--accumulate", "2")
+    (tmp_path / "ddp").mkdir()
+    epochs = 30
+    oracle = _ddp_oracle(tmp_path / "ddp", epochs=epochs, extra=extra)
+    (tmp_path / "ft").mkdir()
+    campaign = kill_campaign(tmp_path / "ft", faults=2, epochs=epochs, seed=37, extra=extra)
+    assert campaign["kills"] == 2 and campaign["survivor_restarts"] == 0
+    for result in campaign["results"]:
+        _check_every_sample_once(result["ledger"], epochs=epochs, window=2)
+        assert any(entry[3:] != [0, 1] for entry in result["ledger"]), "no takeover ran"
+        assert result["step"] == oracle["step"] == epochs * 3 and result["lr"] == oracle["lr"]
+        for key, value in oracle["weights"].items():
+            assert torch.allclose(result["weights"][key], value, atol=1e-5, rtol=0), key
+    _check_logs_once_each(tmp_path / "ft", oracle, epochs=epochs)
