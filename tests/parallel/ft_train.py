@@ -99,8 +99,8 @@ def main(mode: str, out_dir: str, checkpoint: bool, step_sleep: float,
                                         resume=True, keep_last=1))
     if step_sleep:
         callbacks.append(_Slow(step_sleep, ft))
-    if accumulate > 1:
-        callbacks.append(GradAccumulation(accumulate))
+    if accumulate > 1:  # before the schedule, which counts its optimizer steps
+        callbacks.insert(callbacks.index(schedule), GradAccumulation(accumulate))
     loop = Loop(model, optimizer, data, loss_fn=torch.nn.functional.mse_loss,
                 callbacks=callbacks, device="cpu", sanity_val_batches=0)
     started = time.time()
