@@ -83,6 +83,12 @@ class FaultTolerance(Callback):
     ``run_dir`` shows that the run had committed steps, stops with an error before the
     first batch: never from step 0 with fresh weights.
 
+    Give every group the same `CSVLogger` and `TensorBoard`: after each commit the lowest
+    group of the step's quorum is told to write the step's rows (``hold_writes``), the
+    others keep them in memory, so the files hold every step once across faults; the step's
+    ``loop.state.loss`` is the loss of the whole global batch (all-reduced with the
+    gradients), the same in every group.
+
     Every committed step is in `ledger`: ``[step, epoch, batch, group of shard 0, ...]``.
     Where the run's wall time went is in `goodput` (`hookloop.parallel.ft_goodput`), kept
     in the run's state across relaunches and printed at the end of each fit.
