@@ -104,10 +104,39 @@ class CSVLogger(Callback):
         self._opened = False
         self._damaged = False  # a failed write may have left part of a row after _rows
         self._failed = False  # a write of this fit failed (the fit is ending because of it)
+        # None: writes as usual. True/False: a replica group's writer turn under
+        # FaultTolerance (see `hold_writes`): held, the rows are counted as the writer's.
+        self._held: bool | None = None
 
     def __repr__(self) -> str:
         every = "" if self.every_n_steps is None else f", every_n_steps={self.every_n_steps}"
         return f"CSVLogger({self.path!r}{every})"
+
+    def hold_writes(self, loop: Loop, held: bool) -> None:
+        """Give this step's writing to another process (``held``), or take it (the replica
+        group that writes this step's rows under `FaultTolerance`, which calls this after
+        each step's commit, once every group of the step's quorum has finished the steps
+        before).
+
+        Every group builds the same rows. Held, the rows of the steps before are the
+        writer's, in the file by now: counted, not kept. Taking the turn cuts the file back
+        to the rows counted (what a writer that died wrote of its last step, whole or half,
+        goes) and appends this group's own rows from there. The writer writes after every
+        step, so a writer that dies loses nothing its successor cannot write again.
+        """
+        was, self._held = self._held, held
+        if held and was is None:
+            return  # the first word (at setup): what is owed stays owed
+        if held:
+            self._rows += len(self._keyed(self._pending + self._read_steps()))
+            history = self._new_history(loop)
+            self._rows += len(history)
+            if history:
+                self._last_history = (int(history[-1]["epoch"]), int(history[-1]["step"]))
+            self._pending, self._opened = [], False
+        elif was is not False:
+            self._restored = True  # the file holds the `_rows` rows counted: cut back to them
+            self._flush(loop)
 
     # ------------------------------------------------------------------ events
     def on_fit_start(self, loop: Loop) -> None:
@@ -120,7 +149,8 @@ class CSVLogger(Callback):
 
     def on_epoch_start(self, loop: Loop) -> None:
         """Open the file (a checkpoint has been restored by now) and write what is owed."""
-        self._flush(loop)
+        if not self._held:
+            self._flush(loop)
 
     @property
     def _silent_events(self) -> tuple[str, ...]:
@@ -135,10 +165,13 @@ class CSVLogger(Callback):
         if every is not None and state.step % every == 0 and state.loss is not None:
             lr = loop.optimizer.param_groups[0]["lr"] if loop.optimizer.param_groups else math.nan
             self._steps.append((state.epoch, state.step, state.loss.detach(), float(lr)))
+        if self._held is False:
+            self._flush(loop)  # in the file before the next quorum: see `hold_writes`
 
     def on_epoch_end(self, loop: Loop) -> None:
         """Write the epoch's step rows and new history rows."""
-        self._flush(loop)
+        if not self._held:
+            self._flush(loop)
 
     def on_fit_end(self, loop: Loop) -> None:
         """Write what is left (a history row recorded after on_epoch_end).
@@ -146,7 +179,7 @@ class CSVLogger(Callback):
         Not after a failed write of this fit: the disk failed moments ago, and the rows are
         owed to the next fit or relaunch (a checkpoint taken on the way out holds them).
         """
-        if self._failed:
+        if self._failed or self._held:
             return
         if self._opened or self._steps or self._pending or self._new_history(loop):
             self._flush(loop)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from hookloop import distributed
 from hookloop.base.checks import check_optional_int
 from hookloop.callback import Callback
 from hookloop.engine.data import move_to_device
@@ -58,8 +59,11 @@ class FaultTolerance(Callback):
     """Data-parallel training over replica groups that survives a dead group, on torchft.
 
     Each replica group is one process (start them with ``hookloop run --groups N``, or by
-    hand with the variables of `hookloop.parallel.ft_plan`); a torchft lighthouse forms a
-    quorum of the live groups at every step. Per step, after the loop's backward:
+    hand with the variables of `hookloop.parallel.ft_plan`), or a torchrun of several with
+    ``FSDP(state_dict="sharded")`` before this callback (HSDP: FSDP inside the group, each
+    rank all-reducing its gradient shards with the same-rank rank of the other groups, and
+    taking its own shards from that rank when its group heals); a torchft lighthouse forms
+    a quorum of the live groups at every step. Per step, after the loop's backward:
 
     * the quorum of live groups (the first one, at setup, waits for every group of a new
       run, so a run starts with all of them);
@@ -78,6 +82,12 @@ class FaultTolerance(Callback):
     restored (torchft's step is in the run's state), or, when nothing was restored and
     ``run_dir`` shows that the run had committed steps, stops with an error before the
     first batch: never from step 0 with fresh weights.
+
+    Give every group the same `CSVLogger` and `TensorBoard`: after each commit the lowest
+    group of the step's quorum is told to write the step's rows (``hold_writes``), the
+    others keep them in memory, so the files hold every step once across faults; the step's
+    ``loop.state.loss`` is the loss of the whole global batch (all-reduced with the
+    gradients), the same in every group.
 
     Every committed step is in `ledger`: ``[step, epoch, batch, group of shard 0, ...]``.
     Where the run's wall time went is in `goodput` (`hookloop.parallel.ft_goodput`), kept
@@ -98,8 +108,8 @@ class FaultTolerance(Callback):
 
     Raises:
         ConfigurationError: at setup: torchft missing (``pip install hookloop[ft]``), a
-            bad group number, training data that is not a map-style DataLoader, or
-            gradient accumulation.
+            bad group number, training data that is not a map-style DataLoader, or a group
+            of several processes without ``FSDP(state_dict="sharded")`` before it.
         HookloopError: a group with no live peer, nothing restored and a run that had
             committed steps; a group left behind by its peers in the middle of a fit.
 
@@ -137,7 +147,9 @@ class FaultTolerance(Callback):
         self._sampler: Any = None
         self._first_quorum = self._alone = False
         self._members = 0
+        self._rank, self._ranks = 0, 1  # this process in its replica group (HSDP: FSDP's)
         self._savers: list[Any] = []
+        self._loggers: list[Any] = []  # callbacks with `hold_writes` (CSVLogger, TensorBoard)
         self._seen_saves: dict[int, tuple[Any, Any]] = {}
         #: Where the run's state of this fit came from, when this callback restored it (a
         #: live peer); ``Checkpoint(resume=True)`` leaves such a fit alone.
@@ -176,25 +188,51 @@ class FaultTolerance(Callback):
             raise ConfigurationError(
                 "FaultTolerance needs the lighthouse's address: lighthouse='http://host:port' "
                 f"or {ft_plan.ENV_LIGHTHOUSE} (hookloop run --groups N starts one).")
+        self._group_ranks(loop)
         self._shard(loop)
         loop.extra_state[_STATE_NAME] = self._record
         self._loop, self._savers = loop, [
             callback for callback in loop.callbacks
             if hasattr(type(callback), "last_save_seconds")]
-        self._store = torch.distributed.TCPStore("localhost", 0, is_master=True,
-                                                 wait_for_workers=False)
+        self._loggers = [callback for callback in loop.callbacks  # rank 0's, as dispatched
+                         if callable(getattr(callback, "hold_writes", None))
+                         and (self._rank == 0 or not callback.rank_zero_only)]
+        for logger in self._loggers:  # nothing written until a step names its writer
+            logger.hold_writes(loop, True)
+        if self._ranks == 1:
+            self._store = torch.distributed.TCPStore("localhost", 0, is_master=True,
+                                                     wait_for_workers=False)
+            address, port = "localhost", self._store.port
+        else:  # the group's ranks share torchrun's store (its manager server runs on rank 0)
+            address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         timeout = timedelta(seconds=self.timeout)
         self._manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_from_peer,
             state_dict=self._state_for_peer, min_replica_size=1, use_async_quorum=False,
             timeout=timeout, quorum_timeout=timedelta(seconds=self.quorum_timeout),
-            connect_timeout=timeout, rank=0, world_size=1, store_addr="localhost",
-            store_port=self._store.port, lighthouse_addr=self.lighthouse,
+            connect_timeout=timeout, rank=self._rank, world_size=self._ranks,
+            store_addr=address, store_port=port, lighthouse_addr=self.lighthouse,
             replica_id=f"hookloop_group_{self.group}", init_sync=False)
         self._first_quorum, self._alone = True, False
         self.restored_run = None
         self._join()
         self._members = self._manager.num_participants()
+
+    def _group_ranks(self, loop: Loop) -> None:
+        """This process's rank in its replica group: one process, or (HSDP) the ranks of the
+        `FSDP` that shards the model inside the group, which must be set up first."""
+        self._rank, self._ranks = distributed.rank(), distributed.world_size()
+        if self._ranks == 1:
+            return
+        fsdp = [callback for callback in loop.callbacks[:loop.callbacks.index(self)]
+                if type(callback).__name__ == "FSDP"]
+        if not fsdp or fsdp[0].state_dict_layout != "sharded":
+            # a peer's state is taken rank by rank: each rank's own shards, no gathering
+            raise ConfigurationError(
+                f"FaultTolerance runs in a replica group of {self._ranks} processes, which "
+                "needs FSDP(state_dict='sharded') inside the group (HSDP), listed before it: "
+                "callbacks=[FSDP(state_dict='sharded'), FaultTolerance(), ...]; or launch "
+                "each group as one process.")
 
     def _shard(self, loop: Loop) -> None:
         data = loop.train_data
@@ -204,8 +242,9 @@ class FaultTolerance(Callback):
                 "FaultTolerance needs the training data as a DataLoader over a map-style "
                 f"dataset (got {type(data).__name__}): a live group trains a missing group's "
                 "shard by index, so it must be able to read any sample.")
-        loop.train_data = shard_loader(data, training=True, owner="FaultTolerance",
-                                       replicas=(self.groups, self.group))
+        loop.train_data = shard_loader(
+            data, training=True, owner="FaultTolerance", reshard=True,
+            replicas=(self.groups * self._ranks, self.group * self._ranks + self._rank))
         self._sampler = loop.train_data.sampler
 
     def _join(self) -> None:
@@ -244,7 +283,9 @@ class FaultTolerance(Callback):
     # -------------------------------------------------------------- recovery
     def _state_for_peer(self) -> dict[str, Any]:
         self._record.goodput.charge("healing")  # the snapshot's clock is now
-        state: dict[str, Any] = self._loop.state_dict(gather=False)
+        # One process: its own state. HSDP: gathered as a checkpoint is (the group's ranks
+        # all serve their same-rank peer, in the same quorum, so the collective lines up).
+        state: dict[str, Any] = self._loop.state_dict(gather=self._ranks > 1)
         return state
 
     def _load_from_peer(self, state: dict[str, Any]) -> None:
@@ -260,10 +301,6 @@ class FaultTolerance(Callback):
 
     # ------------------------------------------------------------------ events
     def on_fit_start(self, loop: Loop) -> None:
-        if loop.accumulation_steps != 1:
-            raise ConfigurationError(
-                "FaultTolerance does not support GradAccumulation yet: it commits every "
-                "optimizer step through torchft. Drop GradAccumulation, or use a larger batch.")
         record, manager = self._record, self._manager
         record.from_peer = False
         if self.restored_run is not None:
@@ -294,6 +331,8 @@ class FaultTolerance(Callback):
         goodput.charge("training", minus=self._new_save_seconds())
         params = [p for p in loop.unwrapped_model.parameters() if p.requires_grad]
         own = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        own_loss = state.loss.detach().float().reshape(()) if state.loss is not None \
+            else torch.zeros(())
         attempt = -1
         while True:
             attempt += 1
@@ -306,15 +345,21 @@ class FaultTolerance(Callback):
             self._first_quorum = False
             plan = self._plan(manager)
             if plan is not None:
+                losses = own_loss.clone()
                 for shard, group in enumerate(plan):
                     if group == self.group and shard != self.group:
-                        self._train_shard(loop, shard)
+                        losses += self._train_window(loop, shard)
                 goodput.charge("takeover")
-                self._all_reduce(manager, params)
+                global_loss = self._all_reduce(manager, params, losses)
             step = manager.current_step()
             if manager.should_commit():
                 assert plan is not None
                 goodput.charge("training")
+                # the step's loss over the whole global batch, the same in every group
+                state.loss = global_loss.to(state.loss.dtype) if state.loss is not None \
+                    else global_loss
+                for logger in self._loggers:  # the lowest group of the quorum writes the logs
+                    logger.hold_writes(loop, min(plan) != self.group)
                 self._record.ledger.record(step, state.epoch, state.batch_idx, plan)
                 self._record.torchft_step = manager.current_step()
                 self._write_progress()
@@ -357,28 +402,52 @@ class FaultTolerance(Callback):
             return None
         return ft_plan.assign([g for g in range(self.groups) if present[g] > 0.5], self.groups)
 
-    def _all_reduce(self, manager: Any, params: list[torch.nn.Parameter]) -> None:
-        """One flat all-reduce of the gradients, each divided by ``groups`` first (DDP's
-        order of operations, so a fault-free run is equal to DDP's bit for bit)."""
+    def _all_reduce(self, manager: Any, params: list[torch.nn.Parameter],
+                    losses: torch.Tensor) -> torch.Tensor:
+        """One flat all-reduce of the gradients and of the sum of this group's shard
+        losses, each divided by ``groups`` first (DDP's order of operations, so a fault-free
+        run is equal to DDP's bit for bit); returns the global batch's loss."""
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        grads = [param.grad for param in params if param.grad is not None]
-        flat = torch.cat([grad.reshape(-1) for grad in grads]).div_(self.groups)
+        grads = [_local(param.grad) for param in params if param.grad is not None]
+        flat = torch.cat([*(grad.reshape(-1) for grad in grads),
+                          losses.to(grads[0].dtype).reshape(1)]).div_(self.groups)
         manager.allreduce(flat, reduce_op=_sum()).wait()
         offset = 0
         for grad in grads:
             count = grad.numel()
             grad.copy_(flat[offset:offset + count].view_as(grad))
             offset += count
+        loss = flat[-1:].detach().clone()
+        if self._ranks > 1:  # the mean over the group's ranks too (the same on each)
+            torch.distributed.all_reduce(loss)
+            loss /= self._ranks
+        return loss.reshape(())
 
-    def _train_shard(self, loop: Loop, shard: int) -> None:
-        """Forward and backward of a missing group's shard of this batch, accumulated."""
+    def _train_window(self, loop: Loop, shard: int) -> torch.Tensor:
+        """A missing group's shard of every batch of this step's accumulation window (one
+        batch without `GradAccumulation`; windows start at multiples of its ``steps`` in an
+        epoch), accumulated; returns the loss of the window's last batch, as the loop's."""
+        state = loop.state
+        last = state.batch_idx
+        loss = torch.zeros(())
+        try:
+            for batch in range(last - last % loop.accumulation_steps, last + 1):
+                state.batch_idx = batch  # a scale_loss reads its window from it
+                loss = self._train_shard(loop, shard, batch)
+        finally:
+            state.batch_idx = last
+        return loss
+
+    def _train_shard(self, loop: Loop, shard: int, batch_idx: int) -> torch.Tensor:
+        """Forward and backward of a missing group's shard of batch ``batch_idx``,
+        accumulated; returns the shard's loss."""
         sampler, data = self._sampler, loop.train_data
         indices = ft_plan.shard_indices(
-            len(sampler.dataset), self.groups, shard, epoch=loop.state.epoch,
-            batch=loop.state.batch_idx, batch_size=data.batch_size, shuffle=sampler.shuffle,
-            seed=sampler.seed)
+            len(sampler.dataset), self.groups * self._ranks, shard * self._ranks + self._rank,
+            epoch=loop.state.epoch, batch=batch_idx, batch_size=data.batch_size,
+            shuffle=sampler.shuffle, seed=sampler.seed)
         batch = move_to_device(data.collate_fn([data.dataset[i] for i in indices]),
                                loop.device)
         rule = ForwardRule(loop, loop.forward, loop.loss_fn, loop.inputs, loop.targets)
@@ -389,12 +458,14 @@ class FaultTolerance(Callback):
                     stack.enter_context(context)
             _, loss = rule.compute(loop.model, batch)
         loss = check_loss(loss, training=True)
+        value = loss.detach().float().reshape(())
         for callback in loop.callbacks:
             loss = callback.scale_loss(loop, loss)
         loss.backward()
+        return value
 
     def _write_progress(self) -> None:
-        if self.run_dir is None:
+        if self.run_dir is None or self._rank != 0:
             return
         os.makedirs(self.run_dir, exist_ok=True)
         path = os.path.join(self.run_dir, f"group_{self.group}.json")
@@ -416,6 +487,11 @@ class FaultTolerance(Callback):
         if self._manager is not None:
             self._manager.shutdown(wait=False)
         self._manager = self._store = None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor, or a DTensor's local shard (its storage: written in place)."""
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
 
 
 def _sum() -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -160,11 +161,35 @@ class TensorBoard(Callback):
         self._files_before: set[str] = set()  # the event files log_dir held before it
         self._failure: LogWriteError | None = None  # the first failed write of this writer
         self._failure_raised = False
+        # None: writes as usual. True/False: a replica group's writer turn under
+        # FaultTolerance (see `hold_writes`): held, scalars are kept in memory only.
+        self._held: bool | None = None
 
     def __repr__(self) -> str:
         return f"TensorBoard({self.log_dir!r}, every_n_steps={self.every_n_steps})"
 
     # ------------------------------------------------------------------ writer
+    def hold_writes(self, loop: Loop, held: bool) -> None:
+        """Give this step's writing to another process (``held``), or take it (the replica
+        group that writes this step's rows under `FaultTolerance`, which calls this after
+        each step's commit).
+
+        Held, the callback keeps computing its scalars (the latest step's stay in memory, and
+        travel to a peer in `state_dict`) but writes nothing and closes its event file.
+        Taking the turn opens a new event file that sorts after every earlier one, with
+        ``purge_step`` at the current step, whose scalars it writes again: what the previous
+        writer may have logged of that step (or half logged before it died) is dropped, and
+        every step is in the directory once. The writer flushes after every step, so a
+        writer that dies loses nothing its successor cannot replay.
+        """
+        first, self._held = self._held is None, held
+        if held:
+            self._close()
+        elif self._writer is None:
+            # the first turn of a new run is the run's start; any other continues the run
+            self._continued = self._continued or (not first and loop.state.step > 0)
+            self._open(loop)
+
     @property
     def writer(self) -> SummaryWriter:
         """The ``SummaryWriter`` of this run, for other callbacks to log through.
@@ -225,6 +250,8 @@ class TensorBoard(Callback):
         step = loop.state.step
         purge_step: int | None = None
         replay: dict[str, float] = {}
+        if earlier and self._held is not None:
+            _after_files_of(self.log_dir)  # the reader goes by file name: this one is last
         if earlier:
             if self._latest_step == step:
                 purge_step, replay = step, dict(self._latest)
@@ -269,6 +296,8 @@ class TensorBoard(Callback):
         if step != self._latest_step:
             self._latest_step, self._latest = step, {}
         self._latest[tag] = value
+        if self._held:
+            return
         writer = self.writer
         with self._writing():
             writer.add_scalar(tag, value, step)
@@ -293,6 +322,8 @@ class TensorBoard(Callback):
         """Open the writer (after a checkpoint restored the step, for purge_step); at the
         fit's first epoch, write the hyper-parameters."""
         first, self._epoch_ran = not self._epoch_ran, True
+        if self._held is not None:
+            return  # the writer turn opens it (`hold_writes`)
         if self._writer is None:
             self._open(loop)
         elif first and not self._continued:  # another callback opened the writer first
@@ -306,7 +337,7 @@ class TensorBoard(Callback):
 
     def on_batch_start(self, loop: Loop) -> None:
         """Trace the graph from the first batch, once, when asked."""
-        if self.graph and not self._graph_done:
+        if self.graph and not self._graph_done and not self._held:
             self._graph_done = True
             self._add_graph(loop)
 
@@ -327,7 +358,10 @@ class TensorBoard(Callback):
             # The epoch's last step, when the data has a length; else its first step.
             if total is None or state.batch_idx == total - 1:
                 self._histogram_epoch = state.epoch
-                self._add_histograms(loop)
+                if not self._held:
+                    self._add_histograms(loop)
+        if self._held is False:
+            self._flush()  # on disk before the next quorum: a successor takes over from it
 
     def on_validation_end(self, loop: Loop) -> None:
         """Every metric of this validation, once, at the current step."""
@@ -468,6 +502,16 @@ class TensorBoard(Callback):
         writer = self.writer
         with self._writing():
             summary_file_writer(writer).add_summary(session_end)
+
+
+def _after_files_of(directory: str) -> None:
+    """Wait until a new event file's name (its creation second first) sorts after every
+    file in ``directory``: TensorBoard's reader reads them in name order, so a writer's
+    ``purge_step`` must come after what the writers before it logged."""
+    seconds = [int(part) for name in _event_files(directory)
+               for part in name.split(".")[3:4] if part.isdigit()]
+    while seconds and int(time.time()) <= max(seconds):
+        time.sleep(0.05)
 
 
 def _event_files(directory: str) -> set[str]:

@@ -153,7 +153,7 @@ def _rebuild(loader: DataLoader, sampler: Sampler[int], batch_size: int | None,
 
 
 def shard_loader(loader: Any, *, training: bool, owner: str = "DDP",
-                 replicas: tuple[int, int] | None = None) -> Any:
+                 replicas: tuple[int, int] | None = None, reshard: bool = False) -> Any:
     """``loader`` rebuilt to read this rank's share of the data, or ``loader`` itself.
 
     Training uses ``DistributedSampler`` (padded, so every rank runs the same number of
@@ -169,6 +169,9 @@ def shard_loader(loader: Any, *, training: bool, owner: str = "DDP",
         replicas: ``(count, index)``: shard over ``count`` data-parallel replicas, this
             rank reading replica ``index``'s share (tensor-parallel ranks of one group
             share a replica); None: over all ranks, by rank.
+        reshard: A loader sharded already by a ``DistributedSampler`` (`FSDP`'s, inside a
+            `FaultTolerance` replica group) is sharded again over ``replicas``, with the
+            same shuffle and seed, instead of being left as it is.
 
     Raises:
         ConfigurationError: a sampler or batch sampler that cannot be sharded, or an
@@ -202,10 +205,13 @@ def shard_loader(loader: Any, *, training: bool, owner: str = "DDP",
             "averages unrelated data). Use torch's DistributedSampler for training data (or "
             f"pass the DataLoader unsharded and let {owner} shard it); keep "
             "UnpaddedDistributedSampler for validation.")
-    if isinstance(sampler, (DistributedSampler, UnpaddedDistributedSampler)):
+    if reshard and type(sampler) is DistributedSampler:
+        shuffle, seed = bool(sampler.shuffle), int(sampler.seed)
+    elif isinstance(sampler, (DistributedSampler, UnpaddedDistributedSampler)):
         return loader  # the user sharded it already
-    shuffle = _shuffles(sampler, which, owner)
-    seed = _sampler_seed(loader, sampler) if shuffle else 0
+    else:
+        shuffle = _shuffles(sampler, which, owner)
+        seed = _sampler_seed(loader, sampler) if shuffle else 0
     world, rank = replicas or (distributed.world_size(), distributed.rank())
     new_sampler: Sampler[int]
     if training:

@@ -336,7 +336,9 @@ def load_full_model_state(module: nn.Module, weights: Mapping[str, Any]) -> None
     keeps its shard of every tensor. Strict: missing or unexpected keys raise."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    set_model_state_dict(module, dict(weights), options=_options(full_state_dict=True))
+    # This rank's shards (a ``"sharded"`` state taken in memory: a live peer's) load as such.
+    full = not any(is_sharded_tensor(value) for value in weights.values())
+    set_model_state_dict(module, dict(weights), options=_options(full_state_dict=full))
 
 
 def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -345,6 +347,10 @@ def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimize
     order, full tensors) into the optimizer of the sharded ``module``."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    if any(isinstance(key, str) for key in state[STATE]):  # shards keyed by name (in memory)
+        optimizer.zero_grad(set_to_none=True)
+        set_optimizer_state_dict(module, optimizer, dict(state))
+        return
     names = _named_parameters(module)
     order = [names.get(id(param)) for group in optimizer.param_groups for param in group[PARAMS]]
     if None in order:

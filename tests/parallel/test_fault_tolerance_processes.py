@@ -6,6 +6,8 @@ One launch per scenario, every process with a timeout: a hang is a failure.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import random
 import signal
@@ -33,13 +35,26 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (torchrun's workers run in sessions of their own, so a
+    process group's signal would miss them)."""
+    found = [pid]
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+                found += _tree(int(child))
+    return found
+
+
 class _Run:
-    """A lighthouse and the replica groups of one scenario, all killed at the end."""
+    """A lighthouse and the replica groups of one scenario, all killed at the end. A group
+    is one process, or (``ranks=2``: HSDP) torchrun with two, FSDP inside the group."""
 
     def __init__(self, out: Path, *, epochs: int, step_sleep: float, groups: int = 2,
-                 checkpoint: bool = False) -> None:
-        self.out, self.groups, self.processes = out, groups, {}
-        self.args = ["ft", str(out), "--step-sleep", str(step_sleep)]
+                 checkpoint: bool = False, ranks: int = 1, extra: tuple[str, ...] = ()) -> None:
+        self.out, self.groups, self.processes, self.ranks = out, groups, {}, ranks
+        self.args = ["ft" if ranks == 1 else "hsdp", str(out), "--step-sleep",
+                     str(step_sleep), *extra]
         if checkpoint:
             self.args.append("--checkpoint")
         port = _free_port()
@@ -57,9 +72,17 @@ class _Run:
         self.starts[group] += 1
         log = open(self.out / f"group{group}_{self.starts[group]}.log", "w")
         env = dict(self.env, HOOKLOOP_FT_GROUP=str(group))
+        launch = [] if self.ranks == 1 else [
+            "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.ranks}"]
         self.processes[group] = subprocess.Popen(
-            [sys.executable, str(SCRIPT), *self.args], cwd=ROOT, env=env, stdout=log,
+            [sys.executable, *launch, str(SCRIPT), *self.args], cwd=ROOT, env=env, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True)
+
+    def signal(self, group: int, number: int) -> None:
+        """Send ``number`` to every process of ``group`` (torchrun and its workers)."""
+        for pid in _tree(self.processes[group].pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, number)
 
     def log(self, group: int) -> str:
         return (self.out / f"group{group}_{self.starts[group]}.log").read_text()
@@ -74,25 +97,28 @@ class _Run:
         return codes
 
     def close(self) -> None:
-        for process in [*self.processes.values(), self.lighthouse]:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        for group, process in self.processes.items():
+            self.signal(group, signal.SIGKILL)
+            process.wait()
+        os.killpg(self.lighthouse.pid, signal.SIGKILL)
+        self.lighthouse.wait()
 
 
-def _ddp_oracle(out: Path, epochs: int) -> dict[str, Any]:
+def _ddp_oracle(out: Path, epochs: int, ranks: int = 2,
+                extra: tuple[str, ...] = ()) -> dict[str, Any]:
     env = subprocess_env()
     env["FT_TEST_EPOCHS"] = str(epochs)
     env.pop("RANK", None)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(SCRIPT), "ddp", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+         str(SCRIPT), "ddp", str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=TIMEOUT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return torch.load(out / "result_0.pt")
 
 
-def _check_every_sample_once(ledger: list[list[int]], epochs: int) -> None:
+def _check_every_sample_once(ledger: list[list[int]], epochs: int, ranks: int = 1,
+                             window: int = 1) -> None:
     from ft_train import BATCH, SAMPLES
 
     from hookloop.parallel.ft_plan import shard_indices
@@ -100,14 +126,47 @@ def _check_every_sample_once(ledger: list[list[int]], epochs: int) -> None:
     steps = [entry[0] for entry in ledger]
     assert steps == list(range(len(ledger))), "each committed step once, in order"
     trained: dict[int, list[int]] = {epoch: [] for epoch in range(epochs)}
-    for _, epoch, batch, *plan in ledger:
-        for shard in range(len(plan)):
-            # the loader's seed: its generator's (ft_train.py seeds it with 7)
-            trained[epoch] += shard_indices(SAMPLES, len(plan), shard, epoch=epoch,
+    for _, epoch, last, *plan in ledger:
+        for batch, shard in itertools.product(  # a step: its accumulation window's batches
+                range(last - last % window, last + 1), range(len(plan) * ranks)):
+            # a group's shard: one per rank of it; the loader's seed: its generator's
+            # (ft_train.py seeds it with 7)
+            trained[epoch] += shard_indices(SAMPLES, len(plan) * ranks, shard, epoch=epoch,
                                             batch=batch, batch_size=BATCH, shuffle=True,
                                             seed=7)
     for epoch, samples in trained.items():
         assert sorted(samples) == list(range(SAMPLES)), f"epoch {epoch}: {sorted(samples)}"
+
+
+def _check_logs_once_each(out: Path, oracle: dict[str, Any], epochs: int) -> None:
+    """The CSV file (read by the csv module) and the TensorBoard directory (read by
+    TensorBoard's own EventAccumulator) hold every step's row once, with plain DDP's
+    values: the loss of the global batch (to summation order) and the learning rate."""
+    import csv
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    expected = oracle["steps"]
+    with open(out / "log.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    steps = [row for row in rows if row["kind"] == "step"]
+    assert [int(row["step"]) for row in steps] == sorted(expected), "each step's row once"
+    for row in steps:
+        loss, lr = expected[int(row["step"])]
+        assert abs(float(row["loss"]) - loss) <= 1e-4, (row, loss)
+        assert float(row["lr"]) == lr, (row, lr)
+    history = [int(row["epoch"]) for row in rows if row["kind"] == "history"]
+    assert history == list(range(epochs)), history
+    events = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    for tag in events.Tags()["scalars"]:
+        tag_steps = [event.step for event in events.Scalars(tag)]
+        assert len(tag_steps) == len(set(tag_steps)), (tag, tag_steps)
+    for tag, column in (("step/loss", 0), ("step/lr", 1)):
+        scalars = events.Scalars(tag)
+        assert sorted(event.step for event in scalars) == sorted(expected), tag
+        for event in scalars:
+            assert abs(event.value - expected[event.step][column]) <= 1e-4, (tag, event)
 
 
 @pytest.mark.slow
@@ -134,6 +193,7 @@ def test_no_fault_equals_plain_ddp(tmp_path: Path) -> None:
         seconds = sum(result["goodput"]["seconds"].values())
         wall = result["ended"] - result["started"]
         assert abs(seconds - wall) <= 0.01 * wall, (seconds, wall)
+    _check_logs_once_each(out, oracle, epochs=3)
 
 
 def _all_reduce_cues(run: _Run, group: int) -> int:
@@ -149,18 +209,19 @@ def _kill_inside_all_reduce(run: _Run, victim: int, deadline: float) -> None:
         if run.processes[victim].poll() is not None:
             return
         time.sleep(0.005)
-    os.killpg(run.processes[victim].pid, signal.SIGSTOP)
+    run.signal(victim, signal.SIGSTOP)
     time.sleep(0.4)  # the all-reduce's sleep is 0.1 s: the peer is inside it now
 
 
-def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int) -> dict[str, Any]:
+def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int, ranks: int = 1,
+                  extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """Two groups; ``faults`` SIGKILLs of one group at a time, each restarted after a
     delay, never while the other is still healing: the even faults at a random moment, the
     odd ones while the peer waits for the victim inside the all-reduce. Returns what the
     test checks."""
     chooser = random.Random(seed)
-    run = _Run(out, epochs=epochs, step_sleep=0.15)
-    deadline = time.monotonic() + TIMEOUT
+    run = _Run(out, epochs=epochs, step_sleep=0.15, ranks=ranks, extra=extra)
+    deadline = time.monotonic() + TIMEOUT * ranks
     kills, inside = [], 0
     try:
         run.start(0)
@@ -183,7 +244,7 @@ def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int) -> dict[str
                 time.sleep(chooser.uniform(0.0, 1.0))
             if run.processes[victim].poll() is not None:
                 break  # the run ended
-            os.killpg(run.processes[victim].pid, signal.SIGKILL)
+            run.signal(victim, signal.SIGKILL)
             run.processes[victim].wait()
             kills.append(time.monotonic())
             time.sleep(chooser.uniform(0.2, 1.5))
@@ -236,6 +297,7 @@ def test_random_kills_train_every_sample_once_and_equal_the_fault_free_run(
         _check_goodput(result, started)
         counts = result["goodput"]["counts"]
         assert counts["retried"] >= 1 and counts["dropped"] >= 1 and counts["joined"] >= 1
+    _check_logs_once_each(tmp_path / "ft", oracle, epochs=epochs)
     print("kill campaign:", {k: v for k, v in campaign.items() if k != "results"},
           "goodput:", campaign["results"][0]["goodput"])
 
@@ -294,3 +356,81 @@ def test_a_group_with_no_live_peer_resumes_from_the_checkpoint_or_refuses(
             assert torch.allclose(result["weights"][key], value, atol=1e-5, rtol=0), key
         assert result["goodput"]["counts"]["resumed"] == 1
         assert result["goodput"]["seconds"]["restart"] > 0
+
+
+@pytest.mark.slow
+def test_hsdp_without_fault_equals_plain_4_rank_ddp(tmp_path: Path) -> None:
+    """Two groups of two processes (FSDP inside), no fault: plain DDP over 4 ranks, up to
+    FSDP's summation order; every step's rows once, by the lowest group."""
+    (tmp_path / "ddp").mkdir()
+    oracle = _ddp_oracle(tmp_path / "ddp", epochs=4, ranks=4)
+    out = tmp_path / "ft"
+    out.mkdir()
+    run = _Run(out, epochs=4, step_sleep=0.0, ranks=2)
+    try:
+        run.start(0)
+        run.start(1)
+        codes = run.wait_all(time.monotonic() + TIMEOUT)
+        assert codes == {0: 0, 1: 0}, run.log(0)[-3000:] + run.log(1)[-3000:]
+    finally:
+        run.close()
+    for group in (0, 1):
+        result = torch.load(out / f"result_{group}.pt")
+        for key, value in oracle["weights"].items():
+            assert torch.allclose(result["weights"][key], value, atol=1e-6, rtol=0), key
+        assert result["lr"] == oracle["lr"] and result["step"] == oracle["step"] == 12
+        assert [entry[3:] for entry in result["ledger"]] == [[0, 1]] * 12
+        _check_every_sample_once(result["ledger"], epochs=4, ranks=2)
+    _check_logs_once_each(out, oracle, epochs=4)
+
+
+@pytest.mark.slow
+def test_hsdp_random_kills_train_every_sample_once_and_equal_plain_4_rank_ddp(
+        tmp_path: Path) -> None:
+    """HSDP: two replica groups of two processes (torchrun, FSDP inside a group), whole
+    groups SIGKILLed (torchrun and both workers), half of them inside the all-reduce. The
+    oracle is plain DDP over the same 4 ranks (FSDP's reduce-scatter sums in another order:
+    within 1e-5, not bit for bit)."""
+    (tmp_path / "ddp").mkdir()
+    epochs, faults = 200, 6
+    oracle = _ddp_oracle(tmp_path / "ddp", epochs=epochs, ranks=4)
+    (tmp_path / "ft").mkdir()
+    started = time.time()
+    campaign = kill_campaign(tmp_path / "ft", faults=faults, epochs=epochs, seed=36, ranks=2)
+    assert campaign["kills"] >= faults and campaign["inside"] >= faults // 2
+    assert campaign["survivor_restarts"] == 0
+    for result in campaign["results"]:
+        _check_every_sample_once(result["ledger"], epochs=epochs, ranks=2)
+        assert result["step"] == oracle["step"] and result["lr"] == oracle["lr"]
+        for key, value in oracle["weights"].items():
+            assert torch.allclose(result["weights"][key], value, atol=1e-5, rtol=0), key
+        _check_goodput(result, started)
+        assert result["goodput"]["counts"]["joined"] >= 1
+    _check_logs_once_each(tmp_path / "ft", oracle, epochs=epochs)
+    print("hsdp kill campaign:", {k: v for k, v in campaign.items() if k != "results"},
+          "max weight difference:", max(
+              float((result["weights"][key] - value).abs().max())
+              for result in campaign["results"] for key, value in oracle["weights"].items()),
+          "seconds:", time.time() - started)
+
+
+@pytest.mark.slow
+def test_grad_accumulation_beside_fault_tolerance_equals_the_fault_free_run(
+        tmp_path: Path) -> None:
+    """GradAccumulation(2) in both groups and in the oracle: a missing group's shards of
+    every batch of the window are taken over, so a step with a fault trains the fault-free
+    step's window. Two kills (one between steps, one inside the all-reduce)."""
+    extra = ("--accumulate", "2")
+    (tmp_path / "ddp").mkdir()
+    epochs = 30
+    oracle = _ddp_oracle(tmp_path / "ddp", epochs=epochs, extra=extra)
+    (tmp_path / "ft").mkdir()
+    campaign = kill_campaign(tmp_path / "ft", faults=2, epochs=epochs, seed=37, extra=extra)
+    assert campaign["kills"] == 2 and campaign["survivor_restarts"] == 0
+    for result in campaign["results"]:
+        _check_every_sample_once(result["ledger"], epochs=epochs, window=2)
+        assert any(entry[3:] != [0, 1] for entry in result["ledger"]), "no takeover ran"
+        assert result["step"] == oracle["step"] == epochs * 3 and result["lr"] == oracle["lr"]
+        for key, value in oracle["weights"].items():
+            assert torch.allclose(result["weights"][key], value, atol=1e-5, rtol=0), key
+    _check_logs_once_each(tmp_path / "ft", oracle, epochs=epochs)
