@@ -226,7 +226,7 @@ class FaultTolerance(Callback):
             return
         fsdp = [callback for callback in loop.callbacks[:loop.callbacks.index(self)]
                 if type(callback).__name__ == "FSDP"]
-        if not fsdp or fsdp[0].state_dict_layout != "sharded":
+        if not fsdp or getattr(fsdp[0], "state_dict_layout", None) != "sharded":
             # a peer's state is taken rank by rank: each rank's own shards, no gathering
             raise ConfigurationError(
                 f"FaultTolerance runs in a replica group of {self._ranks} processes, which "
