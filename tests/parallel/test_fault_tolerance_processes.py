@@ -26,6 +26,8 @@ from conftest import ROOT, subprocess_env
 pytest.importorskip("torchft")
 
 SCRIPT = ROOT / "tests" / "parallel" / "ft_train.py"
+#: Runs each torchrun worker without the interpreter's finalization (why: its docstring).
+UNFINALIZED = ROOT / "tests" / "distributed" / "scripts" / "without_finalizing.py"
 TIMEOUT = 480  # seconds for a whole scenario
 
 
@@ -72,8 +74,9 @@ class _Run:
         self.starts[group] += 1
         log = open(self.out / f"group{group}_{self.starts[group]}.log", "w")
         env = dict(self.env, HOOKLOOP_FT_GROUP=str(group))
-        launch = [] if self.ranks == 1 else [
-            "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.ranks}"]
+        launch = [] if self.ranks == 1 else [  # the wrapper: tests/distributed/scripts/
+            "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.ranks}",
+            str(UNFINALIZED)]
         self.processes[group] = subprocess.Popen(
             [sys.executable, *launch, str(SCRIPT), *self.args], cwd=ROOT, env=env, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True)
@@ -111,7 +114,7 @@ def _ddp_oracle(out: Path, epochs: int, ranks: int = 2,
     env.pop("RANK", None)
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-         str(SCRIPT), "ddp", str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True,
+         str(UNFINALIZED), str(SCRIPT), "ddp", str(out), *extra], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=TIMEOUT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return torch.load(out / "result_0.pt")
