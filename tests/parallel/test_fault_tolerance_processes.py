@@ -395,7 +395,7 @@ def test_hsdp_random_kills_train_every_sample_once_and_equal_plain_4_rank_ddp(
     oracle is plain DDP over the same 4 ranks (FSDP's reduce-scatter sums in another order:
     within 1e-5, not bit for bit)."""
     (tmp_path / "ddp").mkdir()
-    epochs, faults = 200, 6
+    epochs, faults = 350, 10
     oracle = _ddp_oracle(tmp_path / "ddp", epochs=epochs, ranks=4)
     (tmp_path / "ft").mkdir()
     started = time.time()
