@@ -1,7 +1,9 @@
 """One replica group of a fault-tolerant run, or one rank of the plain DDP run it must equal.
 
     python ft_train.py ft OUT_DIR [--checkpoint] [--step-sleep S] [--accumulate K]
-        (HOOKLOOP_FT_* set; --accumulate: GradAccumulation(K), in ddp too)
+        [--float64]
+        (HOOKLOOP_FT_* set; --accumulate: GradAccumulation(K), in ddp too; --float64: the
+        model, data and state in float64, in ddp too)
     torchrun --nproc_per_node=2 ft_train.py hsdp OUT_DIR [--step-sleep S]   (a group of 2)
     torchrun --nproc_per_node=2 ft_train.py ddp OUT_DIR   (or 4: the oracle of hsdp)
 
@@ -122,4 +124,6 @@ if __name__ == "__main__":
         if "--step-sleep" in arguments else 0.0
     windows = int(arguments[arguments.index("--accumulate") + 1]) \
         if "--accumulate" in arguments else 1
+    if "--float64" in arguments:  # summation order's drift ~1e-15: a 1e-5 bound is sharp
+        torch.set_default_dtype(torch.float64)
     main(arguments[0], arguments[1], "--checkpoint" in arguments, sleep, windows)
