@@ -22,7 +22,6 @@ instructions); benchmarks/checkpoint_digests.py measures its cost per GB.
 from __future__ import annotations
 
 import errno
-import hashlib
 import io
 import os
 import pickle
@@ -36,7 +35,7 @@ import torch
 from hookloop import distributed
 from hookloop.base.os_errors import describe_os_error, write_failure
 from hookloop.errors import CheckpointError, CheckpointWriteError
-from hookloop.runfile.digests import recording_file_system
+from hookloop.runfile.digests import file_digest, recording_file_system
 from hookloop.runfile.storage import link_out_of, link_target
 
 __all__ = ["DIGEST", "KEYS", "FILES_KEY", "SAVE_ID_KEY", "cause_of", "check_files", "control_flow",
@@ -55,7 +54,6 @@ SHARED_WORDS = frozenset((FILES, BYTES))
 #: the key of each file's digest).
 DIGEST = SHA256
 SAVE_ID_KEY, FILES_KEY = SAVE_ID, FILES
-_CHUNK = 1 << 22
 # What DCP's .metadata holds (torch 2.4 to 2.13): its dataclasses, torch's sizes, dtypes and
 # layouts, and the checkpoint's path. Nothing here runs code of the file's choosing.
 _METADATA_CLASSES = {
@@ -73,27 +71,6 @@ _METADATA_CLASSES = {
 def new_save_id() -> str:
     """A fresh id for one save (every file of it is recorded under it)."""
     return uuid.uuid4().hex
-
-
-def file_digest(path: str) -> str:
-    """The SHA-256 of the file ``path``, in hex.
-
-    Example:
-        >>> import os, tempfile
-        >>> path = os.path.join(tempfile.mkdtemp(), "x")
-        >>> _ = open(path, "wb").write(b"abc")
-        >>> file_digest(path)[:16]
-        'ba7816bf8f01cfea'
-    """
-    digest = hashlib.new(DIGEST)
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
-    # Never through a link: a file of the directory swapped for one is not read (or sized).
-    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    with open(descriptor, "rb", buffering=0) as handle:
-        while read := handle.readinto(buffer):
-            digest.update(view[:read])
-    return digest.hexdigest()
 
 
 def record_files(directory: str, names: list[str]) -> dict[str, dict[str, Any]]:
