@@ -172,13 +172,11 @@ def _check_logs_once_each(out: Path, oracle: dict[str, Any], epochs: int) -> Non
             assert abs(event.value - expected[event.step][column]) <= 1e-4, (tag, event)
 
 
-@pytest.mark.slow
-def test_no_fault_equals_plain_ddp(tmp_path: Path) -> None:
-    (tmp_path / "ddp").mkdir()
-    oracle = _ddp_oracle(tmp_path / "ddp", epochs=3)
-    out = tmp_path / "ft"
+def _without_faults(out: Path, *, epochs: int, step_sleep: float, ranks: int = 1
+                    ) -> list[dict[str, Any]]:
+    """Both groups run to the end with no fault; each group's result."""
     out.mkdir()
-    run = _Run(out, epochs=3, step_sleep=0.1)  # long enough for a 1% check of goodput
+    run = _Run(out, epochs=epochs, step_sleep=step_sleep, ranks=ranks)
     try:
         run.start(0)
         run.start(1)
@@ -186,8 +184,16 @@ def test_no_fault_equals_plain_ddp(tmp_path: Path) -> None:
         assert codes == {0: 0, 1: 0}, run.log(0)[-3000:] + run.log(1)[-3000:]
     finally:
         run.close()
-    for group in (0, 1):
-        result = torch.load(out / f"result_{group}.pt")
+    return [torch.load(out / f"result_{group}.pt") for group in (0, 1)]
+
+
+@pytest.mark.slow
+def test_no_fault_equals_plain_ddp(tmp_path: Path) -> None:
+    (tmp_path / "ddp").mkdir()
+    oracle = _ddp_oracle(tmp_path / "ddp", epochs=3)
+    out = tmp_path / "ft"
+    # step_sleep: long enough for a 1% check of goodput
+    for result in _without_faults(out, epochs=3, step_sleep=0.1):
         for key, value in oracle["weights"].items():
             assert torch.equal(result["weights"][key], value), key
         assert result["lr"] == oracle["lr"] and result["step"] == oracle["step"] == 18
@@ -368,17 +374,7 @@ def test_hsdp_without_fault_equals_plain_4_rank_ddp(tmp_path: Path) -> None:
     (tmp_path / "ddp").mkdir()
     oracle = _ddp_oracle(tmp_path / "ddp", epochs=4, ranks=4)
     out = tmp_path / "ft"
-    out.mkdir()
-    run = _Run(out, epochs=4, step_sleep=0.0, ranks=2)
-    try:
-        run.start(0)
-        run.start(1)
-        codes = run.wait_all(time.monotonic() + TIMEOUT)
-        assert codes == {0: 0, 1: 0}, run.log(0)[-3000:] + run.log(1)[-3000:]
-    finally:
-        run.close()
-    for group in (0, 1):
-        result = torch.load(out / f"result_{group}.pt")
+    for result in _without_faults(out, epochs=4, step_sleep=0.0, ranks=2):
         for key, value in oracle["weights"].items():
             assert torch.allclose(result["weights"][key], value, atol=1e-6, rtol=0), key
         assert result["lr"] == oracle["lr"] and result["step"] == oracle["step"] == 12
