@@ -32,9 +32,9 @@ from hookloop.engine.geometry import Geometry
 from hookloop.engine.ordering import check_callbacks
 from hookloop.engine.position import EpochPass, Position
 from hookloop.engine.position_part import PositionPart, RankPart
-from hookloop.engine.state import LoopState, LoopStatePart, current_batch
+from hookloop.engine.state import LoopState, current_batch
 from hookloop.engine.status import Status
-from hookloop.engine.stateful import CallbackStates, ExtraStates, as_mapping, check_callback_states
+from hookloop.engine import stateful
 from hookloop.engine.stepper import OptimizerStep
 from hookloop.engine.untouched import untouched
 from hookloop.errors import ConfigurationError
@@ -162,9 +162,9 @@ class Loop(Geometry, Status):
         self._ranks = RankPart(self._position, lambda: self.device)  # gathered at a save
         self._parts: tuple[RunPart, ...] = (
             self._weights, PositionPart(self._position, lambda: self.train_data, self._phases),
-            LoopStatePart(self.state, lambda: self._position.public), self._end,
-            ExtraStates(self.extra_state, self._weights),
-            CallbackStates(lambda: self.callbacks, self._weights), self._ranks)
+            stateful.LoopStatePart(self.state, lambda: self._position.public), self._end,
+            stateful.ExtraStates(self.extra_state, self._weights),
+            stateful.CallbackStates(lambda: self.callbacks, self._weights), self._ranks)
 
     # ------------------------------------------------------------------ control
     def stop(self, reason: str | None = None, *, resumable: bool = False,
@@ -249,7 +249,7 @@ class Loop(Geometry, Status):
                 table.emit(table.on_fit_start)
                 if idle is not None and distributed.is_main():
                     print(f"hookloop: {idle}", flush=True)
-                check_callback_states(self.callbacks, self.extra_state)
+                stateful.check_callback_states(self.callbacks, self.extra_state)
                 if idle is None and self._cadence.at_start:  # before the first step
                     self._validate_pass(self.val_data, "val")
                     position.mark_validated()
@@ -406,7 +406,7 @@ class Loop(Geometry, Status):
                 not fit this run: another model architecture, another optimizer class or
                 param-group layout.
         """
-        self._restore = (as_mapping(state, source),
+        self._restore = (stateful.as_mapping(state, source),
                          source or "the state given to Loop.load_state_dict")
 
     # ------------------------------------------------------------------ inside

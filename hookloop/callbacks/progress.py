@@ -11,7 +11,7 @@ from hookloop.base.checks import check_console, check_flag, check_number
 from hookloop.base.phase import Phase
 from hookloop.callback import Callback
 from hookloop.engine.data import length_of
-from hookloop.engine.state import is_learning_rate
+from hookloop.engine.stateful import is_learning_rate
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,10 +14,9 @@ from torch import Tensor
 from hookloop.base.deprecation import REMOVED_IN
 from hookloop.engine.data import batch_size_of, move_to_device
 from hookloop.engine.forward import ForwardRule
-from hookloop.errors import CheckpointError, HookloopDeprecationWarning, expect_field, expect_int
-from hookloop.runfile.format import EPOCH, LOOP, STEP, register_check
+from hookloop.errors import HookloopDeprecationWarning
 
-__all__ = ["LoopState", "LoopStatePart", "current_batch", "learning_rates", "is_learning_rate"]
+__all__ = ["LoopState", "current_batch", "learning_rates"]
 
 
 def learning_rates(optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
@@ -39,17 +38,6 @@ def learning_rates(optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
     if len(groups) == 1:
         return {"lr": float(groups[0]["lr"])}
     return {f"lr_group{index}": float(group["lr"]) for index, group in enumerate(groups)}
-
-
-def is_learning_rate(key: str) -> bool:
-    """True for a history key `learning_rates` writes (``lr``, ``lr_group0``...): a row's
-    record of the optimizer, not a metric.
-
-    Example:
-        >>> [is_learning_rate(key) for key in ("lr", "lr_group1", "val_loss")]
-        [True, True, False]
-    """
-    return key == "lr" or key.startswith("lr_group")
 
 
 @dataclass(slots=True, repr=False)
@@ -220,58 +208,3 @@ def current_batch(state: LoopState, batch: Any, batch_idx: int, device: torch.de
         targets = state.targets = rule.targets_of(batch)
     state.batch_size = batch_size_of(batch, targets)
     return batch
-
-
-#: ``loop.history``: the run's rows of metrics (each with its epoch and step).
-HISTORY = "history"
-KEYS = (HISTORY,)
-SHARED_WORDS = frozenset(KEYS)  # also the loop state's field
-
-
-class LoopStatePart:
-    """The loop state's part of the run file: the history, written, checked and read here;
-    at a load, the epoch and step the weights are in, from the position loaded before it."""
-
-    def __init__(self, state: LoopState, position: Callable[[], tuple[int, int, int]]) -> None:
-        self.state, self.position = state, position
-
-    def state_dict(self) -> dict[str, Any]:
-        return {LOOP: {HISTORY: [dict(row) for row in self.state.history]}}
-
-    @staticmethod
-    def check_file(source: str, saved: Mapping[str, Any]) -> None:
-        """Each row: a dict of metric names to numbers, with int ``epoch`` and ``step``."""
-        history = saved[LOOP].get(HISTORY)
-        if history is None:
-            return
-        expect_field(source, f"{LOOP}.{HISTORY}", history, isinstance(history, list),
-                     "a list of dicts")
-        for index, row in enumerate(history):
-            where = f"{LOOP}.{HISTORY}[{index}]"
-            expect_field(source, where, row, isinstance(row, Mapping), "a dict")
-            for name in (EPOCH, STEP):
-                if name not in row:
-                    raise CheckpointError(f"{source}: the checkpoint's field '{where}.{name}' "
-                                          "is missing; it cannot be resumed.")
-                expect_int(source, f"{where}.{name}", row[name])
-            for name, value in row.items():
-                expect_field(source, f"{where} (a key)", name, isinstance(name, str), "a str")
-                expect_field(source, f"{where}.{name}", value, isinstance(value, (int, float))
-                             and not isinstance(value, bool), "a number")
-
-    def check(self, saved: Mapping[str, Any], source: str) -> None:
-        self.check_file(source, saved)
-
-    def load_state_dict(self, saved: Mapping[str, Any], source: str = "") -> None:
-        state, (epoch, done, step) = self.state, self.position()
-        # The epoch the weights are in, as an uninterrupted run shows it: after a whole epoch
-        # e (position e + 1, no batch done) that is e, not the epoch that has not started.
-        state.epoch = epoch if done or epoch == 0 else epoch - 1
-        state.step = step
-        state.history = [dict(row) for row in saved[LOOP].get(HISTORY) or []]
-        if state.history:  # what fit() returns when the resumed run has nothing left to do
-            state.metrics = {key: value for key, value in state.history[-1].items()
-                             if key not in (EPOCH, STEP) and not is_learning_rate(key)}
-
-
-register_check(LoopStatePart.check_file)

@@ -1,14 +1,15 @@
-"""The run file's parts of the states others own: each stateful callback's
-(`CallbackStates`, ``callbacks``) and each object of ``Loop(state=...)`` (`ExtraStates`,
-``state`` and ``state_classes``), written, checked and read here; and the check at fit
-start that each of them can be saved (`check_callback_states`).
+"""The run file's parts of the loop's and of others' states: the loop state's history
+(`LoopStatePart`, ``loop.history``), each stateful callback's (`CallbackStates`,
+``callbacks``) and each object of ``Loop(state=...)`` (`ExtraStates`, ``state`` and
+``state_classes``), written, checked and read here; and the check at fit start that each
+of them can be saved (`check_callback_states`).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,13 +17,36 @@ from hookloop import distributed
 from hookloop.callback import Callback
 from hookloop.engine.dispatch import annotate
 from hookloop.engine.ordering import overrides
-from hookloop.errors import CheckpointError, ConfigurationError, with_article
-from hookloop.runfile.format import CALLBACKS, SHARDS, STATE, STATE_CLASSES, find_unplain
+from hookloop.errors import CheckpointError, ConfigurationError, expect_field, expect_int, \
+    with_article
+from hookloop.runfile.format import CALLBACKS, EPOCH, LOOP, SHARDS, STATE, STATE_CLASSES, STEP, \
+    find_unplain, register_check
 from hookloop.runfile.sharded import gather_for_rank_zero
 from hookloop.runfile.weights import Weights, check_optimizer_fits, load_model_weights, \
     load_optimizer_state
 
-__all__ = ["CallbackStates", "ExtraStates", "as_mapping", "check_callback_states"]
+if TYPE_CHECKING:
+    from hookloop.engine.state import LoopState
+
+__all__ = ["CallbackStates", "ExtraStates", "LoopStatePart", "as_mapping",
+           "check_callback_states", "is_learning_rate"]
+
+#: ``loop.history``: the run's rows of metrics (each with its epoch and step).
+HISTORY = "history"
+KEYS = (HISTORY,)
+SHARED_WORDS = frozenset(KEYS)  # also the loop state's field
+
+
+def is_learning_rate(key: str) -> bool:
+    """True for a history key `hookloop.engine.state.learning_rates` writes (``lr``, ``lr_group0``...): a row's
+    record of the optimizer, not a metric.
+
+    Example:
+        >>> [is_learning_rate(key) for key in ("lr", "lr_group1", "val_loss")]
+        [True, True, False]
+    """
+    return key == "lr" or key.startswith("lr_group")
+
 
 _UNFIT = (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError)
 
@@ -186,3 +210,52 @@ def check_callback_states(callbacks: Sequence[Callback],
                     "torch.load(weights_only=True) cannot read back from a checkpoint. "
                     "Return only tensors, numbers, strings, None and lists/tuples/dicts of "
                     "them (e.g. list(a_deque), a_tensor.tolist()).")
+
+
+class LoopStatePart:
+    """The loop state's part of the run file: the history, written, checked and read here;
+    at a load, the epoch and step the weights are in, from the position loaded before it."""
+
+    def __init__(self, state: LoopState, position: Callable[[], tuple[int, int, int]]) -> None:
+        self.state, self.position = state, position
+
+    def state_dict(self) -> dict[str, Any]:
+        return {LOOP: {HISTORY: [dict(row) for row in self.state.history]}}
+
+    @staticmethod
+    def check_file(source: str, saved: Mapping[str, Any]) -> None:
+        """Each row: a dict of metric names to numbers, with int ``epoch`` and ``step``."""
+        history = saved[LOOP].get(HISTORY)
+        if history is None:
+            return
+        expect_field(source, f"{LOOP}.{HISTORY}", history, isinstance(history, list),
+                     "a list of dicts")
+        for index, row in enumerate(history):
+            where = f"{LOOP}.{HISTORY}[{index}]"
+            expect_field(source, where, row, isinstance(row, Mapping), "a dict")
+            for name in (EPOCH, STEP):
+                if name not in row:
+                    raise CheckpointError(f"{source}: the checkpoint's field '{where}.{name}' "
+                                          "is missing; it cannot be resumed.")
+                expect_int(source, f"{where}.{name}", row[name])
+            for name, value in row.items():
+                expect_field(source, f"{where} (a key)", name, isinstance(name, str), "a str")
+                expect_field(source, f"{where}.{name}", value, isinstance(value, (int, float))
+                             and not isinstance(value, bool), "a number")
+
+    def check(self, saved: Mapping[str, Any], source: str) -> None:
+        self.check_file(source, saved)
+
+    def load_state_dict(self, saved: Mapping[str, Any], source: str = "") -> None:
+        state, (epoch, done, step) = self.state, self.position()
+        # The epoch the weights are in, as an uninterrupted run shows it: after a whole epoch
+        # e (position e + 1, no batch done) that is e, not the epoch that has not started.
+        state.epoch = epoch if done or epoch == 0 else epoch - 1
+        state.step = step
+        state.history = [dict(row) for row in saved[LOOP].get(HISTORY) or []]
+        if state.history:  # what fit() returns when the resumed run has nothing left to do
+            state.metrics = {key: value for key, value in state.history[-1].items()
+                             if key not in (EPOCH, STEP) and not is_learning_rate(key)}
+
+
+register_check(LoopStatePart.check_file)
