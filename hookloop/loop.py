@@ -38,7 +38,6 @@ from hookloop.engine import stateful
 from hookloop.engine.stepper import OptimizerStep
 from hookloop.engine.untouched import untouched
 from hookloop.errors import ConfigurationError
-from hookloop.runfile.format import RunPart, merged
 from hookloop.runfile.weights import Weights
 
 
@@ -160,7 +159,7 @@ class Loop(Geometry, Status):
         # The run's parts, registered once: each writes, checks and reads its own keys.
         self._weights = Weights(lambda: self.model, lambda: self.optimizer)
         self._ranks = RankPart(self._position, lambda: self.device)  # gathered at a save
-        self._parts: tuple[RunPart, ...] = (
+        self._parts: tuple[stateful.RunPart, ...] = (
             self._weights, PositionPart(self._position, lambda: self.train_data, self._phases),
             stateful.LoopStatePart(self.state, lambda: self._position.public), self._end,
             stateful.ExtraStates(self.extra_state, self._weights),
@@ -387,8 +386,8 @@ class Loop(Geometry, Status):
                 call it). False keeps this rank's only (for the exception path).
         """
         self._weights.layout(gather)  # decided once a save: whether its states are shards
-        return merged([*(part.state_dict() for part in self._parts if part is not self._ranks),
-                       self._ranks.gathered(gather)])
+        return stateful.merged([*(part.state_dict() for part in self._parts
+                                  if part is not self._ranks), self._ranks.gathered(gather)])
 
     def load_state_dict(self, state: Mapping[str, Any], *, source: str | None = None) -> None:
         """Continue the run of `state_dict` at the next ``fit`` (or ``validate``).

@@ -61,7 +61,7 @@ from hookloop.base.comparison import difference, without
 from hookloop.base.events import Event
 from hookloop.callback import Callback
 from hookloop.engine.ordering import overrides
-from hookloop.runfile.format import CALLBACKS
+from hookloop.engine.stateful import CallbackStates
 
 __all__ = ["KitFailure", "check_callback", "check_declarations", "check_dispatch",
            "check_preset", "check_ranks", "check_resume", "check_state", "standard_loop"]
@@ -221,7 +221,7 @@ def check_state(factory: Factory, directory: str | os.PathLike[str] | None = Non
         files = sorted(Path(where, "kit-checkpoints").glob("*epoch=*.pt"))
         if not files:
             raise KitFailure("the kit's Checkpoint wrote no file")
-        saved = torch.load(files[-1], weights_only=True).get(CALLBACKS, {})
+        saved = CallbackStates.saved(torch.load(files[-1], weights_only=True))
         fresh_made = _make(factory, os.path.join(root, "first"))  # a relaunch: the same paths
         fresh_loop = standard_loop(_as_list(fresh_made), where)
         capture = _Capture(_as_list(fresh_made))

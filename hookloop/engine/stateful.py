@@ -1,15 +1,16 @@
-"""The run file's parts of the loop's and of others' states: the loop state's history
-(`LoopStatePart`, ``loop.history``), each stateful callback's (`CallbackStates`,
-``callbacks``) and each object of ``Loop(state=...)`` (`ExtraStates`, ``state`` and
-``state_classes``), written, checked and read here; and the check at fit start that each
-of them can be saved (`check_callback_states`).
+"""The run's parts (`RunPart`: each writes, checks and reads its own keys; `merged` makes
+`hookloop.loop.Loop.state_dict` of them), and those of the loop's and of others' states:
+the loop state's history (`LoopStatePart`, ``loop.history``), each stateful callback's
+(`CallbackStates`, ``callbacks``) and each object of ``Loop(state=...)`` (`ExtraStates`,
+``state`` and ``state_classes``), written, checked and read here; and the check at fit
+start that each of them can be saved (`check_callback_states`).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -28,8 +29,8 @@ from hookloop.runfile.weights import Weights, check_optimizer_fits, load_model_w
 if TYPE_CHECKING:
     from hookloop.engine.state import LoopState
 
-__all__ = ["CallbackStates", "ExtraStates", "LoopStatePart", "as_mapping",
-           "check_callback_states", "is_learning_rate"]
+__all__ = ["CallbackStates", "ExtraStates", "LoopStatePart", "RunPart", "as_mapping",
+           "check_callback_states", "is_learning_rate", "merged"]
 
 #: ``loop.history``: the run's rows of metrics (each with its epoch and step).
 HISTORY = "history"
@@ -38,14 +39,40 @@ SHARED_WORDS = frozenset(KEYS)  # also the loop state's field
 
 
 def is_learning_rate(key: str) -> bool:
-    """True for a history key `hookloop.engine.state.learning_rates` writes (``lr``, ``lr_group0``...): a row's
-    record of the optimizer, not a metric.
+    """True for a history key `hookloop.engine.state.learning_rates` writes (``lr``,
+    ``lr_group0``...): a row's record of the optimizer, not a metric.
 
     Example:
         >>> [is_learning_rate(key) for key in ("lr", "lr_group1", "val_loss")]
         [True, True, False]
     """
     return key == "lr" or key.startswith("lr_group")
+
+
+class RunPart(Protocol):
+    """A part of the run: it writes, checks and reads its own keys of the file.
+
+    ``check`` raises `CheckpointError` naming the field and the fix before any part is
+    loaded; `hookloop.loop.Loop` checks every part, then loads every part."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def check(self, saved: Mapping[str, Any], source: str) -> None: ...
+
+    def load_state_dict(self, saved: Mapping[str, Any], source: str = ...) -> None: ...
+
+
+def merged(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """`Loop.state_dict`'s layout: the parts' top-level keys, the ``loop`` dict each part
+    writes its own keys of merged into one."""
+    payload: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key == LOOP:
+                payload.setdefault(LOOP, {}).update(value)
+            else:
+                payload[key] = value
+    return payload
 
 
 _UNFIT = (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError)
@@ -78,6 +105,11 @@ class CallbackStates:
         if self.weights.saving == "full":  # an EMA over shards, gathered as the model
             states = gather_for_rank_zero(states, distributed.rank())
         return {CALLBACKS: states}
+
+    @staticmethod
+    def saved(saved: Mapping[str, Any]) -> dict[str, Any]:
+        """The callbacks' states in ``saved`` (a checkpoint's payload), by state key."""
+        return _saved_part(saved, CALLBACKS)
 
     def check(self, saved: Mapping[str, Any], source: str) -> None:
         value = saved.get(CALLBACKS) or {}

@@ -32,8 +32,8 @@ import os
 import sys
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -43,8 +43,8 @@ from hookloop.errors import CheckpointError, expect_field, expect_int, is_int, w
 from hookloop.runfile.storage import verify_archive
 
 __all__ = ["FORMAT", "KEYS", "SHARED_WORDS", "SHARDS", "check_payload", "expect_field",
-           "expect_int", "file_meta", "find_unplain", "merged", "read_payload",
-           "register_check", "resume_payload", "best_payload", "RunPart"]
+           "expect_int", "file_meta", "find_unplain", "read_payload",
+           "register_check", "resume_payload", "best_payload"]
 
 #: Version of the file layout written by `Checkpoint` (1 is read too).
 FORMAT = 2
@@ -72,19 +72,6 @@ KEYS = (META, MODEL, OPTIMIZER, LOOP, RANKS, CALLBACKS, STATE, STATE_CLASSES, ME
 #: of them for that other meaning does not name the format.
 SHARED_WORDS = frozenset((META, MODEL, OPTIMIZER, STATE, EPOCH, STEP, METRICS, KIND, VERSION,
                           WORLD_SIZE, VALUE, PARAM_GROUPS, PARAMS, CALLBACKS, MONITOR))
-
-class RunPart(Protocol):
-    """A part of the run: it writes, checks and reads its own keys of the file.
-
-    ``check`` raises `CheckpointError` naming the field and the fix before any part is
-    loaded; `hookloop.loop.Loop` checks every part, then loads every part."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def check(self, saved: Mapping[str, Any], source: str) -> None: ...
-
-    def load_state_dict(self, saved: Mapping[str, Any], source: str = ...) -> None: ...
-
 
 #: The parts' checks of a resume file's fields, ``check(path, payload)``: each part
 #: registers its own (`register_check`) when its module is imported.
@@ -122,19 +109,6 @@ def best_payload(weights: Mapping[str, Any], monitor: str | None, value: float, 
     """A best file's payload: validated ``weights`` scoring ``value`` for ``monitor``."""
     return {META: {**file_meta(BEST), MONITOR: monitor, VALUE: value}, MODEL: weights,
             EPOCH: epoch, STEP: step, METRICS: dict(metrics)}
-
-
-def merged(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """`Loop.state_dict`'s layout: the parts' top-level keys, the ``loop`` dict each part
-    writes its own keys of merged into one."""
-    payload: dict[str, Any] = {}
-    for part in parts:
-        for key, value in part.items():
-            if key == LOOP:
-                payload.setdefault(LOOP, {}).update(value)
-            else:
-                payload[key] = value
-    return payload
 
 
 # -------------------------------------------------------------------------- checking

@@ -10,12 +10,9 @@ import torch
 from torch import nn
 
 from hookloop.base.modules import unwrap
-from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.runfile.checkpoint_files import read_checkpoint
-from hookloop.runfile.format import OPTIMIZER, SHARDS
 from hookloop.runfile.remote_store import fetched, is_url
-from hookloop.runfile.sharded import is_distributed_module
-from hookloop.runfile.weights import load_weights
+from hookloop.runfile.weights import check_loadable, load_weights
 
 __all__ = ["load_checkpoint", "read_checkpoint"]
 
@@ -86,14 +83,6 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
     path = os.fspath(path)
     location = _default_location(model) if map_location is None else map_location
     payload = read_checkpoint(path, location)
-    if optimizer is not None and OPTIMIZER not in payload:
-        raise CheckpointError(
-            f"{path}: holds no optimizer state (best.pt keeps only the validated weights); "
-            "load a rotating checkpoint to restore the optimizer.")
-    if not strict and (payload.get(SHARDS) is not None or is_distributed_module(model)):
-        raise ConfigurationError(
-            f"load_checkpoint(strict=False) loads a checkpoint file into an unsharded model; "
-            f"{path} is sharded or the model is: load it strictly, or write the run with "
-            "FSDP(state_dict='full') and load that file into an unsharded model.")
+    check_loadable(path, model, optimizer, payload, strict=strict)
     load_weights(path, model, optimizer, payload, strict=strict)
     return payload

@@ -14,7 +14,7 @@ from torch import nn
 
 from hookloop import distributed
 from hookloop.base.modules import unwrap
-from hookloop.errors import CheckpointError, expect_field, with_article
+from hookloop.errors import CheckpointError, ConfigurationError, expect_field, with_article
 from hookloop.runfile.format import (LOOP, MODEL, OPTIMIZER, PARAM_GROUPS, PARAMS, SHARDS,
                                      register_check)
 from hookloop.runfile.sharded import (
@@ -27,9 +27,9 @@ from hookloop.runfile.sharded import (
     optimizer_state,
 )
 
-__all__ = ["KEYS", "Weights", "finite_model_state", "non_finite_weights_advice", "run_is_finite", "check_optimizer_fits", "check_weight_dtypes",
-           "weight_differences", "load_model_weights", "load_optimizer_state", "load_weights",
-           "all_finite"]
+__all__ = ["KEYS", "Weights", "finite_model_state", "non_finite_weights_advice", "run_is_finite",
+           "check_loadable", "check_optimizer_fits", "check_weight_dtypes", "weight_differences",
+           "load_model_weights", "load_optimizer_state", "load_weights", "all_finite"]
 
 #: ``loop.optimizer_class``: the optimizer's class; ``loop.param_groups`` (the envelope's
 #: key) holds its groups' sizes.
@@ -263,6 +263,25 @@ def load_optimizer_state(path: str, optimizer: torch.optim.Optimizer, state: Map
             f"{path}: the optimizer state does not fit this optimizer ({error}). Create the "
             "same optimizer over the same parameters as the run that saved it.") from None
 
+
+def check_loadable(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                   payload: Mapping[str, Any], *, strict: bool = True) -> None:
+    """Before `load_weights` of a file a user names (`hookloop.load_checkpoint`).
+
+    Raises:
+        CheckpointError: an ``optimizer`` to load and no optimizer state in the file (a
+            best file).
+        ConfigurationError: ``strict=False`` with shards in the file or in the model.
+    """
+    if optimizer is not None and OPTIMIZER not in payload:
+        raise CheckpointError(
+            f"{path}: holds no optimizer state (best.pt keeps only the validated weights); "
+            "load a rotating checkpoint to restore the optimizer.")
+    if not strict and (payload.get(SHARDS) is not None or is_distributed_module(model)):
+        raise ConfigurationError(
+            f"load_checkpoint(strict=False) loads a checkpoint file into an unsharded model; "
+            f"{path} is sharded or the model is: load it strictly, or write the run with "
+            "FSDP(state_dict='full') and load that file into an unsharded model.")
 
 
 def load_weights(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -14,7 +14,7 @@ import torch
 
 from hookloop import Loop
 from hookloop.callbacks import Checkpoint
-from hookloop.engine import position_part, rng, run_end, state
+from hookloop.engine import position_part, rng, run_end, stateful
 from hookloop.runfile import format as run_file
 from hookloop.runfile import integrity, ranking, shard_files, weights
 from hookloop.runfile.checkpoint_files import CheckpointFiles
@@ -31,7 +31,7 @@ def test_the_keys_are_one_constant_each() -> None:
 
 #: Every key of the file: the envelope's and each part's.
 ALL_KEYS = set(run_file.KEYS).union(*(module.KEYS for module in (
-    position_part, rng, run_end, state, integrity, ranking, shard_files, weights)))
+    position_part, rng, run_end, stateful, integrity, ranking, shard_files, weights)))
 
 
 def _format_keys(payload: Mapping[str, Any]) -> set[str]:
@@ -45,7 +45,7 @@ def _format_keys(payload: Mapping[str, Any]) -> set[str]:
     loop = payload.get(run_file.LOOP, {})
     keys |= set(loop)
     keys |= set(loop.get(run_end.ENDED) or {})
-    for row in loop.get(state.HISTORY) or ():
+    for row in loop.get(stateful.HISTORY) or ():
         keys |= {run_file.EPOCH, run_file.STEP} & set(row)
     optimizer = payload.get(run_file.OPTIMIZER, {})
     keys |= set(optimizer)
@@ -89,5 +89,5 @@ def test_every_key_a_real_save_writes_is_one_of_keys(tmp_path: Path) -> None:
     assert written - ALL_KEYS == set()
     # The run wrote the parts this test means to see (not a vacuous subset).
     assert {integrity.SAVE_ID, integrity.FILES, integrity.SHA256, integrity.BYTES,
-            position_part.RNG, rng.RNG_TORCH, position_part.TRAIN_SAMPLES, state.HISTORY,
+            position_part.RNG, rng.RNG_TORCH, position_part.TRAIN_SAMPLES, stateful.HISTORY,
             run_file.MONITOR, run_file.VALUE, ranking.FILE, run_file.PARAMS} <= written
