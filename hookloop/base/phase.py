@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
 
-__all__ = ["Phase", "Phases"]
+__all__ = ["FITTING", "Phase", "Phases"]
 
 
 class Phase(str, Enum):
@@ -47,8 +47,12 @@ class Phase(str, Enum):
 
     @property
     def fitting(self) -> bool:
-        """True for the phases inside ``fit``: TRAIN, SANITY_CHECK and VALIDATE."""
-        return self in (Phase.TRAIN, Phase.SANITY_CHECK, Phase.VALIDATE)
+        """True for the phases inside ``fit``: TRAIN, SANITY_CHECK and VALIDATE (`FITTING`)."""
+        return self in FITTING
+
+
+#: The phases inside ``fit`` (`Phase.fitting`): a set, for a test without a call.
+FITTING = frozenset((Phase.TRAIN, Phase.SANITY_CHECK, Phase.VALIDATE))
 
 
 class Phases:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from hookloop import distributed
-from hookloop.base.phase import Phases
+from hookloop.base.phase import FITTING, Phases
 from hookloop.engine.position import Position
 from hookloop.engine.resumable import reshard_problem, saved_rng
 from hookloop.engine.rng import RNG_NUMPY, RNG_PYTHON, host_rng, rng_state_problem
@@ -53,7 +53,7 @@ class PositionPart:
 
     def batches(self) -> int | None:
         """``loop.batches_per_epoch``."""
-        return self.position.batches_of(self.data(), self.phases.current.fitting)
+        return self.position.batches_of(self.data(), self.phases.current in FITTING)
 
     def state_dict(self) -> dict[str, Any]:
         position = self.position

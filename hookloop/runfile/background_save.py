@@ -25,8 +25,7 @@ from hookloop.base.checks import check_flag
 from hookloop.errors import CheckpointWriteError
 from hookloop.parallel.suspension import TimedSaves
 from hookloop.runfile.checkpoint_files import CheckpointFiles
-from hookloop.runfile.shard_files import contains_shards
-from hookloop.runfile.sharded import is_sharded_tensor
+from hookloop.runfile.sharded import contains_shards, is_sharded_tensor
 
 __all__ = ["host_copy", "BackgroundWriter", "RotatingWrites"]
 

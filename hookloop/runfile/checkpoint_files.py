@@ -31,10 +31,12 @@ from hookloop.runfile.retirement import RETIRED_PREFIX, Retirement
 from hookloop.runfile.format import (EPOCH, FORMAT, FORMAT_FIELD, KIND, LOOP, META, MONITOR,
                                      RESUME, STEP, VALUE, VERSION, best_payload, file_meta,
                                      find_unplain, read_payload, resume_payload)
-from hookloop.runfile.shard_files import (clean_temporary, contains_shards, link_directory,
-                                          read_directory, remove_entry, write_directory)
+from hookloop.runfile.shard_files import (clean_temporary, link_directory, read_directory,
+                                          write_directory)
+from hookloop.runfile.sharded import contains_shards
 from hookloop.runfile.storage import (checkpoint_directories, is_temporary, link_atomic,
-                                      prepare_directory, regular_checkpoint_files, write_atomic)
+                                      prepare_directory, regular_checkpoint_files, remove_entry,
+                                      write_atomic)
 
 if TYPE_CHECKING:
     from hookloop.runfile.ranking import TopK  # noqa: F811 - the type, beside FILE

@@ -38,10 +38,12 @@ from torch import nn
 from hookloop import distributed
 from hookloop.errors import CheckpointError, CheckpointWriteError
 from hookloop.runfile import integrity
-from hookloop.runfile.sharded import is_sharded_tensor, load_sharded_state, sharded_targets
+from hookloop.runfile.sharded import contains_shards, is_sharded_tensor, load_sharded_state, \
+    sharded_targets
 from hookloop.runfile.format import (META, MODEL, OPTIMIZER, PARAM_GROUPS, SHARDS,
                                      STATE, find_unplain, read_payload)
-from hookloop.runfile.storage import TEMP_PREFIX, TEMP_SUFFIX, fsync_directory, write_atomic
+from hookloop.runfile.storage import TEMP_PREFIX, TEMP_SUFFIX, fsync_directory, remove_entry, \
+    write_atomic
 
 __all__ = ["PLAIN_FILE", "Shards", "clean_temporary", "contains_shards",
            "install_directory", "is_complete", "link_directory", "read_directory",
@@ -68,25 +70,6 @@ def is_complete(path: str) -> bool:
     """
     return (os.path.isfile(os.path.join(path, _METADATA))
             and os.path.isfile(os.path.join(path, PLAIN_FILE)))
-
-
-def contains_shards(value: Any) -> bool:
-    """True when a DTensor is anywhere in ``value`` (dicts, lists and tuples searched).
-
-    Example:
-        >>> contains_shards({"model": {"w": torch.ones(1)}})
-        False
-    """
-    kind = type(value)
-    if kind is torch.Tensor or kind is int or kind is float:  # the leaves of most states
-        return False
-    if is_sharded_tensor(value):
-        return True
-    if isinstance(value, Mapping):
-        return any(contains_shards(item) for item in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(contains_shards(item) for item in value)
-    return False
 
 
 def _marked(value: Any, key: str, path: str, moved: dict[str, Any]) -> Any:
@@ -146,18 +129,6 @@ def _gathered_record(own: dict[str, dict[str, Any]], group: Any) -> dict[str, di
         parts = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, own, group=group)
     return {name: entry for part in parts for name, entry in part.items()}
-
-
-def remove_entry(path: str) -> None:
-    """Delete a checkpoint file or directory; a directory is first renamed to a temporary
-    name, so a kill in the middle never leaves a partial checkpoint under its name."""
-    if not os.path.isdir(path) or os.path.islink(path):
-        os.unlink(path)
-        return
-    doomed = os.path.join(os.path.dirname(path) or ".",
-                          f"{TEMP_PREFIX}{uuid.uuid4().hex}{TEMP_SUFFIX}")
-    os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def install_directory(temporary: str, path: str) -> None:

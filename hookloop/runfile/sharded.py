@@ -35,6 +35,7 @@ __all__ = [
     "is_distributed_module",
     "is_sharded_module",
     "repoint_optimizer",
+    "contains_shards",
     "is_sharded_tensor",
     "layout_of",
     "load_full_model_state",
@@ -69,6 +70,25 @@ def is_sharded_tensor(value: Any) -> bool:
     module = sys.modules.get("torch.distributed.tensor")
     kind = getattr(module, "DTensor", None)
     return kind is not None and isinstance(value, kind)
+
+
+def contains_shards(value: Any) -> bool:
+    """True when a DTensor is anywhere in ``value`` (dicts, lists and tuples searched).
+
+    Example:
+        >>> contains_shards({"model": {"w": torch.ones(1)}})
+        False
+    """
+    kind = type(value)
+    if kind is torch.Tensor or kind is int or kind is float:  # the leaves of most states
+        return False
+    if is_sharded_tensor(value):
+        return True
+    if isinstance(value, Mapping):
+        return any(contains_shards(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(contains_shards(item) for item in value)
+    return False
 
 
 def is_sharded_module(module: Any) -> bool:

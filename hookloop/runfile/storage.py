@@ -13,6 +13,7 @@ import shutil
 import stat
 import struct
 import tempfile
+import uuid
 import warnings
 import zipfile
 import zlib
@@ -25,7 +26,7 @@ import torch
 from hookloop.base.os_errors import describe_os_error, write_failure
 from hookloop.errors import CheckpointError, CheckpointWriteError, ConfigurationError
 
-__all__ = ["TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "write_atomic",
+__all__ = ["TEMP_PREFIX", "TEMP_SUFFIX", "is_temporary", "remove_entry", "write_atomic",
            "write_text_atomic", "link_atomic", "fsync_directory", "describe_os_error",
            "prepare_directory", "regular_checkpoint_files", "verify_archive",
            "entry_problem", "link_outside", "read_own_text",
@@ -94,6 +95,7 @@ def fsync_directory(directory: str) -> None:
 
     Example:
         >>> import tempfile
+import uuid
         >>> fsync_directory(tempfile.gettempdir())
     """
     try:
@@ -107,6 +109,18 @@ def fsync_directory(directory: str) -> None:
     finally:
         os.close(descriptor)
 
+
+
+def remove_entry(path: str) -> None:
+    """Delete a checkpoint file or directory; a directory is first renamed to a temporary
+    name, so a kill in the middle never leaves a partial checkpoint under its name."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        os.unlink(path)
+        return
+    doomed = os.path.join(os.path.dirname(path) or ".",
+                          f"{TEMP_PREFIX}{uuid.uuid4().hex}{TEMP_SUFFIX}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _file_mode() -> int:
