@@ -7,11 +7,13 @@ saves). The digest guards against damage (flipped bits, a truncated or swapped f
 against an adversary who can write the checkpoint: XXH3-128 (the ``xxhash`` package) does
 that at about 20 GB/s on this project's machine, where SHA-256 ran at about 1.2 GB/s and
 cost as much as DCP's whole write (docs/performance.md). A record that names no algorithm
-was written by hookloop 0.1 and is read as SHA-256 (`LEGACY`). `recording_file_system` is the file system DCP's writer
-writes through: each stream it opens for writing hashes what is written into it
+was written by hookloop 0.1 and is read as SHA-256 (`LEGACY`).
+
+`recording_file_system` is the file system DCP's writer writes through: each stream it
+opens for writing hashes what is written into it
 (`HashingWriter`), and the record is complete when the stream is closed, so nothing reads
 a shard back after DCP wrote it. A large write is hashed by a helper thread while the
-calling thread writes it (``hashlib`` and the ``write`` call both release the GIL), where
+calling thread writes it (the hash and the ``write`` call both release the GIL), where
 the process has cores to spare; the write returns only once both are done, so no buffer is
 used after its owner let it go.
 

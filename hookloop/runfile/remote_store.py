@@ -1,8 +1,8 @@
 """`RemoteStore`: the checkpoints of one run on an object store (any fsspec URL).
 
 A save on the store is its objects plus a manifest written last: ``<name>.manifest.json``
-beside them, holding a save id and each object's size and content digest (its algorithm
-named: `hookloop.runfile.digests`; a manifest naming none is hookloop 0.1's SHA-256). An
+beside them, holding a save id and each object's size and content digest (under a key
+naming its algorithm: `hookloop.runfile.digests`; hookloop 0.1 wrote SHA-256). An
 object store
 has no rename, so the manifest is what makes a save visible: `saves` lists only the names
 that have one, a reader checks every object against it (`download`), and objects of a
