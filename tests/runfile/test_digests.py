@@ -1,11 +1,10 @@
 """hookloop.runfile.digests: a directory of shards is digested as DCP writes it, in one pass
 (no file of it is read back by the save), and the digests recorded are those of the bytes
-on disk (the oracle: hashlib over each file, read back here)."""
+on disk (the oracle: xxhash over each file, read back here)."""
 
 from __future__ import annotations
 
 import builtins
-import hashlib
 import io
 import os
 import threading
