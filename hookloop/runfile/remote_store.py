@@ -2,7 +2,7 @@
 
 A save on the store is its objects plus a manifest written last: ``<name>.manifest.json``
 beside them, holding a save id and each object's size and content digest (under a key
-naming its algorithm: `hookloop.runfile.digests`; hookloop 0.1 wrote SHA-256). An
+naming its algorithm: `hookloop.runfile.digests`; earlier versions wrote SHA-256). An
 object store
 has no rename, so the manifest is what makes a save visible: `saves` lists only the names
 that have one, a reader checks every object against it (`download`), and objects of a
@@ -36,7 +36,7 @@ MANIFEST_SUFFIX = ".manifest.json"
 _FORMAT = "hookloop-remote-save"
 # The manifest's keys (its own words: not the run file's, which other modules own).
 _TAG, _ID, OBJECTS = "manifest", "save", "objects"
-#: An object's digest is under ``_DIGEST + its algorithm`` (hookloop 0.1: ``digest_sha256``).
+#: An object's digest is under ``_DIGEST + its algorithm`` (earlier: ``digest_sha256``).
 _DIGEST = "digest_"
 _CHUNK = 8 << 20  # bytes per read and write: a bounded buffer for any checkpoint size
 

@@ -163,10 +163,10 @@ def _rewrite_manifests(store: RemoteStore, entry_of) -> None:
         store.fs.pipe_file(path, json.dumps(manifest).encode())
 
 
-def test_a_save_with_hookloop_0_1_sha256_manifests_resumes_and_refuses_damage(
+def test_a_save_with_sha256_manifests_resumes_and_refuses_damage(
         tmp_path: Path) -> None:
-    """Manifests written by hookloop 0.1 (SHA-256 under ``digest_sha256``) verify and resume
-    exactly; a flipped bit under such a manifest is refused naming SHA-256."""
+    """Manifests written before the digest change (SHA-256 under ``digest_sha256``) verify
+    and resume exactly; a flipped bit under such a manifest is refused naming SHA-256."""
     url = memory_url()
     fit(url, tmp_path, 2, keep_last=2)
     store = RemoteStore(url)
