@@ -5,7 +5,12 @@ exactly as a local `Checkpoint` does, into a local staging directory, and mirror
 directory to the URL (`hookloop.runfile.remote_mirror`): every rule of the local files
 (atomic writes, verification, keep-last, top-k, best, rollback, async saves, shards)
 holds unchanged, and the store only ever shows complete saves. Rank 0 mirrors; every rank
-reads the staging directory (shared by the ranks of a host, as a local directory is).
+reads the staging directory (shared by the ranks of a host, as a local directory is). A
+failed upload is raised on every rank at the next step: on several ranks they agree on
+it at each poll (one all-reduce of two numbers over the gloo group in host memory that
+background saves agree over, `hookloop.runfile.background_save.agree_outcome`), and the
+last uploads are waited for and agreed on at the training's end (its last epoch end),
+while every rank is still there.
 The details: docs/callbacks/checkpoint_remote.md.
 """
 
@@ -17,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from hookloop import distributed
 from hookloop.base.checks import check_number, check_path
 from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.runfile.background_save import agree_outcome, raise_agreed
 from hookloop.runfile.remote_mirror import RemoteMirror, default_staging
 from hookloop.runfile.remote_store import is_url
 
@@ -75,6 +81,7 @@ class RemoteMixin:
     url: str
     _mirror: RemoteMirror
     _started: bool
+    _writes: Any  # the Checkpoint's RotatingWrites: its agreement group
     resume: Any
 
     def __init__(self, dirpath: str, *args: Any, storage_options: dict[str, Any] | None = None,
@@ -125,9 +132,20 @@ class RemoteMixin:
             self._mirror.release()
             raise
 
-    def _poll(self) -> None:
+    def _poll(self, *, last: bool = False) -> None:
+        """Start the uploads due (rank 0) and raise a failed one on every rank; ``last``
+        (the training's end): wait for every upload first."""
+        failure = None
         if distributed.is_main():
-            self._mirror.poll()
+            failure = self._mirror.flush() if last else self._mirror.check()
+        if not (distributed.is_initialized() and distributed.world_size() > 1):
+            if failure is not None:
+                raise failure
+            return
+        _, failed = agree_outcome(self._writes.agreement_group(), done=True,
+                                  failed=failure is not None)
+        if failed:
+            raise_agreed(failure, f"the upload to {self.url}")
 
     def on_batch_end(self, loop: Loop) -> None:
         super().on_batch_end(loop)  # type: ignore[misc]
@@ -139,7 +157,9 @@ class RemoteMixin:
 
     def on_epoch_end(self, loop: Loop) -> None:
         super().on_epoch_end(loop)  # type: ignore[misc]
-        self._poll()
+        state = loop.state  # the training's end, as Checkpoint's last save sees it
+        self._poll(last=(loop.epoch_completed and state.epoch + 1 >= state.epochs)
+                   or loop.stop_requested)
 
     def on_fit_end(self, loop: Loop) -> None:
         """`Checkpoint.on_fit_end`, then the last uploads (waited for) and the lease back."""

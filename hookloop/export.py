@@ -209,7 +209,7 @@ def export_safetensors(checkpoint: str | os.PathLike[str], out_dir: str | os.Pat
     """Write a checkpoint's weights as safetensors in the Hugging Face layout, for inference.
 
     Reads the checkpoint in this process, on the CPU, with every check a load makes (CRCs,
-    the save id and SHA-256 digests of a directory's files); a directory of shards written
+    the save id and content digests of a directory's files); a directory of shards written
     by N ranks needs no process group and no model (DCP's metadata gives every tensor's
     shape and dtype). The files are written into a temporary directory beside ``out_dir``
     that is renamed to it when complete: an interrupted export leaves no half layout.

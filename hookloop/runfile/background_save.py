@@ -27,7 +27,7 @@ from hookloop.parallel.suspension import TimedSaves
 from hookloop.runfile.checkpoint_files import CheckpointFiles
 from hookloop.runfile.sharded import contains_shards, is_sharded_tensor
 
-__all__ = ["host_copy", "BackgroundWriter", "RotatingWrites"]
+__all__ = ["host_copy", "BackgroundWriter", "RotatingWrites", "agree_outcome", "raise_agreed"]
 
 
 def host_copy(payload: Any) -> Any:
@@ -80,6 +80,30 @@ def _copy_tensor(tensor: torch.Tensor, storages: dict[tuple[str, int], torch.Ten
     view = torch.empty(0, dtype=tensor.dtype)
     return view.set_(host.untyped_storage(), tensor.storage_offset(), tensor.size(),
                      tensor.stride())
+
+
+def agree_outcome(group: Any, *, done: bool, failed: bool) -> tuple[bool, bool]:
+    """Every rank (a collective over ``group``): ``(over, failed)``: whether the background
+    work is ``done`` on every rank, and whether it ``failed`` on one. On a gloo group in host
+    memory: under nccl a device tensor read back each step would wait for the GPU's queue
+    (a host-device sync per batch while a save runs)."""
+    agreed = torch.tensor([0.0 if done else 1.0, 1.0 if failed else 0.0])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    return agreed[0].item() == 0, agreed[1].item() > 0
+
+
+def raise_agreed(own: BaseException | None, what: str) -> None:
+    """Every rank, once `agree_outcome` said a rank failed: the rank whose failure ``own``
+    is raises it, the others a `CheckpointWriteError` naming that rank, ``what`` failed
+    (``"the background save"``) and the cause (a collective: the ranks learn each
+    other's cause)."""
+    told = distributed.all_gather_object(None if own is None else str(own))
+    if own is not None:
+        raise own
+    rank, said = next((rank, text) for rank, text in enumerate(told) if text is not None)
+    raise CheckpointWriteError(
+        f"Checkpoint: {what} failed on rank {rank}, so this rank stops too (every rank "
+        f"stops at the same step): {said}")
 
 
 class BackgroundWriter:
@@ -216,6 +240,10 @@ class RotatingWrites:
         """Whether the ranks agree on each background write's outcome (several ranks)."""
         return distributed.is_initialized() and distributed.world_size() > 1
 
+    def agreement_group(self) -> Any:
+        """The gloo group the main thread agrees over (`agree_outcome`), every rank."""
+        return self._side_group(agreeing=True)
+
     def _side_group(self, *, agreeing: bool = False) -> Any:
         """A gloo group over every rank for the background writes of shards, and one for
         the main thread's agreement on their outcome (two threads must never share a group:
@@ -271,22 +299,13 @@ class RotatingWrites:
                 self._writer.wait()  # type: ignore[union-attr]
             except Exception as error:  # kept until every rank is over
                 self._failure = error
-        # On the gloo twin, in host memory: under nccl a device tensor read back each step
-        # would wait for the GPU's queue (a host-device sync per batch while a save runs).
-        agreed = torch.tensor([0.0 if done else 1.0, 0.0 if self._failure is None else 1.0])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._side_group(agreeing=True))
-        if agreed[0].item() > 0:  # a rank's write is still in flight: ask at the next step
+        over, failed = agree_outcome(self.agreement_group(), done=done,
+                                     failed=self._failure is not None)
+        if not over:  # a rank's write is still in flight: ask at the next step
             return
         own, self._failure, self._pending = self._failure, None, False
-        if agreed[1].item() == 0:
-            return
-        told = distributed.all_gather_object(None if own is None else str(own))
-        if own is not None:
-            raise own
-        rank, said = next((rank, text) for rank, text in enumerate(told) if text is not None)
-        raise CheckpointWriteError(
-            f"Checkpoint: the background save failed on rank {rank}, so this rank stops "
-            f"too (every rank stops at the same step): {said}")
+        if failed:
+            raise_agreed(own, "the background save")
 
     def close(self, *, release: bool) -> None:
         """At fit end: wait for the write in flight, then (``release``: rank 0) give the

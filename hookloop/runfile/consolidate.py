@@ -4,7 +4,7 @@ a file, or from a directory of shards written by any number of ranks, with no pr
 
 Reading goes through the checks every load makes (`hookloop.runfile.loading.read_checkpoint`):
 a file's archive CRCs and layout; a directory's ``hookloop.pt``, the save id and the size and
-SHA-256 of every file before DCP reads a byte, and DCP's ``.metadata`` unpickled admitting
+digest of every file before DCP reads a byte, and DCP's ``.metadata`` unpickled admitting
 only DCP's classes. The shapes and dtypes of the model's tensors come from that metadata,
 so no model is built: DCP fills whole CPU tensors from every rank's shards.
 """

@@ -1,11 +1,19 @@
 """Digests taken as the bytes pass, never in a second pass over a file.
 
-A save of a directory of shards records each file's size and SHA-256
-(`hookloop.runfile.integrity`). `recording_file_system` is the file system DCP's writer
-writes through: each stream it opens for writing hashes what is written into it
+A save of a directory of shards records each file's size and content digest
+(`hookloop.runfile.integrity`), and a remote save each object's
+(`hookloop.runfile.remote_store`); every record names its algorithm (`ALGORITHM` for new
+saves). The digest guards against damage (flipped bits, a truncated or swapped file), not
+against an adversary who can write the checkpoint: XXH3-128 (the ``xxhash`` package) does
+that at about 20 GB/s on this project's machine, where SHA-256 ran at about 1.2 GB/s and
+cost as much as DCP's whole write (docs/performance.md). A record that names no algorithm
+was written by hookloop 0.1 and is read as SHA-256 (`LEGACY`).
+
+`recording_file_system` is the file system DCP's writer writes through: each stream it
+opens for writing hashes what is written into it
 (`HashingWriter`), and the record is complete when the stream is closed, so nothing reads
 a shard back after DCP wrote it. A large write is hashed by a helper thread while the
-calling thread writes it (``hashlib`` and the ``write`` call both release the GIL), where
+calling thread writes it (the hash and the ``write`` call both release the GIL), where
 the process has cores to spare; the write returns only once both are done, so no buffer is
 used after its owner let it go.
 
@@ -23,7 +31,44 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["HashingWriter", "digests_of", "file_digest", "recording_file_system"]
+import xxhash
+
+from hookloop.errors import CheckpointError
+
+__all__ = ["ALGORITHM", "LEGACY", "HashingWriter", "check_algorithm", "digests_of",
+           "file_digest", "new_digest", "recording_file_system"]
+
+#: The content digest new saves record (its name is written beside each digest).
+ALGORITHM = "xxh3_128"
+#: The algorithm of a record that names none: hookloop 0.1 wrote SHA-256 only.
+LEGACY = "sha256"
+_ALGORITHMS: dict[str, Callable[[], Any]] = {ALGORITHM: xxhash.xxh3_128, LEGACY: hashlib.sha256}
+
+
+def check_algorithm(name: Any, where: str) -> str:
+    """``name`` when it is a digest algorithm hookloop reads, else a `CheckpointError`
+    naming it and ``where`` (the file or object whose record names it).
+
+    Example:
+        >>> check_algorithm("xxh3_128", "x.dcp/hookloop.pt")
+        'xxh3_128'
+    """
+    if isinstance(name, str) and name in _ALGORITHMS:
+        return name
+    raise CheckpointError(
+        f"{where}: records its digests with the algorithm {name!r}, which this hookloop does "
+        f"not know (it reads {' and '.join(sorted(_ALGORITHMS))}). It was written by a newer "
+        "hookloop, or edited: upgrade hookloop to read it, or resume from another checkpoint.")
+
+
+def new_digest(algorithm: str = ALGORITHM) -> Any:
+    """A fresh hash object of ``algorithm`` (``update``, ``hexdigest``).
+
+    Example:
+        >>> new_digest("sha256").hexdigest()[:8], new_digest().hexdigest()[:8]
+        ('e3b0c442', '99aa06d3')
+    """
+    return _ALGORITHMS[algorithm]()
 
 #: Writes at least this large are hashed beside the write (where the process has a core to
 #: spare), smaller ones inline.
@@ -42,20 +87,20 @@ _CHUNK = 1 << 22
 
 
 class HashingWriter:
-    """Passes every write to ``stream`` and hashes it (SHA-256) on the way.
+    """Passes every write to ``stream`` and hashes it (`ALGORITHM`) on the way.
 
     Example:
         >>> import io
         >>> out = HashingWriter(io.BytesIO())
         >>> out.write(b"abc")
         3
-        >>> out.size, out.hexdigest()[:16]
-        (3, 'ba7816bf8f01cfea')
+        >>> out.size, out.hexdigest() == xxhash.xxh3_128(b"abc").hexdigest()
+        (3, True)
     """
 
     def __init__(self, stream: Any, pool: ThreadPoolExecutor | None = None) -> None:
         self._stream = stream
-        self._digest = hashlib.sha256()
+        self._digest = new_digest()
         self._pool = pool
         #: How many bytes were written.
         self.size = 0
@@ -75,7 +120,7 @@ class HashingWriter:
         return view.nbytes if written is None else written
 
     def hexdigest(self) -> str:
-        """The SHA-256 of everything written so far, in hex."""
+        """The digest (`ALGORITHM`) of everything written so far, in hex."""
         return self._digest.hexdigest()
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close: the stream's
@@ -92,7 +137,7 @@ def recording_file_system() -> Any:
         from torch.distributed.checkpoint.filesystem import FileSystem
 
         class RecordingFileSystem(FileSystem):  # type: ignore[misc]
-            """DCP's local file system, recording ``{name: (size, sha256)}`` of each file
+            """DCP's local file system, recording ``{name: (size, digest)}`` of each file
             written through it, under its final name (DCP renames ``.metadata.tmp``)."""
 
             def __init__(self) -> None:
@@ -132,17 +177,18 @@ def recording_file_system() -> Any:
     return _RECORDING[0]()
 
 
-def file_digest(path: str) -> str:
-    """The SHA-256 of the file ``path``, in hex, read without following a link.
+def file_digest(path: str, algorithm: str = ALGORITHM) -> str:
+    """The digest (``algorithm``) of the file ``path``, in hex, read without following a
+    link: the one place a file's digest is computed.
 
     Example:
         >>> import os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "x")
         >>> _ = open(path, "wb").write(b"abc")
-        >>> file_digest(path)[:16]
+        >>> file_digest(path, "sha256")[:16]
         'ba7816bf8f01cfea'
     """
-    digest = hashlib.sha256()
+    digest = new_digest(algorithm)
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
     descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -161,8 +207,8 @@ def digests_of(paths: list[str], digest: Callable[[str], str | None]
         >>> import os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "x")
         >>> _ = open(path, "wb").write(b"abc")
-        >>> digests_of([path], file_digest)()[path][:16]
-        'ba7816bf8f01cfea'
+        >>> digests_of([path], file_digest)()[path] == file_digest(path)
+        True
     """
     found: dict[str, str | None] = {}
     failure: list[BaseException] = []

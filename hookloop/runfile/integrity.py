@@ -4,7 +4,7 @@ Every storage path goes through here, so a guarantee is written once:
 
 * a file is read only after it was verified: a single ``.pt`` file by the CRC-32 of each
   of its records (`hookloop.runfile.storage.verify_archive`) and ``torch.load(weights_only=True)``;
-  a directory of shards (``.dcp``) by the save id and the SHA-256 digest of each of its
+  a directory of shards (``.dcp``) by the save id and the content digest of each of its
   files, recorded in its ``hookloop.pt`` (itself a ``.pt`` file, verified as above);
 * DCP's ``.metadata`` is unpickled only by `read_metadata`, which admits DCP's metadata
   classes and nothing else, and the shards' non-tensor entries only by
@@ -15,8 +15,9 @@ Every storage path goes through here, so a guarantee is written once:
   A ``KeyboardInterrupt`` or ``SystemExit`` (on any rank) stays what it is: a stop, not a
   damaged file.
 
-SHA-256 is the digest: ``hashlib``'s fastest here (about 2x BLAKE2b where the CPU has SHA
-instructions); benchmarks/checkpoint_digests.py measures its cost per GB.
+The digest is XXH3-128 (`hookloop.runfile.digests.ALGORITHM`), named in each file's record;
+a record naming none (hookloop 0.1's) is SHA-256. benchmarks/checkpoint_digests.py measures
+the cost per GB of each.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import torch
 from hookloop import distributed
 from hookloop.base.os_errors import describe_os_error, write_failure
 from hookloop.errors import CheckpointError, CheckpointWriteError
-from hookloop.runfile.digests import file_digest, recording_file_system
+from hookloop.runfile.digests import (ALGORITHM, LEGACY, check_algorithm, file_digest,
+                                      recording_file_system)
 from hookloop.runfile.storage import link_out_of, link_target
 
 __all__ = ["DIGEST", "KEYS", "FILES_KEY", "SAVE_ID_KEY", "cause_of", "check_files", "control_flow",
@@ -44,15 +46,14 @@ __all__ = ["DIGEST", "KEYS", "FILES_KEY", "SAVE_ID_KEY", "cause_of", "check_file
            "safe_planner", "verified_reader", "write_error", "writer", "writer_record"]
 
 #: Keys of the ``hookloop`` entry of a directory's plain part, written, checked and read
-#: here: the save's id, and each file's ``{"bytes": size, "sha256": digest}``.
+#: here: the save's id, and each file's ``{"bytes": size, "algorithm": name, "digest":
+#: hex}`` (hookloop 0.1 wrote ``{"bytes": size, "sha256": hex}``, still read).
 SAVE_ID, FILES = "save_id", "files"
-BYTES, SHA256 = "bytes", "sha256"  # of each entry of FILES
-KEYS = (SAVE_ID, FILES, BYTES, SHA256)
+BYTES, ALGORITHM_KEY, DIGEST = "bytes", "algorithm", "digest"  # of each entry of FILES
+SHA256 = LEGACY  # the key of a hookloop 0.1 entry's digest
+KEYS = (SAVE_ID, FILES, BYTES, ALGORITHM_KEY, DIGEST, SHA256)
 #: Keys that are also ordinary words elsewhere.
-SHARED_WORDS = frozenset((FILES, BYTES))
-#: The ``hashlib`` algorithm of the digests recorded for a directory's files (its name is
-#: the key of each file's digest).
-DIGEST = SHA256
+SHARED_WORDS = frozenset((FILES, BYTES, ALGORITHM_KEY, DIGEST))
 SAVE_ID_KEY, FILES_KEY = SAVE_ID, FILES
 # What DCP's .metadata holds (torch 2.4 to 2.13): its dataclasses, torch's sizes, dtypes and
 # layouts, and the checkpoint's path. Nothing here runs code of the file's choosing.
@@ -74,9 +75,26 @@ def new_save_id() -> str:
 
 
 def record_files(directory: str, names: list[str]) -> dict[str, dict[str, Any]]:
-    """``{name: {"bytes": size, "sha256": digest}}`` of the files ``names`` in ``directory``."""
+    """``{name: {"bytes": size, "algorithm": ..., "digest": hex}}`` of the files ``names``
+    in ``directory``."""
     return {name: {BYTES: os.path.getsize(os.path.join(directory, name)),
-                   DIGEST: file_digest(os.path.join(directory, name))} for name in names}
+                   ALGORITHM_KEY: ALGORITHM, DIGEST: file_digest(os.path.join(directory, name))}
+            for name in names}
+
+
+def _recorded_digest(entry: Any, where: str) -> tuple[str, str] | None:
+    """``(algorithm, hex digest)`` of one file's record, None where it is not one; a record
+    naming no algorithm is hookloop 0.1's SHA-256.
+
+    Raises:
+        CheckpointError: the record names an algorithm hookloop does not know.
+    """
+    if not isinstance(entry, Mapping) or not isinstance(entry.get(BYTES), int):
+        return None
+    if ALGORITHM_KEY not in entry:
+        return (LEGACY, entry[SHA256]) if isinstance(entry.get(SHA256), str) else None
+    algorithm = check_algorithm(entry[ALGORITHM_KEY], where)
+    return (algorithm, entry[DIGEST]) if isinstance(entry.get(DIGEST), str) else None
 
 
 def _recorded(directory: str, plain: str) -> set[str]:
@@ -89,7 +107,7 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str, *,
                 every_rank: bool = False) -> None:
     """Check that the files of the sharded checkpoint ``directory`` are the ones its plain
     part ``plain`` (whose ``hookloop`` entry is ``meta``) recorded: none missing, none
-    added, each of the recorded size and SHA-256.
+    added, each of the recorded size and digest (of the algorithm its record names).
 
     ``every_rank``: every rank checks the same directory now (a resume): each file is
     hashed by one rank (they take turns over the sorted names) and what differs is
@@ -97,13 +115,13 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str, *,
 
     Raises:
         CheckpointError: naming the file and what differs; when no file matches, naming
-            ``plain`` as the part that belongs to another save.
+            ``plain`` as the part that belongs to another save; naming a digest algorithm
+            the record names and hookloop does not know.
     """
     record, save_id = meta.get(FILES_KEY), meta.get(SAVE_ID_KEY)
     where = os.path.join(directory, plain)
     if not isinstance(record, Mapping) or not isinstance(save_id, str) or not all(
-            isinstance(entry, Mapping) and isinstance(entry.get(BYTES), int)
-            and isinstance(entry.get(DIGEST), str) for entry in record.values()):
+            _recorded_digest(entry, where) is not None for entry in record.values()):
         raise CheckpointError(
             f"{where}: records no save id and file digests (fields 'hookloop.{SAVE_ID_KEY}' "
             f"and 'hookloop.{FILES_KEY}'), so nothing proves that the shards beside it belong "
@@ -144,7 +162,7 @@ def check_files(directory: str, meta: Mapping[str, Any], plain: str, *,
 
 
 def _difference(path: str, entry: Mapping[str, Any], *, hashed: bool) -> str | None:
-    """How the file ``path`` differs from its record ``entry`` (its SHA-256 compared only
+    """How the file ``path`` differs from its record ``entry`` (its digest compared only
     where ``hashed``: this rank's turn), or None."""
     info = os.lstat(path)
     size = info.st_size
@@ -153,15 +171,16 @@ def _difference(path: str, entry: Mapping[str, Any], *, hashed: bool) -> str | N
     if size != entry[BYTES]:
         how = "truncated, or another file" if size < entry[BYTES] else "another file"
         return f"is {size} bytes where the save wrote {entry[BYTES]} ({how})"
-    if hashed and _digest_or_none(path) != entry[DIGEST]:
-        return ("has other bytes than the save wrote (its SHA-256 differs from the recorded "
-                "one: flipped bits, or the file of another save)")
+    algorithm, recorded = _recorded_digest(entry, path) or (LEGACY, "")
+    if hashed and _digest_or_none(path, algorithm) != recorded:
+        return (f"has other bytes than the save wrote (its {algorithm} digest differs from "
+                "the recorded one: flipped bits, or the file of another save)")
     return None
 
 
-def _digest_or_none(path: str) -> str | None:
+def _digest_or_none(path: str, algorithm: str) -> str | None:
     try:
-        return file_digest(path)
+        return file_digest(path, algorithm)
     except OSError:  # replaced by a link (or removed) since it was listed
         return None
 
@@ -322,16 +341,16 @@ def writer(path: str, save_id: str) -> Any:
 
     recording = RecordingWriter(path)
     recording.save_id = save_id
-    # Each file's size and SHA-256, taken as DCP writes it (`writer_record`): no read-back.
+    # Each file's size and digest, taken as DCP writes it (`writer_record`): no read-back.
     recording.fs = recording_file_system()
     return recording
 
 
 def writer_record(storage_writer: Any) -> dict[str, dict[str, Any]]:
-    """``{name: {"bytes": size, "sha256": digest}}`` of the files `writer`'s
+    """``{name: {"bytes": size, "algorithm": ..., "digest": hex}}`` of the files `writer`'s
     ``storage_writer`` wrote (this rank's shards; ``.metadata`` on the rank that wrote it)."""
     storage_writer.fs.close()
-    return {name: {BYTES: size, DIGEST: digest}
+    return {name: {BYTES: size, ALGORITHM_KEY: ALGORITHM, DIGEST: digest}
             for name, (size, digest) in storage_writer.fs.record.items()}
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookloop import distributed
 from hookloop.base.modules import unwrap
 from hookloop.runfile.checkpoint_files import read_checkpoint
 from hookloop.runfile.remote_store import fetched, is_url
@@ -37,6 +38,9 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
     Args:
         path: The checkpoint file, or a sharded checkpoint directory (``.dcp``), or a save
             of a `Checkpoint` URL (``s3://bucket/run/best.pt``).
+            Under a process group, a directory of shards is read by every rank together
+            (call it on every rank, as DCP's load asks); each of its files is hashed by
+            one rank.
         model: The module to load into (unwrapped from DDP and compile wrappers), sharded
             by FSDP or not: a file written by ``FSDP(state_dict="full")`` loads into an
             unsharded model for inference, and a directory of shards into either.
@@ -54,7 +58,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
         CheckpointError: the file is missing, empty, truncated, damaged (a CRC-32 fails),
             not a hookloop checkpoint, or does not fit the model (wrong architecture) or
             the optimizer; a directory's file is missing, added, truncated, flipped or of
-            another save (its save id and SHA-256 digests), or its ``.metadata`` holds
+            another save (its save id and content digests), or its ``.metadata`` holds
             more than DCP's metadata classes (`hookloop.runfile.integrity`).
 
     Example:
@@ -82,7 +86,10 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module,
     model = unwrap(model)
     path = os.fspath(path)
     location = _default_location(model) if map_location is None else map_location
-    payload = read_checkpoint(path, location)
+    # Under a process group, reading a directory of shards is a collective already (DCP's
+    # load runs on every rank), so its files are hashed once, split among the ranks, as a
+    # resume does, not once per rank.
+    payload = read_checkpoint(path, location, every_rank=distributed.world_size() > 1)
     check_loadable(path, model, optimizer, payload, strict=strict)
     load_weights(path, model, optimizer, payload, strict=strict)
     return payload

@@ -231,42 +231,67 @@ class RemoteMirror:
     def poll(self) -> None:
         """At a step boundary: raise a failed upload (naming it); start a sync when the
         staging directory changed and none runs."""
-        self._raise_failure()
-        if self._lease is None:
-            return  # not started: not a fit, or not rank 0
+        failure = self.check()
+        if failure is not None:
+            raise failure
+
+    def check(self) -> CheckpointError | None:
+        """`poll`, returning the failure (a failed upload, a lost lease) instead of raising
+        it: on several ranks, every rank raises it at the same step (`hookloop.
+        checkpoint_remote`)."""
+        failure = self._take_failure()
+        if failure is not None or self._lease is None:
+            return failure  # not started: not a fit, or not rank 0
         if self._lease.lost is not None:
-            raise CheckpointError(
+            return CheckpointError(
                 f"Checkpoint: the lease on {self.url} was taken over by {self._lease.lost} "
                 "(this job could not renew it in time); two jobs must not save to one run, "
                 "so this one stops. Its saves are complete in the staging directory "
                 f"{self.staging}.")
         if self._future is not None:
-            return
+            return None
         if all(self._uploaded.get(name) == key for name, key in self._local().items()) and \
                 set(self._uploaded) <= set(self._local()):
-            return
+            return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="hookloop-mirror")
         self._future = self._pool.submit(self.sync)
+        return None
 
-    def _raise_failure(self, *, wait: bool = False) -> None:
+    def flush(self) -> CheckpointError | None:
+        """At the training's end (every rank still there): wait for the sync in flight,
+        then upload what is left; the failure returned (as `check`), the lease kept."""
+        try:
+            failure = self._take_failure(wait=True)
+            if failure is None and self._lease is not None:
+                self.sync()
+        except Exception as error:  # the last sync's: named as a background one is
+            return self._failure(error)
+        return failure
+
+    def _take_failure(self, *, wait: bool = False) -> CheckpointError | None:
         future = self._future
         if future is None or not (wait or future.done()):
-            return
+            return None
         self._future = None
         error = future.exception()
-        if error is not None:
-            raise CheckpointError(
-                f"Checkpoint: uploading the saves of {self.staging} to {self.url} failed: "
-                f"{type(error).__name__}: {error}. The saves are complete locally; the store "
-                "keeps its previous complete saves (and no partial one shows: it has no "
-                "manifest). Fix the store (credentials, endpoint, space) and resume.") from error
+        return None if error is None else self._failure(error)
+
+    def _failure(self, error: BaseException) -> CheckpointError:
+        failure = CheckpointError(
+            f"Checkpoint: uploading the saves of {self.staging} to {self.url} failed: "
+            f"{type(error).__name__}: {error}. The saves are complete locally; the store "
+            "keeps its previous complete saves (and no partial one shows: it has no "
+            "manifest). Fix the store (credentials, endpoint, space) and resume.")
+        failure.__cause__ = error
+        return failure
 
     def close(self, *, raising: bool = True) -> None:
         """At a fit's end: wait for the sync in flight, sync what is left, give the lease
         back. ``raising=False`` (the exception path) warns instead of raising."""
         try:
-            self._raise_failure(wait=True)
+            if (failure := self._take_failure(wait=True)) is not None:
+                raise failure
             if self._lease is not None:
                 self.sync()
         except Exception as error:

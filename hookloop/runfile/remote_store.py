@@ -1,7 +1,9 @@
 """`RemoteStore`: the checkpoints of one run on an object store (any fsspec URL).
 
 A save on the store is its objects plus a manifest written last: ``<name>.manifest.json``
-beside them, holding a save id and each object's size and SHA-256 digest. An object store
+beside them, holding a save id and each object's size and content digest (under a key
+naming its algorithm: `hookloop.runfile.digests`; earlier versions wrote SHA-256). An
+object store
 has no rename, so the manifest is what makes a save visible: `saves` lists only the names
 that have one, a reader checks every object against it (`download`), and objects of a
 checkpoint name without a manifest are a save a kill interrupted (`partial`), deleted by
@@ -16,7 +18,6 @@ is used: ``import hookloop`` never imports them.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hookloop.errors import CheckpointError, ConfigurationError
+from hookloop.runfile.digests import ALGORITHM, check_algorithm, file_digest, new_digest
 
 __all__ = ["MANIFEST_SUFFIX", "OBJECTS", "RemoteStore", "fetched", "is_url"]
 
@@ -33,7 +35,9 @@ __all__ = ["MANIFEST_SUFFIX", "OBJECTS", "RemoteStore", "fetched", "is_url"]
 MANIFEST_SUFFIX = ".manifest.json"
 _FORMAT = "hookloop-remote-save"
 # The manifest's keys (its own words: not the run file's, which other modules own).
-_TAG, _ID, OBJECTS, _SHA = "manifest", "save", "objects", "digest_sha256"
+_TAG, _ID, OBJECTS = "manifest", "save", "objects"
+#: An object's digest is under ``_DIGEST + its algorithm`` (earlier: ``digest_sha256``).
+_DIGEST = "digest_"
 _CHUNK = 8 << 20  # bytes per read and write: a bounded buffer for any checkpoint size
 
 
@@ -47,9 +51,23 @@ def is_checkpoint_name(name: str) -> bool:
     return name.endswith((".pt", ".dcp")) and not name.startswith(".")
 
 
-def _digest_copy(source: Any, target: Any) -> tuple[int, str]:
-    """Copy the open ``source`` into ``target``; its size and SHA-256, in the same pass."""
-    digest, size = hashlib.sha256(), 0
+def _recorded(entry: dict[str, Any], where: str) -> tuple[str, Any]:
+    """``(algorithm, digest)`` a manifest's entry records (its key names the algorithm).
+
+    Raises:
+        CheckpointError: the entry records no digest, or one of an algorithm hookloop does
+            not know.
+    """
+    keys = [key for key in entry if key.startswith(_DIGEST)]
+    if len(keys) != 1:
+        raise CheckpointError(f"{where}: an entry records {len(keys)} digests ({keys}), not "
+                              "one: not a hookloop manifest; the save is refused.")
+    return check_algorithm(keys[0][len(_DIGEST):], where), entry[keys[0]]
+
+
+def _digest_copy(source: Any, target: Any, algorithm: str = ALGORITHM) -> tuple[int, str]:
+    """Copy the open ``source`` into ``target``; its size and digest, in the same pass."""
+    digest, size = new_digest(algorithm), 0
     while chunk := source.read(_CHUNK):
         digest.update(chunk)
         target.write(chunk)
@@ -145,6 +163,7 @@ class RemoteStore:
             if not inside or ".." in key.split("/") or not isinstance(entry, dict):
                 raise CheckpointError(f"{where}: names {key!r}, which is not an object of the "
                                       f"save {name}; refused.")
+            _recorded(entry, where)  # an unknown digest algorithm is refused by name
         return manifest
 
     # -------------------------------------------------------------- uploading
@@ -172,7 +191,7 @@ class RemoteStore:
     def _put(self, local: str, key: str) -> dict[str, Any]:
         with open(local, "rb") as source, self.fs.open(self.path(key), "wb") as target:
             size, digest = _digest_copy(source, target)
-        return {"size": size, _SHA: digest}
+        return {"size": size, _DIGEST + ALGORITHM: digest}
 
     def delete(self, name: str) -> None:
         """Delete the save ``name``: its manifest first, then its objects."""
@@ -189,7 +208,7 @@ class RemoteStore:
     # ------------------------------------------------------------ downloading
     def download(self, name: str, local: str) -> None:
         """Download the complete save ``name`` to ``local`` (replaced only once every
-        object matches the manifest's size and SHA-256).
+        object matches the manifest's size and digest).
 
         Raises:
             CheckpointError: naming the object that is missing, truncated, damaged or
@@ -214,9 +233,10 @@ class RemoteStore:
 
     def _get(self, key: str, target: str, entry: dict[str, Any]) -> None:
         where = self.where(key)
+        algorithm, recorded = _recorded(entry, where)
         try:
             with self.fs.open(self.path(key), "rb") as source, open(target, "wb") as out:
-                size, digest = _digest_copy(source, out)
+                size, digest = _digest_copy(source, out, algorithm)
         except FileNotFoundError:
             raise CheckpointError(f"{where}: missing, though the save's manifest names it; "
                                   "the save is refused.") from None
@@ -224,28 +244,24 @@ class RemoteStore:
             raise CheckpointError(
                 f"{where}: {size} bytes, the manifest says {entry.get('size')}: the object is "
                 "truncated or another save's; refused (delete the save or pick another).")
-        if digest != entry.get(_SHA):
+        if digest != recorded:
             raise CheckpointError(
-                f"{where}: its SHA-256 is not the one the manifest holds: the object is "
-                "damaged or another save's; refused (delete the save or pick another).")
-
-
-def _local_digest(path: str) -> tuple[int, str]:
-    with open(path, "rb") as handle:
-        return _digest_copy(handle, _Discard())
-
-
-class _Discard:
-    def write(self, chunk: bytes) -> None:
-        """Nothing: `_digest_copy` only digests."""
+                f"{where}: its {algorithm} digest is not the one the manifest holds: the "
+                "object is damaged or another save's; refused (delete the save or pick "
+                "another).")
 
 
 def same_file(local: str, entry: dict[str, Any]) -> bool:
-    """Whether the local file has the size and SHA-256 of a manifest's entry."""
+    """Whether the local file has the size and digest of a manifest's entry.
+
+    Raises:
+        CheckpointError: the entry names an algorithm hookloop does not know.
+    """
+    algorithm, recorded = _recorded(entry, local)
     try:
         if os.path.getsize(local) != entry.get("size"):
             return False
-        return _local_digest(local)[1] == entry.get(_SHA)
+        return file_digest(local, algorithm) == recorded
     except OSError:
         return False
 

@@ -15,7 +15,7 @@ checkpoint) and renamed by rank 0 once DCP wrote every rank's shards and its met
 rank 0 wrote ``hookloop.pt``: a kill at any point leaves the earlier checkpoints as they
 were and at worst a temporary directory, which the next start deletes.
 
-``hookloop.pt`` records the save's id (also in ``.metadata``) and the size and SHA-256 of
+``hookloop.pt`` records the save's id (also in ``.metadata``) and the size and XXH3-128 of
 every other file (each rank digests the shards it writes as DCP writes them, in one pass:
 `hookloop.runfile.digests`); `read_directory` checks them
 before DCP reads a byte, and DCP reads through `hookloop.runfile.integrity`'s reader, which admits

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from launch import SCRIPTS, read, torchrun
 
 
@@ -50,3 +51,17 @@ def test_at_a_resume_on_two_ranks_each_file_is_hashed_by_one_rank(tmp_path: Path
     assert damaged[0]["file"] in damaged[0]["error"]
     assert "other bytes than the save wrote" in damaged[0]["error"]
     assert f"damaged/{damaged[0]['file']}" in str(damaged[1]["hashed"])  # rank 1's turn
+    # hookloop.load_checkpoint on both ranks (into an unsharded model): each file hashed by
+    # one rank as at a resume (before: every file on every rank), into the saved weights;
+    # the damaged file refused on both ranks with the resume's message.
+    loads = [read(tmp_path, "load_hashed", rank)["files"] for rank in (0, 1)]
+    assert sorted(loads[0] + loads[1]) == [f"{newest}/{name}" for name in files], loads
+    assert not set(loads[0]) & set(loads[1]) and loads[0] and loads[1]
+    saved = read(tmp_path, "weights", 0)
+    for rank in (0, 1):
+        loaded = read(tmp_path, "loaded", rank)
+        assert loaded.keys() == saved.keys()
+        assert all(torch.equal(loaded[name], saved[name]) for name in saved)
+    refused = [read(tmp_path, "load_damaged", rank)["error"] for rank in (0, 1)]
+    assert refused[0] is not None and refused[0] == refused[1], refused
+    assert damaged[0]["file"] in refused[0] and "other bytes than the save wrote" in refused[0]

@@ -74,3 +74,29 @@ def test_sigkills_of_a_sharded_run_uploading_to_s3_resume_exactly(tmp_path: Path
                                                                         "resumed-weights", 0)
     for name, value in reference.items():
         assert torch.equal(resumed[name], value), name
+
+
+@pytest.mark.slow
+def test_an_upload_failing_on_rank_0_is_a_named_error_on_every_rank_at_one_step(
+        tmp_path: Path) -> None:
+    """2 ranks (FSDP, gloo) saving to s3:// every step; from step 3 rank 0's uploads are
+    refused (Access Denied). Both ranks raise at the same step, rank 0 the upload's error
+    naming the URL and the cause, rank 1 one naming rank 0 and the cause (before: rank 1
+    trained on alone, with no error of its own, until torchrun killed it), and the launch
+    exits non-zero (scripts/remote_upload_failure.py)."""
+    from launch import torchrun
+
+    with s3_endpoint() as options:
+        endpoint = options["client_kwargs"]["endpoint_url"]
+        url = "s3://runs/denied"
+        result = torchrun(SCRIPTS / "remote_upload_failure.py", str(tmp_path), url, endpoint)
+    assert result.returncode != 0, result.stdout[-4000:]
+    errors = [read(tmp_path, "error", rank) for rank in (0, 1)]
+    assert all(error is not None for error in errors), result.stdout[-4000:]
+    assert errors[0]["class"] == "CheckpointError", errors
+    assert f"to {url} failed: PermissionError: Access Denied" in errors[0]["message"]
+    assert errors[1]["class"] == "CheckpointWriteError", errors
+    assert f"the upload to {url} failed on rank 0" in errors[1]["message"]
+    assert "Access Denied" in errors[1]["message"]
+    assert errors[0]["step"] == errors[1]["step"] >= 3, errors
+    assert errors[0]["step"] < 20 * 4, errors  # at a step, not at the run's end

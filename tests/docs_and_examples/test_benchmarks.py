@@ -80,6 +80,7 @@ def test_checkpoint_digest_benchmark_runs_and_reports_the_cost_per_gb() -> None:
     assert re.search(r"^digest cost per GB: save [-+]\d+\.\d+ s, load [-+]\d+\.\d+ s",
                      result.stdout, re.MULTILINE), result.stdout
     assert re.search(r"^hashlib sha256\s+\d+\.\d+ GB/s", result.stdout, re.MULTILINE)
+    assert re.search(r"^xxhash  xxh3_128\s+\d+\.\d+ GB/s", result.stdout, re.MULTILINE)
 
 
 @pytest.mark.slow

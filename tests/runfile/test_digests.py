@@ -1,11 +1,10 @@
 """hookloop.runfile.digests: a directory of shards is digested as DCP writes it, in one pass
 (no file of it is read back by the save), and the digests recorded are those of the bytes
-on disk (the oracle: hashlib over each file, read back here)."""
+on disk (the oracle: xxhash over each file, read back here)."""
 
 from __future__ import annotations
 
 import builtins
-import hashlib
 import io
 import os
 import threading
@@ -14,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 from hookloop.runfile import integrity, shard_files
 from hookloop.runfile.checkpoint_files import CheckpointFiles, file_meta
@@ -50,7 +50,8 @@ def test_a_sharded_save_reads_none_of_its_files_back_and_records_their_real_dige
     assert sorted(record) == on_disk and ".metadata" in record
     for name in on_disk:
         data = (Path(str(path)) / name).read_bytes()
-        assert record[name] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert record[name] == {"bytes": len(data), "algorithm": "xxh3_128",
+                                "digest": xxhash.xxh3_128(data).hexdigest()}
     targets = {"model": {key: torch.empty_like(value) for key, value in state.items()}}
     shard_files.read_directory(str(path), "cpu")[SHARDS].read_into(targets)
     assert all(torch.equal(targets["model"][key], state[key]) for key in state)
@@ -67,7 +68,7 @@ def test_the_hashing_writer_hashes_large_and_small_writes_in_order() -> None:
             assert writer.write(chunk) == len(chunk)
     joined = b"".join(bytes(chunk) for chunk in chunks)
     assert sink.getvalue() == joined and writer.size == len(joined)
-    assert writer.hexdigest() == hashlib.sha256(joined).hexdigest()
+    assert writer.hexdigest() == xxhash.xxh3_128(joined).hexdigest()
     assert writer.tell() == len(joined)  # the rest is the stream's
 
 
@@ -112,6 +113,7 @@ def test_both_ways_of_hashing_record_the_digests_of_the_bytes_on_disk(
     record = read_payload(os.path.join(str(path), PLAIN_FILE), "cpu")[META][integrity.FILES_KEY]
     for name, entry in record.items():
         data = (Path(str(path)) / name).read_bytes()
-        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert entry == {"bytes": len(data), "algorithm": "xxh3_128",
+                         "digest": xxhash.xxh3_128(data).hexdigest()}
     assert not any(thread.name.startswith("hookloop-digest") and thread.is_alive()
                    for thread in threading.enumerate())  # the helper stopped with the save

@@ -10,6 +10,7 @@ Each case copies a run's checkpoint, damages it, and reads it back through the p
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import pickle
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import xxhash
 from builders import regression_dataset
 from conftest import ROOT
 from torch import nn
@@ -146,7 +148,7 @@ def _rerecord(directory: Path) -> None:
     plain = directory / "hookloop.pt"
     payload = torch.load(plain, weights_only=True)
     for name, entry in payload["hookloop"][FILES_KEY].items():
-        entry.update(bytes=os.path.getsize(directory / name), sha256=file_digest(
+        entry.update(bytes=os.path.getsize(directory / name), digest=file_digest(
             str(directory / name)))
     torch.save(payload, plain)
 
@@ -403,8 +405,8 @@ def test_a_saved_directory_records_its_save_id_and_every_file_it_holds(
     assert sorted(record) == sorted(name for name in os.listdir(directory)
                                     if name != "hookloop.pt")
     for name, entry in record.items():
-        assert entry == {"bytes": os.path.getsize(directory / name),
-                         "sha256": file_digest(str(directory / name))}
+        assert entry == {"bytes": os.path.getsize(directory / name), "algorithm": "xxh3_128",
+                         "digest": xxhash.xxh3_128((directory / name).read_bytes()).hexdigest()}
     assert read_metadata(str(directory)).storage_meta.save_id == meta[SAVE_ID_KEY]
     other = torch.load(runs["other"] / "kept" / f"{ROTATING[1]}.dcp" / "hookloop.pt",
                        weights_only=True)["hookloop"]
@@ -635,3 +637,69 @@ def test_the_digests_stop_damage_not_a_rewritten_record_as_the_docs_say(
     page = (ROOT / "docs" / "callbacks" / "checkpoint.md").read_text()
     assert "What the digests guarantee, and what they do not." in page
     assert "rewrite that record to match other files, and then other weights" in page
+
+
+def _as_hookloop_0_1(directory: Path) -> None:
+    """Rewrite each file's record of ``directory`` as hookloop 0.1 wrote it: no algorithm
+    named, the SHA-256 (hashlib's, of the bytes on disk) under the key ``sha256``."""
+    plain = directory / "hookloop.pt"
+    payload = torch.load(plain, weights_only=True)
+    record = payload["hookloop"][FILES_KEY]
+    for name in record:
+        data = (directory / name).read_bytes()
+        record[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    torch.save(payload, plain)
+
+
+def test_a_directory_of_hookloop_0_1_sha256_records_resumes_exactly_and_refuses_damage(
+        runs: dict[str, Path], tmp_path: Path) -> None:
+    """Checkpoints written before the digest named its algorithm (SHA-256 records) verify
+    and resume into the weights the same checkpoint gives with today's records; a flipped
+    bit in one of them is still refused, naming the file and SHA-256."""
+    old, today = _copy(runs, tmp_path / "old", "shards"), _copy(runs, tmp_path, "shards")
+    for directory in old.glob("*.dcp"):
+        _as_hookloop_0_1(directory)
+    newest = old / f"{ROTATING[1]}.dcp"
+    assert "sha256" in next(iter(torch.load(newest / "hookloop.pt", weights_only=True)[
+        "hookloop"][FILES_KEY].values()))
+    resumed, oracle = (_loop(9, [Checkpoint(folder, monitor="val_loss", save_top_k=2,
+                                            keep_last=2, resume=True)]) for folder in (old, today))
+    resumed.fit(3)
+    oracle.fit(3)
+    assert resumed.state.step == oracle.state.step == 18
+    assert all(torch.equal(value, oracle.model.state_dict()[name])
+               for name, value in resumed.model.state_dict().items())
+    target = old / "copy.dcp"
+    shutil.copytree(runs["shards"] / "kept" / f"{ROTATING[1]}.dcp", target)
+    _as_hookloop_0_1(target)
+    _flip_a_tensor_bit(_shard(target))
+    with pytest.raises(CheckpointError, match="its sha256 digest differs") as raised:
+        hookloop.load_checkpoint(target, _model(9))
+    assert str(_shard(target)) in str(raised.value)
+
+
+def test_a_damaged_file_under_an_xxh3_record_is_refused_naming_it_and_the_algorithm(
+        runs: dict[str, Path], tmp_path: Path) -> None:
+    directory = _copy(runs, tmp_path, "shards") / f"{ROTATING[1]}.dcp"
+    entry = torch.load(directory / "hookloop.pt", weights_only=True)["hookloop"][FILES_KEY][
+        _shard(directory).name]
+    assert entry["algorithm"] == "xxh3_128"
+    assert entry["digest"] == xxhash.xxh3_128(_shard(directory).read_bytes()).hexdigest()
+    _flip_a_tensor_bit(_shard(directory))
+    with pytest.raises(CheckpointError, match="its xxh3_128 digest differs") as raised:
+        hookloop.load_checkpoint(directory, _model(9))
+    assert str(_shard(directory)) in str(raised.value)
+
+
+def test_a_record_naming_an_unknown_digest_algorithm_is_refused_by_name(
+        runs: dict[str, Path], tmp_path: Path) -> None:
+    directory = _copy(runs, tmp_path, "shards") / f"{ROTATING[1]}.dcp"
+    payload = torch.load(directory / "hookloop.pt", weights_only=True)
+    for entry in payload["hookloop"][FILES_KEY].values():
+        entry["algorithm"] = "blake7"
+    torch.save(payload, directory / "hookloop.pt")
+    with pytest.raises(CheckpointError, match="'blake7', which this hookloop does not know"
+                       ) as raised:
+        hookloop.load_checkpoint(directory, _model(9))
+    assert str(directory / "hookloop.pt") in str(raised.value)
+    assert "upgrade hookloop" in str(raised.value)

@@ -5,6 +5,7 @@ checks, moto's S3 server on localhost for the ones that prove the store's behavi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
+import xxhash
 
 from hookloop import Loop, load_checkpoint
 from hookloop.callbacks import Checkpoint
@@ -130,8 +132,8 @@ def test_a_damaged_object_on_s3_is_refused_by_name(tmp_path: Path, s3: dict, how
         "epoch=0000-step=00000003.pt")
     _damage(store.fs, newest, how, older)
     named = r"s3://runs/.*/epoch=0001-step=00000006\.pt: "
-    problem = {"flipped": "its SHA-256", "truncated": "[0-9]+ bytes, the manifest says",
-               "foreign": "([0-9]+ bytes, the manifest says|its SHA-256)"}[how]
+    problem = {"flipped": "its xxh3_128 digest", "truncated": "[0-9]+ bytes, the manifest says",
+               "foreign": "([0-9]+ bytes, the manifest says|its xxh3_128 digest)"}[how]
     with pytest.raises(CheckpointError, match=named + problem):
         fit(url, tmp_path, 3, keep_last=2, storage_options=s3, resume=True)
     with pytest.raises(CheckpointError, match=named + problem):
@@ -149,6 +151,56 @@ def test_a_foreign_manifest_is_refused_by_name(tmp_path: Path) -> None:
     store.fs.pipe_file(manifest, json.dumps({"files": {"../../etc/passwd": {}}}).encode())
     with pytest.raises(CheckpointError, match=r"\.manifest\.json: not the manifest of a hookloop"):
         load_checkpoint(f"{url}/epoch=0000-step=00000003.pt", torch.nn.Linear(3, 1))
+
+
+def _rewrite_manifests(store: RemoteStore, entry_of) -> None:
+    """Rewrite every manifest of ``store``, each object's entry ``entry_of(its bytes)``."""
+    for name in store.saves():
+        path = store.path(name + MANIFEST_SUFFIX)
+        manifest = json.loads(store.fs.cat_file(path))
+        for key in manifest["objects"]:
+            manifest["objects"][key] = entry_of(store.fs.cat_file(store.path(key)))
+        store.fs.pipe_file(path, json.dumps(manifest).encode())
+
+
+def test_a_save_with_sha256_manifests_resumes_and_refuses_damage(
+        tmp_path: Path) -> None:
+    """Manifests written before the digest change (SHA-256 under ``digest_sha256``) verify
+    and resume exactly; a flipped bit under such a manifest is refused naming SHA-256."""
+    url = memory_url()
+    fit(url, tmp_path, 2, keep_last=2)
+    store = RemoteStore(url)
+    _rewrite_manifests(store, lambda data: {"size": len(data),
+                                            "digest_sha256": hashlib.sha256(data).hexdigest()})
+    resumed = fit(url, tmp_path, 4, keep_last=2, resume=True)
+    straight = fit(memory_url(), tmp_path, 4, keep_last=2)
+    assert resumed.state.step == 12 and torch.equal(resumed.model.weight, straight.model.weight)
+    url = memory_url()
+    fit(url, tmp_path, 1)
+    store = RemoteStore(url)
+    _rewrite_manifests(store, lambda data: {"size": len(data),
+                                            "digest_sha256": hashlib.sha256(data).hexdigest()})
+    _damage(store.fs, store.path("epoch=0000-step=00000003.pt"), "flipped", "")
+    with pytest.raises(CheckpointError, match=r"epoch=0000-step=00000003\.pt: its sha256 digest"):
+        load_checkpoint(f"{url}/epoch=0000-step=00000003.pt", torch.nn.Linear(3, 1))
+
+
+def test_a_manifest_naming_an_unknown_digest_algorithm_is_refused_by_name(
+        tmp_path: Path) -> None:
+    url = memory_url()
+    fit(url, tmp_path, 1)
+    store = RemoteStore(url)
+    manifest = json.loads(store.fs.cat_file(store.path("epoch=0000-step=00000003.pt"
+                                                       + MANIFEST_SUFFIX)))
+    data = store.fs.cat_file(store.path("epoch=0000-step=00000003.pt"))
+    assert manifest["objects"] == {"epoch=0000-step=00000003.pt": {
+        "size": len(data), "digest_xxh3_128": xxhash.xxh3_128(data).hexdigest()}}
+    _rewrite_manifests(store, lambda data: {"size": len(data), "digest_blake7": "00"})
+    with pytest.raises(CheckpointError, match=r"manifest\.json: records its digests with the "
+                       r"algorithm 'blake7', which this hookloop does not know"):
+        load_checkpoint(f"{url}/epoch=0000-step=00000003.pt", torch.nn.Linear(3, 1))
+    with pytest.raises(CheckpointError, match="'blake7'.*upgrade hookloop"):
+        fit(url, tmp_path, 2, resume=True)
 
 
 def test_a_second_launch_on_one_s3_url_is_refused_and_a_stale_lease_taken_over(

@@ -88,6 +88,6 @@ def test_every_key_a_real_save_writes_is_one_of_keys(tmp_path: Path) -> None:
     written |= _format_keys(torch.load(os.path.join(directory, PLAIN_FILE), weights_only=True))
     assert written - ALL_KEYS == set()
     # The run wrote the parts this test means to see (not a vacuous subset).
-    assert {integrity.SAVE_ID, integrity.FILES, integrity.SHA256, integrity.BYTES,
+    assert {integrity.SAVE_ID, integrity.FILES, integrity.DIGEST, integrity.BYTES,
             position_part.RNG, rng.RNG_TORCH, position_part.TRAIN_SAMPLES, stateful.HISTORY,
             run_file.MONITOR, run_file.VALUE, ranking.FILE, run_file.PARAMS} <= written

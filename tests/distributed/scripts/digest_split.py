@@ -6,7 +6,10 @@ Usage: torchrun --nproc_per_node=2 digest_split.py OUT_DIR
 
 1. a sharded run (FSDP, gloo) writes its directories (``run`` of integrity.py);
 2. a relaunch resumes from the newest (``resume=True``) while every digest is recorded;
-3. a bit of a file that rank 1 hashes is flipped, and a relaunch resumes again.
+3. ``hookloop.load_checkpoint`` of the newest on both ranks into an unsharded model (every
+   digest recorded again);
+4. a bit of a file that rank 1 hashes is flipped, and a relaunch resumes again, and
+   ``load_checkpoint`` reads it on both ranks.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import shutil
 
 import torch.distributed as dist
 from common import out_dir, rank, save
-from fsdp import gathered
+from fsdp import gathered, make_model
 from integrity import run
 
+import hookloop
 from hookloop import CheckpointError
 from hookloop.runfile import integrity as checks
 
@@ -31,9 +35,9 @@ def main() -> None:
     hashed: list[str] = []
     real = checks._digest_or_none
 
-    def recording(path: str) -> str | None:
+    def recording(path: str, *args: str) -> str | None:
         hashed.append(os.path.relpath(path, directory))
-        return real(path)
+        return real(path, *args)
 
     checks._digest_or_none = recording  # type: ignore[assignment]
     resumed = run(directory)  # resumes from the newest: the run is over, nothing trains
@@ -42,6 +46,12 @@ def main() -> None:
     save("hashed", {"files": hashed, "newest": newest})
     if rank() == 0:
         save("weights", weights)
+    hashed.clear()
+    loaded = make_model(seed=11)  # unsharded: the shards are read whole on each rank
+    hookloop.load_checkpoint(directory / newest, loaded)
+    save("load_hashed", {"files": hashed})
+    save("loaded", {name: value.detach().clone() for name, value in
+                    loaded.state_dict().items()})
     dist.barrier()
     turns = sorted(name for name in os.listdir(directory / newest) if name != "hookloop.pt")
     damaged = turns[1]  # the second file in name order: rank 1's turn
@@ -59,6 +69,12 @@ def main() -> None:
     except CheckpointError as error:
         found = str(error)
     save("damaged", {"error": found, "file": f"{newest}/{damaged}", "hashed": hashed})
+    try:
+        hookloop.load_checkpoint(out / "damaged" / newest, make_model(seed=11))
+        found = None
+    except CheckpointError as error:
+        found = str(error)
+    save("load_damaged", {"error": found})
     dist.destroy_process_group()
 
 
