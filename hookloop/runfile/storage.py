@@ -95,7 +95,6 @@ def fsync_directory(directory: str) -> None:
 
     Example:
         >>> import tempfile
-import uuid
         >>> fsync_directory(tempfile.gettempdir())
     """
     try:
