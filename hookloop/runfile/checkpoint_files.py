@@ -26,11 +26,10 @@ import torch
 from hookloop import distributed
 from hookloop.errors import CheckpointError, ConfigurationError
 from hookloop.runfile.directory_lock import DirectoryLock
-from hookloop.runfile.ranking import FILE
+from hookloop.runfile.ranking import FILE, new_entry, score
 from hookloop.runfile.retirement import RETIRED_PREFIX, Retirement
-from hookloop.runfile.format import (EPOCH, FORMAT, FORMAT_FIELD, KIND, LOOP, META, MONITOR,
-                                     RESUME, STEP, VALUE, VERSION, best_payload, file_meta,
-                                     find_unplain, read_payload, resume_payload)
+from hookloop.runfile.format import (best_payload, best_score, check_resumable, file_meta,
+                                     find_unplain, read_payload, resume_payload, saved_at)
 from hookloop.runfile.shard_files import (clean_temporary, link_directory, read_directory,
                                           write_directory)
 from hookloop.runfile.sharded import contains_shards
@@ -160,7 +159,7 @@ class CheckpointFiles:
 
     def set_aside_name(self, entry: dict[str, Any], dropped_at: int) -> str:
         """Name under which a dropped ranking entry waits for a rollback that may need it."""
-        scored = self.scored_name(entry[VALUE], entry[STEP])[len(self.prefix):]
+        scored = self.scored_name(*score(entry))[len(self.prefix):]
         return f"{self.prefix}dropped-at-step={dropped_at:08d}-{scored}"
 
     @property
@@ -265,10 +264,8 @@ class CheckpointFiles:
         if not os.path.exists(self.best):
             return None
         payload = read_checkpoint(self.best, "cpu")
-        meta = payload[META]
-        if meta.get(MONITOR) != self.monitor or meta.get(VALUE) is None:
-            return None
-        return float(meta[VALUE]), int(payload.get(EPOCH, -1)), int(payload.get(STEP, -1))
+        value = best_score(payload, self.monitor)
+        return None if value is None else (value, *saved_at(payload))
 
     def recover(self, entries: list[dict[str, Any]], *, single: bool
                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -288,15 +285,15 @@ class CheckpointFiles:
             info = self.best_info()
             if info is None:
                 return [], []
-            if top is not None and top[STEP] == info[2]:
+            if top is not None and score(top)[1] == info[2]:
                 return [top], []
-            return entries[:1], [{VALUE: info[0], EPOCH: info[1], STEP: info[2], FILE: None}]
+            return entries[:1], [new_entry(*info, None)]
         kept = [entry for entry in entries
                 if entry[FILE] is not None and self._put_back(entry, entry[FILE])]
         named = {entry[FILE] for entry in kept}
         # Few files, written after the state: their epoch is read from them, not guessed.
-        newer = [{VALUE: value, EPOCH: int(read_checkpoint(path, "cpu").get(EPOCH, -1)),
-                  STEP: step, FILE: os.path.basename(path)}
+        newer = [new_entry(value, saved_at(read_checkpoint(path, "cpu"))[0], step,
+                           os.path.basename(path))
                  for value, step, path in self.scored() if os.path.basename(path) not in named]
         return kept, newer
 
@@ -322,7 +319,7 @@ class CheckpointFiles:
         """True when ``name`` holds ``entry``'s weights, after moving its set-aside file there."""
         if os.path.exists(self.path(name)):
             return True
-        wanted = self.scored_name(entry[VALUE], entry[STEP])[len(self.prefix):]
+        wanted = self.scored_name(*score(entry))[len(self.prefix):]
         wanted = wanted[:-len(self._suffix)]  # either kind: a file or a directory of shards
         for _, _, path in self.set_aside():
             if os.path.splitext(path)[0].endswith(f"-{wanted}"):
@@ -344,19 +341,7 @@ class CheckpointFiles:
             payload = read_checkpoint(path, torch.device("cpu"), every_rank=every_rank)
         except CheckpointError as error:
             raise self.newest_damaged(path, error) from None
-        meta = payload[META]
-        if meta.get(KIND) != RESUME or LOOP not in payload:
-            raise CheckpointError(
-                f"{path}: holds only validated weights (a best.pt file), not a training state; "
-                "resume from a rotating checkpoint (epoch=...-step=....pt), or load the weights "
-                "with hookloop.load_checkpoint(path, model).")
-        if int(meta.get(FORMAT_FIELD, 0)) != FORMAT:
-            newer = int(meta.get(FORMAT_FIELD, 0)) > FORMAT
-            raise CheckpointError(
-                f"{path}: written by {'a newer' if newer else 'an older'} hookloop "
-                f"({meta.get(VERSION)}, file format {meta.get(FORMAT_FIELD)}; this one reads "
-                f"format {FORMAT}). {'Upgrade hookloop' if newer else 'Use that hookloop version'} "
-                "to resume from it, or load its weights with hookloop.load_checkpoint.")
+        check_resumable(path, payload)
         return payload
 
     def newest_damaged(self, path: str, error: CheckpointError) -> CheckpointError:
@@ -520,7 +505,7 @@ class CheckpointFiles:
             if entry[FILE] is None or entry[FILE] in kept:
                 continue
             with suppress(FileNotFoundError):
-                if _ranked_by(steps, entry[STEP], at):
+                if _ranked_by(steps, score(entry)[1], at):
                     aside = _suffixed(self.set_aside_name(entry, at),
                                       os.path.splitext(entry[FILE])[1])
                     os.replace(self.path(entry[FILE]), self.path(aside))
@@ -532,7 +517,7 @@ class CheckpointFiles:
         """Before ``best.pt`` (``save_top_k=1``) is replaced at step ``at``: keep what it holds
         (``entry``) under its set-aside name while a kept rotating file still ranks it."""
         best = self.best
-        if _ranked_by(self._rotating_steps(), entry[STEP], at) and os.path.exists(best):
+        if _ranked_by(self._rotating_steps(), score(entry)[1], at) and os.path.exists(best):
             aside = _suffixed(self.set_aside_name(entry, at), os.path.splitext(best)[1])
             _link(best, self.path(aside))
 
@@ -606,7 +591,8 @@ class CheckpointFiles:
         the moves before it picks a file, so the retirement is complete or not begun.
         """
         # The step is in the file's own record of itself (its name says it too).
-        step = payload[META].get(STEP, self.step_of(resumed))
+        recorded = saved_at(payload)[1]
+        step = recorded if recorded >= 0 else self.step_of(resumed)
         if step is None:
             return  # a file of unknown position: nothing can be said to come after it
         step, resumed = int(step), os.path.abspath(resumed)
@@ -616,7 +602,7 @@ class CheckpointFiles:
         later += [path for found, _, path in self.set_aside() if found > step]
         if os.path.exists(self.best):
             with suppress(CheckpointError):  # an unreadable best.pt stays where it is
-                if int(read_checkpoint(self.best, "cpu").get(STEP, -1)) > step:
+                if saved_at(read_checkpoint(self.best, "cpu"))[1] > step:
                     later.append(self.best)
         if not later:
             return

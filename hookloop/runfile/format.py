@@ -44,7 +44,8 @@ from hookloop.runfile.storage import verify_archive
 
 __all__ = ["FORMAT", "KEYS", "SHARED_WORDS", "SHARDS", "check_payload", "expect_field",
            "expect_int", "file_meta", "find_unplain", "read_payload",
-           "register_check", "resume_payload", "best_payload"]
+           "register_check", "resume_payload", "best_payload", "best_score", "check_resumable",
+           "saved_at"]
 
 #: Version of the file layout written by `Checkpoint` (1 is read too).
 FORMAT = 2
@@ -109,6 +110,41 @@ def best_payload(weights: Mapping[str, Any], monitor: str | None, value: float, 
     """A best file's payload: validated ``weights`` scoring ``value`` for ``monitor``."""
     return {META: {**file_meta(BEST), MONITOR: monitor, VALUE: value}, MODEL: weights,
             EPOCH: epoch, STEP: step, METRICS: dict(metrics)}
+
+
+# --------------------------------------------------------------------- the record
+def saved_at(payload: Mapping[str, Any]) -> tuple[int, int]:
+    """``(epoch, step)`` a read file records (-1 where it does not): a resume file's in its
+    record, a best file's at the top."""
+    meta = payload[META]
+    holder = meta if meta.get(KIND) == RESUME else payload
+    return int(holder.get(EPOCH, -1)), int(holder.get(STEP, -1))
+
+
+def best_score(payload: Mapping[str, Any], monitor: str | None) -> float | None:
+    """The value a best file records for ``monitor``; None: it records none (another monitor)."""
+    meta = payload[META]
+    if meta.get(MONITOR) != monitor or meta.get(VALUE) is None:
+        return None
+    return float(meta[VALUE])
+
+
+def check_resumable(path: str, payload: Mapping[str, Any]) -> None:
+    """A read file is a training state of this format (`FORMAT`), or a `CheckpointError`
+    saying what it is and what to do instead."""
+    meta = payload[META]
+    if meta.get(KIND) != RESUME or LOOP not in payload:
+        raise CheckpointError(
+            f"{path}: holds only validated weights (a best.pt file), not a training state; "
+            "resume from a rotating checkpoint (epoch=...-step=....pt), or load the weights "
+            "with hookloop.load_checkpoint(path, model).")
+    if int(meta.get(FORMAT_FIELD, 0)) != FORMAT:
+        newer = int(meta.get(FORMAT_FIELD, 0)) > FORMAT
+        raise CheckpointError(
+            f"{path}: written by {'a newer' if newer else 'an older'} hookloop "
+            f"({meta.get(VERSION)}, file format {meta.get(FORMAT_FIELD)}; this one reads "
+            f"format {FORMAT}). {'Upgrade hookloop' if newer else 'Use that hookloop version'} "
+            "to resume from it, or load its weights with hookloop.load_checkpoint.")
 
 
 # -------------------------------------------------------------------------- checking

@@ -13,12 +13,23 @@ from typing import Any
 from hookloop.errors import ConfigurationError
 from hookloop.runfile.format import EPOCH, STEP, VALUE
 
-__all__ = ["KEYS", "TopK", "check_ranking_options"]
+__all__ = ["KEYS", "TopK", "check_ranking_options", "new_entry", "score"]
 
 #: A ranking entry (`TopK`): the envelope's value, epoch and step, and the scored file.
 FILE = "file"
 KEYS = (FILE,)
 SHARED_WORDS = frozenset(KEYS)
+
+def new_entry(value: float, epoch: int, step: int, file: str | None) -> dict[str, Any]:
+    """A ranking entry: ``file`` (a name, or None for ``best.pt``) scored ``value`` at ``epoch``
+    and ``step``."""
+    return {VALUE: float(value), EPOCH: int(epoch), STEP: int(step), FILE: file}
+
+
+def score(ranked: Mapping[str, Any]) -> tuple[float, int]:
+    """``(value, step)`` of a ranking entry: what names its file."""
+    return ranked[VALUE], ranked[STEP]
+
 
 #: ``better(value, other)``: True when ``value`` beats ``other`` (`hookloop.monitor.Monitor.better`).
 Better = Callable[[float, float], bool]
@@ -107,8 +118,7 @@ class TopK:
             step: The optimizer step it was reached at.
             file: The name of the file holding its weights, or None.
         """
-        entry: dict[str, Any] = {VALUE: float(value), EPOCH: int(epoch), STEP: int(step),
-                                 FILE: file}
+        entry = new_entry(value, epoch, step, file)
         replaced = []
         same = self.at_step(entry[STEP])
         if same is not None:
