@@ -138,7 +138,14 @@ class GradAccumulation(Callback):
     def scale_loss(self, loop: Loop, loss: torch.Tensor) -> torch.Tensor:
         """The loss divided by the real size of the current window (``"mean"``) or by
         ``steps``."""
-        size = self.window_size(loop.state.batch_idx) if self.last_window == "mean" else self.steps
+        steps = self.steps
+        if self.last_window == "mean":
+            batch_idx, batches = loop.state.batch_idx, self._batches
+            # `window_size` inline where the window is whole (all but an epoch's last)
+            whole = batches is not None and batch_idx - batch_idx % steps + steps <= batches
+            size = steps if whole else self.window_size(batch_idx)
+        else:
+            size = steps
         return loss if size == 1 else loss / size
 
     def after_backward(self, loop: Loop) -> None:
