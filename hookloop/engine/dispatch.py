@@ -157,8 +157,8 @@ class Table:
     def annotate_inline(self, exc: BaseException) -> None:
         """`annotate` for an exception that a handler of an `INLINE` event (or ``scale_loss``)
         raised: the frame that called it holds it as ``handler``, the loop variable of every
-        inline loop, and the next frame of the traceback runs its code. Nothing when no such handler raised
-        it, or when it is noted already (`emit` notes at once)."""
+        inline loop, and the next frame of the traceback runs its code. Nothing when no such
+        handler raised it, or when it is noted already (`emit` notes at once)."""
         if getattr(exc, "_hookloop_noted", False):
             return
         trace = exc.__traceback__
