@@ -519,8 +519,8 @@ class Loop(Geometry, Status):
         if state.loss is not loss:  # replaced by a callback (a penalty term)
             loss = state.loss = check_loss(state.loss, training=True, replaced=True)
         batches.losses.add(loss, state.batch_size, self._loss_weight)
-        for scale in table.scale_loss:
-            loss = table.call(scale, loss)
+        for handler in table.scale_loss:  # inline too: named on error as those events are
+            loss = handler(self, loss)
         return loss
 
     def _step(self, batches: EpochPass, table: Table) -> None:

@@ -95,6 +95,7 @@ class GradAccumulation(Callback):
                  "'as_full' by steps, 'drop' makes no step for it.")
         self._batches: int | None = 0
         self._dropping = False
+        self._sized = False  # the training data has a length (read at setup)
 
     def __repr__(self) -> str:
         extra = "" if self.last_window == "mean" else f", last_window={self.last_window!r}"
@@ -105,6 +106,9 @@ class GradAccumulation(Callback):
         makes no step, for ``loop.steps_per_epoch``)."""
         loop.accumulation_steps = self.steps
         loop.partial_window_steps = self.last_window != "drop"
+        # Whether the data has a length: a later setup (DDP's) may shard it, which changes
+        # its length, not whether it has one.
+        self._sized = loop.batches_per_epoch is not None
 
     def on_fit_start(self, loop: Loop) -> None:
         # Read after every setup ran: DDP may have re-sharded train_data.
@@ -120,9 +124,15 @@ class GradAccumulation(Callback):
 
     @property
     def _silent_events(self) -> tuple[str, ...]:
-        """Without ``"drop"``, nothing to do at a batch start: not called there."""
-        own = type(self).on_batch_start is GradAccumulation.on_batch_start  # else a subclass's
-        return () if self.last_window == "drop" or not own else ("on_batch_start",)
+        """Without ``"drop"``, nothing to do at a batch start: not called there; nor after a
+        backward, unless ``"mean"`` rescales a window that data without a length cut short."""
+        if self.last_window == "drop":
+            return ()
+        silent = ["on_batch_start"]
+        if self.last_window != "mean" or self._sized:
+            silent.append("after_backward")
+        return tuple(name for name in silent  # a subclass's own method is called
+                     if getattr(type(self), name) is getattr(GradAccumulation, name))
 
     def on_batch_start(self, loop: Loop) -> None:
         """With ``"drop"``: the batch that ends the data inside a window is no boundary.
@@ -138,7 +148,14 @@ class GradAccumulation(Callback):
     def scale_loss(self, loop: Loop, loss: torch.Tensor) -> torch.Tensor:
         """The loss divided by the real size of the current window (``"mean"``) or by
         ``steps``."""
-        size = self.window_size(loop.state.batch_idx) if self.last_window == "mean" else self.steps
+        steps = self.steps
+        if self.last_window == "mean":
+            batch_idx, batches = loop.state.batch_idx, self._batches
+            # `window_size` inline where the window is whole (all but an epoch's last)
+            whole = batches is not None and batch_idx - batch_idx % steps + steps <= batches
+            size = steps if whole else self.window_size(batch_idx)
+        else:
+            size = steps
         return loss if size == 1 else loss / size
 
     def after_backward(self, loop: Loop) -> None:

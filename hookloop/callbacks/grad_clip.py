@@ -16,6 +16,8 @@ from hookloop.errors import ConfigurationError
 if TYPE_CHECKING:
     from hookloop.loop import Loop
 
+_PLAIN = torch.Tensor  # a plain gradient's exact type (a DTensor's is a subclass)
+
 __all__ = ["GradClip"]
 
 
@@ -120,7 +122,15 @@ class GradClip(Callback):
 
     def before_step(self, loop: Loop) -> None:
         """Record the pre-clip total norm in ``loop.state.grad_norm``, then clip."""
-        params = [param for param in self._parameters(loop) if param.grad is not None]
+        params = self._parameters(loop)
+        if self.max_norm is not None and params and all(type(param.grad) is _PLAIN
+                                                      for param in params):
+            # Every gradient there and a plain tensor (the usual step): `clip_grad_norm`'s
+            # own first case, torch's clip itself, without reading the gradients twice more.
+            loop.state.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm,
+                                                                  norm_type=self.norm_type)
+            return
+        params = [param for param in params if param.grad is not None]
         if not params:  # only `.grad is None` was read: no sync
             # Nothing to clip (clip_grad_value_ would raise on an empty list): norm 0.
             loop.state.grad_norm = torch.zeros((), device=loop.device)

@@ -24,6 +24,7 @@ __all__ = ["LRScheduler"]
 
 SchedulerFactory = Callable[[torch.optim.Optimizer, int], Any]
 _INTERVALS = ("step", "epoch")
+_LARGEST = 1.7976931348623157e308  # the largest finite float: NaN and inf compare False
 
 
 def _steps_by_count(obj: Any) -> bool:
@@ -144,6 +145,10 @@ class LRScheduler(Callback):
         # The lowest rate a schedule set on an accelerator since the last check, kept there:
         # reading a device tensor at every step would sync the host (`_check_rates`).
         self._device_lowest: torch.Tensor | None = None
+        # How `after_step` steps the scheduler it was worked out for ("count": timm's
+        # step_update; "step"; None: not after a step): asked once per scheduler, not at
+        # every step.
+        self._stepping: tuple[Any, str | None] = (None, None)
         if _is_scheduler(scheduler):
             self._scheduler = scheduler
             self._check_monitor(scheduler)
@@ -410,13 +415,26 @@ class LRScheduler(Callback):
                               used=True)
 
     def after_step(self, loop: Loop) -> None:
-        if self.steps_by_count:
-            self._scheduler.step_update(loop.state.step)
-        elif self.interval == "step" and not self.is_plateau:
-            self._scheduler.step()
+        scheduler = self._scheduler
+        known, stepping = self._stepping
+        if known is not scheduler:
+            stepping = "count" if _steps_by_count(scheduler) else "step" if not isinstance(
+                scheduler, ReduceLROnPlateau) else None
+            self._stepping = (scheduler, stepping)
+        if stepping == "count":
+            scheduler.step_update(loop.state.step)
+        elif stepping == "step" and self.interval == "step":
+            scheduler.step()
         else:
             return
-        self._check_rates(loop, f"after optimizer step {loop.state.step}")
+        # The usual rates (finite, non-negative Python floats) pass `_check_rates` without a
+        # word: checked here without its call, its message or the run's total steps.
+        optimizer = getattr(scheduler, "optimizer", None) or loop.optimizer
+        for group in optimizer.param_groups:
+            rate = group.get("lr")
+            if type(rate) is not float or not 0.0 <= rate <= _LARGEST:
+                self._check_rates(loop, f"after optimizer step {loop.state.step}")
+                return
 
     def _check_rates(self, loop: Loop, where: str, *, read: bool = False,
                      used: bool = False) -> None:

@@ -16,6 +16,8 @@ from hookloop.engine.data import batch_size_of, move_to_device
 from hookloop.engine.forward import ForwardRule
 from hookloop.errors import HookloopDeprecationWarning
 
+_CPU = torch.device("cpu")
+
 __all__ = ["LoopState", "current_batch", "learning_rates"]
 
 
@@ -192,16 +194,18 @@ def current_batch(state: LoopState, batch: Any, batch_idx: int, device: torch.de
         # A pair: what move_to_device, targets_of and batch_size_of say, without their
         # calls where its tensors are on the device already (a list is copied, as moved).
         inputs, targets = batch
+        # ``device == _CPU``, not ``device.type``: that attribute costs ten times the compare.
         if type(inputs) is Tensor and type(targets) is Tensor and (
-                inputs.is_cpu and targets.is_cpu if device.type == "cpu"  # no device objects
+                inputs.is_cpu and targets.is_cpu if device == _CPU  # no device objects
                 else inputs.device == device and targets.device == device):
             batch = batch if kind is tuple else list(batch)
         else:
             batch = move_to_device(batch, device)
             targets = batch[1]
         state.batch, state.targets = batch, targets
-        if isinstance(targets, Tensor) and targets.dim() > 0:
-            state.batch_size = targets.shape[0]
+        shape = targets.shape if isinstance(targets, Tensor) else None
+        if shape:  # one read of the shape, not dim() and then shape
+            state.batch_size = shape[0]
             return batch
     else:
         state.batch = batch = move_to_device(batch, device)

@@ -164,3 +164,35 @@ def test_only_drop_is_called_at_every_batch_start(last_window: str) -> None:
     loop.fit(1)
     listed = [handler.__self__ for handler in loop._table.on_batch_start]
     assert listed == ([accumulation] if last_window == "drop" else [])
+
+
+@pytest.mark.parametrize("last_window", ["mean", "as_full", "drop"])
+@pytest.mark.parametrize("sized", [True, False])
+def test_after_backward_is_called_only_where_it_can_act(last_window: str, sized: bool) -> None:
+    """After a backward it drops a dropped window's gradients ("drop") or rescales a window
+    that data without a length cut short ("mean"); otherwise it is left out of the fit's
+    table (issue 38), and the weights are those of the same fit with it called."""
+    class Called(GradAccumulation):  # its own after_backward: always in the table
+        def after_backward(self, loop: Loop) -> None:
+            super().after_backward(loop)
+
+    def run(accumulation: GradAccumulation) -> Loop:
+        torch.manual_seed(0)
+        model = two_layers(3, 8, 1)
+        data = regression_batches(5)
+        loop = Loop(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                    data if sized else Unsized(data), loss_fn=F.mse_loss,
+                    callbacks=[accumulation], device="cpu")
+        loop.fit(2)
+        return loop
+
+    accumulation = GradAccumulation(2, last_window=last_window)
+    loop = run(accumulation)
+    listed = [handler.__self__ for handler in loop._table.after_backward]
+    acts = last_window == "drop" or (last_window == "mean" and not sized)
+    assert listed == ([accumulation] if acts else [])
+    reference = run(Called(2, last_window=last_window))
+    assert [handler.__self__ for handler in reference._table.after_backward] == \
+        [reference.callbacks[0]]
+    assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(),
+                                                 reference.model.parameters()))

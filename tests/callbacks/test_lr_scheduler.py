@@ -718,3 +718,19 @@ def test_the_rate_set_after_the_last_step_is_refused_only_when_a_later_fit_would
     assert rates.rates == pytest.approx([0.1 * (1 - (step + 1) / 8) for step in range(8)])
     with pytest.raises(ConfigurationError, match=r"learning rate -0\.0125 at fit start"):
         loop.fit(3)
+
+
+@pytest.mark.parametrize("rate", [math.inf, math.nan])
+def test_a_schedule_that_makes_the_rate_non_finite_is_refused_at_that_step(rate: float) -> None:
+    """The usual rates are checked inline after a step (finite Python floats >= 0); an
+    infinite or NaN one still gets the refusal naming the step, before any step uses it."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = lr_scheduler.LambdaLR(optimizer, lambda count: 1.0 if count < 2 else rate)
+    rates = Rates()
+    loop = Loop(model, optimizer, make_data(4), loss_fn=F.mse_loss, device="cpu",
+                callbacks=[rates, LRScheduler(schedule)])
+    with pytest.raises(ConfigurationError, match=r"learning rate to (inf|nan) after optimizer "
+                                                 r"step 2"):
+        loop.fit(1)
+    assert rates.rates == [0.1, 0.1]
