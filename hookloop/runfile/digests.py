@@ -24,6 +24,7 @@ needs them, each file once.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -189,10 +190,17 @@ def file_digest(path: str, algorithm: str = ALGORITHM) -> str:
         'ba7816bf8f01cfea'
     """
     digest = new_digest(algorithm)
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
     descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     with open(descriptor, "rb", buffering=0) as handle:
+        if os.name == "posix" and os.fstat(descriptor).st_size >= _CHUNK:
+            # Hashed where the page cache holds it, without a copy into a buffer: half the
+            # time of reading it (the same exposure as torch.load(mmap=True) of a file: a
+            # file cut short by another process while it is hashed ends the process).
+            with mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ) as pages:
+                digest.update(pages)
+            return digest.hexdigest()
+        buffer = bytearray(_CHUNK)
+        view = memoryview(buffer)
         while read := handle.readinto(buffer):
             digest.update(view[:read])
     return digest.hexdigest()
