@@ -83,6 +83,7 @@ class RemoteMixin:
     _started: bool
     _writes: Any  # the Checkpoint's RotatingWrites: its agreement group
     resume: Any
+    _training_ends: Any  # Checkpoint's: the fit's last epoch end, when its last save is made
 
     def __init__(self, dirpath: str, *args: Any, storage_options: dict[str, Any] | None = None,
                  staging_dir: str | os.PathLike[str] | None = None,
@@ -157,9 +158,7 @@ class RemoteMixin:
 
     def on_epoch_end(self, loop: Loop) -> None:
         super().on_epoch_end(loop)  # type: ignore[misc]
-        state = loop.state  # the training's end, as Checkpoint's last save sees it
-        self._poll(last=(loop.epoch_completed and state.epoch + 1 >= state.epochs)
-                   or loop.stop_requested)
+        self._poll(last=self._training_ends(loop))
 
     def on_fit_end(self, loop: Loop) -> None:
         """`Checkpoint.on_fit_end`, then the last uploads (waited for) and the lease back."""

@@ -1,7 +1,5 @@
-"""`Checkpoint`: when to save the run, what to keep, and which file to resume.
-
-The loop gathers and restores the run; the files and their integrity
-(`hookloop.runfile.background_save` and the `CheckpointFiles` it writes with), the ranking
+"""`Checkpoint`: when to save the run, what to keep, and which file to resume. The loop
+gathers and restores the run; the files (`hookloop.runfile.background_save`), the ranking
 (`hookloop.runfile.ranking`) and the weights' checks (`hookloop.runfile.weights`) sit below.
 The details: docs/callbacks/checkpoint.md.
 """
@@ -169,8 +167,8 @@ class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: hookloop/c
             path = distributed.broadcast_object(newest)
             if path is not None:
                 self._resume_from(loop, path)
-            else:
-                self._reconcile()  # best files of a run killed before its first rotating file
+            elif self._ranking is not None:  # best files of a run killed before its first file
+                self.files.reconcile(self._ranking, single=self.save_top_k == 1)
         else:
             self._resume_from(loop, self.resume, rollback=True)
         self._started = True
@@ -195,14 +193,13 @@ class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: hookloop/c
     def on_epoch_end(self, loop: Loop) -> None:
         if self._monitor is not None and self._monitor.due(loop, epoch_end=True):
             self._consider_best(loop)
-        state = loop.state
-        due = self.every_n_epochs is not None and (state.epoch + 1) % self.every_n_epochs == 0
-        if (loop.epoch_completed and (due or state.epoch + 1 >= state.epochs)) \
-                or loop.stop_requested:
+        every, epoch = self.every_n_epochs, loop.state.epoch
+        if (every is not None and loop.epoch_completed and (epoch + 1) % every == 0) \
+                or self._training_ends(loop):
             wrote = self._save(loop, collective=True)
             self._writes.wait()  # the training's end: before DDP/FSDP tear their group down
             if wrote and distributed.is_main():
-                self.files.after_epoch_end_save(state.step)
+                self.files.after_epoch_end_save(loop.state.step)
 
     def on_fit_end(self, loop: Loop) -> None:  # also a launch's: its last file is complete
         if distributed.is_main() and (kept := self.files.explain_set_aside()):
@@ -236,9 +233,15 @@ class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: hookloop/c
         """Restore `state_dict`, then make it agree with the files on disk."""
         if self._ranking is not None:
             self._ranking.load_state_dict(state.get("top_k") or ())
-            self._reconcile()
+            self.files.reconcile(self._ranking, single=self.save_top_k == 1)  # after a kill
 
     # ------------------------------------------------------------------ inside
+    @staticmethod
+    def _training_ends(loop: Loop) -> bool:
+        """At an epoch end: the fit's last epoch is complete, or a stop was asked for."""
+        state = loop.state
+        return loop.epoch_completed and state.epoch + 1 >= state.epochs or loop.stop_requested
+
     def _resume_from(self, loop: Loop, path: str, *, rollback: bool = False) -> None:
         payload = self.files.read_resume(path, every_rank=True)  # every rank resumes here
         if rollback and distributed.is_main():
@@ -291,8 +294,3 @@ class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: hookloop/c
         dropped = ranking.offer(value, state.epoch, state.step, name)
         if distributed.is_main():  # only now that the new file is complete
             self.files.discard([(state.step, entry) for entry in dropped], ranking.files())
-
-    def _reconcile(self) -> None:
-        """Keep the entries whose weights are on disk; rank the newer files (after a kill)."""
-        if self._ranking is not None:
-            self.files.reconcile(self._ranking, single=self.save_top_k == 1)
