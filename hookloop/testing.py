@@ -57,19 +57,8 @@ from hookloop.callback import Callback
 from hookloop.engine.stateful import CallbackStates
 from hookloop.testing_declarations import check_declarations, check_dispatch
 from hookloop.testing_processes import check_ranks, killed_launch
-from hookloop.testing_run import (
-    EPOCHS,
-    Factory,
-    KitFailure,
-    as_list,
-    folder,
-    make,
-    quiet_fit,
-    standard_loop,
-    stateful,
-    states,
-    weights,
-)
+from hookloop.testing_run import (EPOCHS, Factory, KitFailure, as_list, folder, make,
+                                  quiet_fit, standard_loop, stateful, states, weights)
 
 __all__ = ["KitFailure", "check_callback", "check_declarations", "check_dispatch",
            "check_preset", "check_ranks", "check_resume", "check_state", "standard_loop"]

@@ -9,15 +9,8 @@ from collections.abc import Sequence
 
 from hookloop.base.events import Event
 from hookloop.callback import Callback
-from hookloop.testing_run import (
-    Factory,
-    KitFailure,
-    as_list,
-    folder,
-    make,
-    quiet_fit,
-    standard_loop,
-)
+from hookloop.testing_run import (Factory, KitFailure, as_list, folder, make, quiet_fit,
+                                  standard_loop)
 
 __all__ = ["check_declarations", "check_dispatch"]
 
