@@ -100,10 +100,10 @@ def _range(entry: Any) -> str:
 
 
 def _describe(name: str, assignments: list[tuple[str, Any]]) -> int:
-    from hookloop import presets
     from hookloop.engine.describe import describe
+    from hookloop.presets.registry import get  # presets.get, from its module
 
-    callbacks = presets.get(name, **dict(assignments))
+    callbacks = get(name, **dict(assignments))
     arguments = ", ".join(f"{key}={value!r}" for key, value in assignments)
     print(f"presets.get({name!r}{', ' if arguments else ''}{arguments}):")
     print("[" + ", ".join(repr(callback) for callback in callbacks) + "]\n")

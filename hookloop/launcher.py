@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hookloop import distributed
+from hookloop.engine.data import length_of
 from hookloop.engine.samplers import check_equal_batches, set_epoch, shard_loader
 from hookloop.parallel import slurm, suspension
 from hookloop.parallel.mesh import Mesh
@@ -71,7 +72,8 @@ class Launch:
     """One callback's share in the process group and the sharded data, across its fits.
 
     The callback calls `start` in its ``setup``, wraps or shards the model, then calls
-    `shard_data`; `set_epoch` at every epoch start and `failed` from ``on_exception``. In
+    `shard_data`; `set_epoch` at every epoch start and `failed` from ``on_exception``
+    (`even_batches` where a pass needs as many forwards on every rank). In
     ``on_fit_end``, when `finishing_cleanly`, it undoes its wrapping, then calls
     `restore_data` and `destroy_group`.
 
@@ -99,6 +101,7 @@ class Launch:
         self._failed = False
         self._originals: tuple[Any, Any] = (None, None)
         self._sharded: tuple[Any, Any] = (None, None)
+        self._even: dict[int, bool] = {}  # a loader -> the same batch count on every rank
 
     def start(self, loop: Loop, backend: str | None) -> bool:
         """Join or create the process group and pick the device; True when distributed.
@@ -171,6 +174,15 @@ class Launch:
         self._originals = (original_train, original_val)
         self._sharded = (sharded_train, sharded_val)
         check_equal_batches(loop.train_data, self.owner)
+
+    def even_batches(self, data: Any) -> bool:
+        """Whether every rank has as many batches of ``data`` as the others: asked of all
+        ranks (a collective) once per loader; data without a length is uneven."""
+        key = id(data)
+        if key not in self._even:
+            counts = distributed.all_gather_object(length_of(data))
+            self._even[key] = None not in counts and len(set(counts)) == 1
+        return self._even[key]
 
     def set_epoch(self, loop: Loop) -> None:
         """At every epoch start: the samplers draw that epoch's order."""

@@ -14,6 +14,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hookloop"
+#: The budgets of the loop and of the checkpoint callback (tests/test_architecture.py keeps
+#: slack under them).
+LOOP_LOGIC_LINES = 300
+TRAIN_EPOCH_LOGIC_LINES = 40
+CHECKPOINT_LINES = 300
 _LAYOUT = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
            tokenize.ENCODING, tokenize.ENDMARKER}
 
@@ -33,7 +38,7 @@ def logic_lines(source: str, first: int = 1, last: int | None = None) -> int:
     return len({line for line in lines - docstrings if first <= line <= last})
 
 
-def _function(source: str, name: str) -> ast.FunctionDef:
+def function(source: str, name: str) -> ast.FunctionDef:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.FunctionDef) and node.name == name:
             return node
@@ -47,17 +52,18 @@ def test_the_counter_counts_code_only() -> None:
 
 def test_loop_py_stays_within_300_logic_lines() -> None:
     source = (PACKAGE / "loop.py").read_text()
-    assert logic_lines(source) <= 300
+    assert logic_lines(source) <= LOOP_LOGIC_LINES
 
 
 def test_train_epoch_stays_within_40_logic_lines() -> None:
     source = (PACKAGE / "loop.py").read_text()
-    node = _function(source, "_train_epoch")
-    assert logic_lines(source, node.lineno, node.end_lineno) <= 40
+    node = function(source, "_train_epoch")
+    assert logic_lines(source, node.lineno, node.end_lineno) <= TRAIN_EPOCH_LOGIC_LINES
 
 
 def test_checkpoint_py_stays_within_300_lines() -> None:
-    assert len((PACKAGE / "callbacks" / "checkpoint.py").read_text().splitlines()) <= 300
+    lines = (PACKAGE / "callbacks" / "checkpoint.py").read_text().splitlines()
+    assert len(lines) <= CHECKPOINT_LINES
 
 
 def _reads_loop_private(node: ast.AST) -> bool:

@@ -15,9 +15,7 @@ import torch
 from hookloop import distributed
 from hookloop.base.checks import check_optional_int
 from hookloop.callback import Callback
-from hookloop.engine.data import move_to_device
-from hookloop.engine.forward import ForwardRule, check_loss
-from hookloop.engine.samplers import shard_loader
+from hookloop.fault_tolerance_shards import shard_data, train_window
 from hookloop.errors import ConfigurationError, HookloopError
 from hookloop.parallel import ft_plan
 from hookloop.parallel.ft_goodput import Goodput
@@ -189,7 +187,8 @@ class FaultTolerance(Callback):
                 "FaultTolerance needs the lighthouse's address: lighthouse='http://host:port' "
                 f"or {ft_plan.ENV_LIGHTHOUSE} (hookloop run --groups N starts one).")
         self._group_ranks(loop)
-        self._shard(loop)
+        self._sampler = shard_data(loop, self.groups * self._ranks,
+                                   self.group * self._ranks + self._rank)
         loop.extra_state[_STATE_NAME] = self._record
         self._loop, self._savers = loop, [
             callback for callback in loop.callbacks
@@ -233,19 +232,6 @@ class FaultTolerance(Callback):
                 "needs FSDP(state_dict='sharded') inside the group (HSDP), listed before it: "
                 "callbacks=[FSDP(state_dict='sharded'), FaultTolerance(), ...]; or launch "
                 "each group as one process.")
-
-    def _shard(self, loop: Loop) -> None:
-        data = loop.train_data
-        if not isinstance(data, torch.utils.data.DataLoader) or \
-                isinstance(data.dataset, torch.utils.data.IterableDataset):
-            raise ConfigurationError(
-                "FaultTolerance needs the training data as a DataLoader over a map-style "
-                f"dataset (got {type(data).__name__}): a live group trains a missing group's "
-                "shard by index, so it must be able to read any sample.")
-        loop.train_data = shard_loader(
-            data, training=True, owner="FaultTolerance", reshard=True,
-            replicas=(self.groups * self._ranks, self.group * self._ranks + self._rank))
-        self._sampler = loop.train_data.sampler
 
     def _join(self) -> None:
         """The first quorum: take a live peer's state, or wait for every group of a new run;
@@ -348,7 +334,8 @@ class FaultTolerance(Callback):
                 losses = own_loss.clone()
                 for shard, group in enumerate(plan):
                     if group == self.group and shard != self.group:
-                        losses += self._train_window(loop, shard)
+                        losses += train_window(loop, self._sampler, self.groups * self._ranks,
+                                               shard * self._ranks + self._rank)
                 goodput.charge("takeover")
                 global_loss = self._all_reduce(manager, params, losses)
             step = manager.current_step()
@@ -424,45 +411,6 @@ class FaultTolerance(Callback):
             torch.distributed.all_reduce(loss)
             loss /= self._ranks
         return loss.reshape(())
-
-    def _train_window(self, loop: Loop, shard: int) -> torch.Tensor:
-        """A missing group's shard of every batch of this step's accumulation window (one
-        batch without `GradAccumulation`; windows start at multiples of its ``steps`` in an
-        epoch), accumulated; returns the loss of the window's last batch, as the loop's."""
-        state = loop.state
-        last = state.batch_idx
-        loss = torch.zeros(())
-        try:
-            for batch in range(last - last % loop.accumulation_steps, last + 1):
-                state.batch_idx = batch  # a scale_loss reads its window from it
-                loss = self._train_shard(loop, shard, batch)
-        finally:
-            state.batch_idx = last
-        return loss
-
-    def _train_shard(self, loop: Loop, shard: int, batch_idx: int) -> torch.Tensor:
-        """Forward and backward of a missing group's shard of batch ``batch_idx``,
-        accumulated; returns the shard's loss."""
-        sampler, data = self._sampler, loop.train_data
-        indices = ft_plan.shard_indices(
-            len(sampler.dataset), self.groups * self._ranks, shard * self._ranks + self._rank,
-            epoch=loop.state.epoch, batch=batch_idx, batch_size=data.batch_size,
-            shuffle=sampler.shuffle, seed=sampler.seed)
-        batch = move_to_device(data.collate_fn([data.dataset[i] for i in indices]),
-                               loop.device)
-        rule = ForwardRule(loop, loop.forward, loop.loss_fn, loop.inputs, loop.targets)
-        with contextlib.ExitStack() as stack:
-            for callback in loop.callbacks:
-                context = callback.forward_context(loop)
-                if context is not None:
-                    stack.enter_context(context)
-            _, loss = rule.compute(loop.model, batch)
-        loss = check_loss(loss, training=True)
-        value = loss.detach().float().reshape(())
-        for callback in loop.callbacks:
-            loss = callback.scale_loss(loop, loss)
-        loss.backward()
-        return value
 
     def _write_progress(self) -> None:
         if self.run_dir is None or self._rank != 0:

@@ -15,7 +15,6 @@ from torch import nn
 from hookloop import distributed
 from hookloop.base.checks import check_choice, check_flag, check_name, check_that
 from hookloop.callback import Callback
-from hookloop.engine.data import length_of
 from hookloop.errors import ConfigurationError
 from hookloop.launcher import Launch, destroy_at_exit
 from hookloop.parallel.blocks import MIN_SHARE, check_wrap, chosen_blocks, default_blocks
@@ -159,7 +158,6 @@ class FSDP(Callback):
                                hint="For example Mesh(dp_replicate=2, dp_shard='auto') (HSDP).")
         self._launch = Launch("FSDP", requeue=self.requeue)
         self._syncing = True  # gradients reduce-scattered at the coming backward
-        self._even: dict[int, bool] = {}  # validation loader -> same batch count on all ranks
         self._warned_offload = False
 
     @staticmethod
@@ -259,11 +257,7 @@ class FSDP(Callback):
         # Phase's values are its names as strings: "validate", "sanity_check" (no import).
         if loop.phase not in ("validate", "sanity_check") or loop.val_data is None:
             return False  # evaluate(data), predict(data): data this callback cannot see
-        key = id(loop.val_data)
-        if key not in self._even:
-            counts = distributed.all_gather_object(length_of(loop.val_data))
-            self._even[key] = None not in counts and len(set(counts)) == 1
-        return self._even[key]
+        return self._launch.even_batches(loop.val_data)
 
     @contextmanager
     def _gathered(self, module: nn.Module) -> Iterator[None]:
