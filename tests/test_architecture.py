@@ -63,8 +63,8 @@ REEXPORTS = {"hookloop", "hookloop.callbacks"}
 #: presets): their imports of ``hookloop.callbacks.*`` are what a stack names, so the
 #: import budget counts the rest of what they import.
 STACK_BUILDERS = {"hookloop.presets.builtin"}
-#: The measures the lead's redesign of the run's state brings under their limit (issue 34,
-#: items 1 and 2): `test_the_run_state_modules_keep_slack_under_their_budgets` checks them.
+#: The modules with budgets of their own (tests/test_size_budget.py):
+#: `test_the_run_state_modules_keep_slack_under_their_budgets` checks them.
 RUN_STATE_MODULES = {"hookloop.loop", "hookloop.callbacks.checkpoint"}
 MAX_LOGIC_LINES = 400
 MAX_PROJECT_IMPORTS = 10
@@ -415,8 +415,6 @@ def _budgets_at_limit(name: str, source: str) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="the lead's redesign of the run's state (issue 34, "
-                   "items 1-2) brings these under their limits: remove this mark then")
 def test_the_run_state_modules_keep_slack_under_their_budgets() -> None:
     """loop.py, its ``_train_epoch`` and callbacks/checkpoint.py strictly below their own
     budgets (tests/test_size_budget.py) and checkpoint.py below the import budget."""

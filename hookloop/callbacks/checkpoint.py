@@ -21,7 +21,6 @@ from hookloop.checkpoint_remote import UrlDispatch
 from hookloop.monitor import MODES, Monitor
 from hookloop.runfile.background_save import RotatingWrites
 from hookloop.runfile.ranking import TopK, check_ranking_options
-from hookloop.runfile.weights import finite_model_state, non_finite_weights_advice, run_is_finite
 
 if TYPE_CHECKING:
     from hookloop.loop import Loop
@@ -110,7 +109,6 @@ class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: hookloop/c
         self._started = False  # the first fit chose between resuming and a new run
         self._saved_at: tuple[int, int, int] | None = None  # a `loop.position`
         self._resumed_from: str | None = None
-        self._warned_not_finite = False
 
     def __repr__(self) -> str:
         extra = f", monitor={self.monitor!r}" if self.monitor else ""
@@ -258,17 +256,9 @@ class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: hookloop/c
             return False  # this position is on disk already (or is where the run started)
         run = loop.state_dict(gather=collective)  # a collective under DDP/FSDP when gathering
         previous, self._saved_at, state = self._saved_at, position, loop.state
-        if not run_is_finite(run, agree=collective):  # every rank skips, or none
-            if not self._warned_not_finite and distributed.is_main():
-                warnings.warn(f"Checkpoint: the weights at epoch {state.epoch}, step {state.step}"
-                              " are not finite (NaN/inf); no checkpoint written, the older files "
-                              "are kept. " + non_finite_weights_advice(loop.callbacks),
-                              RuntimeWarning, stacklevel=2)
-                self._warned_not_finite = True
-            return False
-        self._writes.save(run, state.epoch, state.step, state.metrics, now=not collective,
-                          failed=lambda: setattr(self, "_saved_at", previous))  # redone then
-        return True
+        return self._writes.save(run, state.epoch, state.step, state.metrics, now=not collective,
+                                 failed=lambda: setattr(self, "_saved_at", previous),  # redone
+                                 callbacks=loop.callbacks)  # named in a non-finite warning
 
     def _consider_best(self, loop: Loop) -> None:
         monitor, ranking, state = self._monitor, self._ranking, loop.state
@@ -278,9 +268,8 @@ class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: hookloop/c
         if not math.isfinite(value) or not ranking.admits(value, state.step) or (
                 threshold is not None and not monitor.better(value, threshold)):
             return
-        self._writes.wait()  # which rotating files exist decides what a drop sets aside
         # Every rank asks (the weights agree under DDP), so the rankings stay the same.
-        weights = finite_model_state(loop.unwrapped_model)  # gathered or shards under FSDP
+        weights = self._writes.best_weights(loop.unwrapped_model)
         if weights is None:
             return
         is_best = ranking.best_value is None or monitor.better(value, ranking.best_value)

@@ -14,7 +14,8 @@ earlier files and at most a temporary file, as a synchronous save does.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from hookloop.errors import CheckpointWriteError
 from hookloop.parallel.suspension import TimedSaves
 from hookloop.runfile.checkpoint_files import CheckpointFiles
 from hookloop.runfile.sharded import contains_shards, is_sharded_tensor
+from hookloop.runfile.weights import finite_model_state, non_finite_weights_advice, run_is_finite
 
 __all__ = ["host_copy", "BackgroundWriter", "RotatingWrites", "agree_outcome", "raise_agreed"]
 
@@ -199,17 +201,32 @@ class RotatingWrites:
         self._side: tuple[Any, Any, Any] | None = None  # (default group, 2 gloo twins)
         self._pending = False  # several ranks: a write's outcome is not agreed yet
         self._failure: BaseException | None = None  # this rank's, until agreed
+        self._warned_not_finite = False
         #: Path of the newest complete rotating checkpoint written (or resumed from).
         self.last_path: str | None = None
 
     def save(self, run: dict[str, Any], epoch: int, step: int, metrics: dict[str, float], *,
-             failed: Callable[[], None], now: bool = False) -> None:
+             failed: Callable[[], None], now: bool = False, callbacks: Sequence[Any] = ()
+             ) -> bool:
         """Write ``run`` (`Loop.state_dict`) as the file of ``epoch`` and ``step``; every rank
         calls it (rank 0 writes a file; every rank its shards of a directory). In the
         background unless ``now`` (the exception path) or on a rank that writes nothing. A
         directory of shards is written by every rank's thread together, over a gloo group
         of its own (`side_group`), so its collectives never meet the training's. A write
-        in flight is waited for first."""
+        in flight is waited for first.
+
+        Returns:
+            False, writing nothing, where the weights are not finite (every rank skips, or
+            none; warned once, with advice for the stack ``callbacks``); else True.
+        """
+        if not run_is_finite(run, agree=not now):
+            if not self._warned_not_finite and distributed.is_main():
+                warnings.warn(f"Checkpoint: the weights at epoch {epoch}, step {step} are not "
+                              "finite (NaN/inf); no checkpoint written, the older files are "
+                              "kept. " + non_finite_weights_advice(callbacks), RuntimeWarning,
+                              stacklevel=3)
+                self._warned_not_finite = True
+            return False
         metrics = dict(metrics)
         shards = contains_shards(run)
         if self._writer is None or now or not (shards or distributed.is_main()):
@@ -222,7 +239,7 @@ class RotatingWrites:
             if path is not None:
                 self._written(path)
             self._pending = self._writer is not None and not now and self._agreeing()
-            return
+            return True
         group = self._side_group() if shards and distributed.is_initialized() else None
         self.wait()
         copied = host_copy(run)  # what the training step waits for
@@ -234,6 +251,15 @@ class RotatingWrites:
         self._writer.submit(write, on_failure=lambda error: failed(),
                             on_done=lambda path: None if path is None else self._written(path))
         self._pending = self._agreeing()
+        return True
+
+    def best_weights(self, module: Any) -> dict[str, Any] | None:
+        """Before a best file: wait for the rotating write in flight (which rotating files
+        exist decides what a dropped entry sets aside), then ``module``'s state as a best file
+        holds it (gathered, or shards under FSDP), or None where it is not finite (every
+        rank calls it and gets the same answer)."""
+        self.wait()
+        return finite_model_state(module)
 
     @staticmethod
     def _agreeing() -> bool:

@@ -100,8 +100,11 @@ def test_no_nan_checkpoint_replaces_a_good_one(tmp_path: Path) -> None:
 def test_without_terminate_on_nan_checkpoint_refuses_nan_weights(tmp_path: Path) -> None:
     data = batches(bad=3)
     loop = make_loop(data, [Checkpoint(tmp_path, every_n_steps=1, keep_last=1)])
-    with pytest.warns(RuntimeWarning, match="not finite"):
+    with pytest.warns(RuntimeWarning, match="not finite") as caught:
         loop.fit(2)
+    said = [str(item.message) for item in caught if "not finite" in str(item.message)]
+    # Once, though every later step's weights are NaN too; advising for this stack.
+    assert len(said) == 1 and "Add TerminateOnNaN()" in said[0], said
     assert torch.isnan(loop.model.weight).all()
     files = sorted(path.name for path in tmp_path.iterdir())
     assert files == ["epoch=0000-step=00000003.pt"]  # the last good file, not pruned
@@ -281,3 +284,22 @@ def test_terminate_on_nan_rejects_positional_arguments(arguments: tuple[object, 
         TerminateOnNaN(*arguments)
     with pytest.raises(ConfigurationError, match="check_gradients must be True or False"):
         TerminateOnNaN(check_gradients="yes")  # type: ignore[arg-type]
+
+
+def test_the_non_finite_warning_advises_for_the_stack_that_runs(tmp_path: Path) -> None:
+    """Weights made NaN behind TerminateOnNaN's back (after its checks): the skipped save's
+    warning says that TerminateOnNaN is in the stack, not to add it."""
+
+    class Poison(Callback):
+        def on_batch_end(self, loop: Loop) -> None:
+            if loop.state.step == 3 and loop.state.step_boundary:
+                with torch.no_grad():
+                    loop.model.weight.fill_(float("nan"))
+
+    loop = make_loop(batches(bad=None), [TerminateOnNaN(), Poison(),
+                                         Checkpoint(tmp_path, every_n_steps=1, keep_last=1)])
+    with pytest.warns(RuntimeWarning, match="not finite") as caught:
+        loop.fit(1)
+    said = [str(item.message) for item in caught if "not finite" in str(item.message)]
+    assert len(said) == 1 and "is in the stack" in said[0], said
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["epoch=0000-step=00000002.pt"]
