@@ -20,7 +20,7 @@ from hookloop.engine.position import Position
 from hookloop.engine.resumable import reshard_problem, saved_rng
 from hookloop.engine.rng import RNG_NUMPY, RNG_PYTHON, host_rng, rng_state_problem
 from hookloop.errors import CheckpointError, expect_field, expect_int
-from hookloop.runfile.format import EPOCH, LOOP, RANKS, STEP, WORLD_SIZE, register_check
+from hookloop.runfile.format import EPOCH, LOOP, STEP, WORLD_SIZE, register_check
 
 __all__ = ["KEYS", "PositionPart", "RankPart"]
 
@@ -30,13 +30,15 @@ __all__ = ["KEYS", "PositionPart", "RankPart"]
 BATCH_IDX, VALIDATED, EPOCH_SAMPLES = "batch_idx", "validated", "epoch_samples"
 GLOBAL_BATCH, EPOCH_ORDER, STEP_OFFSET = "global_batch", "epoch_order", "step_offset"
 BATCHES_PER_EPOCH = "batches_per_epoch"
+#: The top-level key of every rank's own part (a list, one part per rank); and each part's.
+RANKS = "ranks"
 # Each part of ``ranks``.
 TRAIN_LOSS_SUM, TRAIN_SAMPLES, DATA_STATE = "train_loss_sum", "train_samples", "data_state"
 RNG, EPOCH_RNG, PREFETCH_RNG, MARK_RNG = "rng", "epoch_rng", "prefetch_rng", "mark_rng"
 MARK_BATCHES, WORKERS_RNG = "mark_batches", "workers_rng"
 #: Batches the training DataLoader's sampler had drawn past the position (its prefetch).
 DRAWN_AHEAD = "drawn_ahead"
-KEYS = (BATCH_IDX, VALIDATED, EPOCH_SAMPLES, GLOBAL_BATCH, EPOCH_ORDER, STEP_OFFSET,
+KEYS = (RANKS, BATCH_IDX, VALIDATED, EPOCH_SAMPLES, GLOBAL_BATCH, EPOCH_ORDER, STEP_OFFSET,
         BATCHES_PER_EPOCH, TRAIN_LOSS_SUM, TRAIN_SAMPLES, DATA_STATE, RNG, EPOCH_RNG,
         PREFETCH_RNG, MARK_RNG, MARK_BATCHES, WORKERS_RNG, DRAWN_AHEAD)
 #: Keys that are also ordinary words elsewhere (a `LoopState` field).
@@ -217,7 +219,10 @@ class RankPart:
 
     @staticmethod
     def check_file(source: str, saved: Mapping[str, Any]) -> None:
-        """Each saved rank's loss sums, counters and generator states have their types."""
+        """``ranks`` is a list; each saved rank's loss sums, counters and generator states
+        have their types."""
+        if saved.get(RANKS) is not None:
+            expect_field(source, RANKS, saved[RANKS], isinstance(saved[RANKS], list), "a list")
         for index, part in enumerate(saved.get(RANKS) or []):
             where = f"{RANKS}[{index}]"
             expect_field(source, where, part, isinstance(part, Mapping), "a dict")

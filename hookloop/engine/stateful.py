@@ -20,8 +20,8 @@ from hookloop.engine.dispatch import annotate
 from hookloop.engine.ordering import overrides
 from hookloop.errors import CheckpointError, ConfigurationError, expect_field, expect_int, \
     with_article
-from hookloop.runfile.format import CALLBACKS, EPOCH, LOOP, SHARDS, STATE, STATE_CLASSES, STEP, \
-    find_unplain, register_check
+from hookloop.runfile.format import CALLBACKS, EPOCH, LOOP, SHARDS, STATE, STEP, find_unplain, \
+    register_check
 from hookloop.runfile.sharded import gather_for_rank_zero
 from hookloop.runfile.weights import Weights, check_optimizer_fits, load_model_weights, \
     load_optimizer_state
@@ -34,8 +34,10 @@ __all__ = ["CallbackStates", "ExtraStates", "LoopStatePart", "RunPart", "as_mapp
 
 #: ``loop.history``: the run's rows of metrics (each with its epoch and step).
 HISTORY = "history"
-KEYS = (HISTORY,)
-SHARED_WORDS = frozenset(KEYS)  # also the loop state's field
+#: Beside ``state`` (the objects of ``Loop(state=...)``): each object's class by name.
+STATE_CLASSES = "state_classes"
+KEYS = (HISTORY, STATE_CLASSES)
+SHARED_WORDS = frozenset((HISTORY,))  # also the loop state's field
 
 
 def is_learning_rate(key: str) -> bool:

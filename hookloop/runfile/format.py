@@ -51,8 +51,8 @@ __all__ = ["FORMAT", "KEYS", "SHARED_WORDS", "SHARDS", "check_payload", "expect_
 FORMAT = 2
 
 # The top level.
-META, MODEL, OPTIMIZER, LOOP, RANKS = "hookloop", "model", "optimizer", "loop", "ranks"
-CALLBACKS, STATE, STATE_CLASSES, METRICS = "callbacks", "state", "state_classes", "metrics"
+META, MODEL, OPTIMIZER, LOOP = "hookloop", "model", "optimizer", "loop"
+CALLBACKS, STATE, METRICS = "callbacks", "state", "metrics"
 EPOCH, STEP = "epoch", "step"
 #: The key under which a payload read from a sharded directory carries the object that
 #: reads its tensors (`hookloop.runfile.shard_files.Shards`); never written to a file.
@@ -65,8 +65,7 @@ RESUME, BEST = "resume", "best"  # the kinds
 PARAM_GROUPS, PARAMS = "param_groups", "params"
 
 #: The envelope's key strings (the kinds are values, not keys).
-KEYS = (META, MODEL, OPTIMIZER, LOOP, RANKS, CALLBACKS, STATE, STATE_CLASSES, METRICS, EPOCH,
-        STEP, SHARDS, FORMAT_FIELD, KIND, VERSION, WORLD_SIZE, MONITOR, VALUE, PARAM_GROUPS,
+KEYS = (META, MODEL, OPTIMIZER, LOOP, CALLBACKS, STATE, METRICS, EPOCH, STEP, SHARDS, FORMAT_FIELD, KIND, VERSION, WORLD_SIZE, MONITOR, VALUE, PARAM_GROUPS,
         PARAMS)
 #: The keys that are also ordinary words with another meaning outside the run file (a
 #: device type, a module's name, a log column, a message's word): a module that uses one
@@ -208,7 +207,7 @@ def _check_meta(path: str, payload: Mapping[str, Any]) -> str:
 
 
 def _check_parts(path: str, payload: Mapping[str, Any]) -> None:
-    """``model`` (names to tensors), ``callbacks``, ``metrics`` and ``ranks``."""
+    """``model`` (names to tensors), ``callbacks`` and ``metrics``."""
     model: Any = payload.get(MODEL)
     expect_field(path, MODEL, model, isinstance(model, Mapping), "a mapping of weights")
     for name, value in model.items():
@@ -219,8 +218,6 @@ def _check_parts(path: str, payload: Mapping[str, Any]) -> None:
     for field in (CALLBACKS, METRICS):
         if field in payload:
             expect_field(path, field, payload[field], isinstance(payload[field], Mapping), "a dict")
-    if RANKS in payload:
-        expect_field(path, RANKS, payload[RANKS], isinstance(payload[RANKS], list), "a list")
 
 
 def check_payload(path: str, payload: Mapping[str, Any]) -> None:
@@ -235,7 +232,7 @@ def check_payload(path: str, payload: Mapping[str, Any]) -> None:
     of ``"resume"`` or ``"best"``, and where present an int ``world_size`` >= 1, ints
     ``epoch`` and ``step`` >= 0 (also at the top level), str ``monitor`` and ``version``,
     and a number ``value``; ``model`` is a mapping of names to tensors; optional
-    ``callbacks`` and ``metrics`` are dicts and ``ranks`` a list; a ``"resume"`` file also
+    ``callbacks`` and ``metrics`` are dicts; a ``"resume"`` file also
     has ``optimizer`` (with ``state`` and ``param_groups``) and the parts' fields (each
     part's check, `register_check`).
 

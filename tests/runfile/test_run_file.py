@@ -51,7 +51,7 @@ def _format_keys(payload: Mapping[str, Any]) -> set[str]:
     keys |= set(optimizer)
     for group in optimizer.get(run_file.PARAM_GROUPS, ()):
         keys |= {run_file.PARAMS} & set(group)
-    for part in payload.get(run_file.RANKS) or ():
+    for part in payload.get(position_part.RANKS) or ():
         keys |= set(part) - {position_part.DATA_STATE}
         for name in (position_part.RNG, position_part.EPOCH_RNG, position_part.PREFETCH_RNG,
                      position_part.MARK_RNG):
