@@ -144,7 +144,7 @@ class _RecordingWriter:
     """
 
     def __init__(self, handle: Any) -> None:
-        self._handle = handle
+        self._handle, self.flush = handle, handle.flush
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
@@ -154,9 +154,6 @@ class _RecordingWriter:
             if self.error is None:
                 self.error = error
             raise
-
-    def flush(self) -> None:
-        self._handle.flush()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._handle, name)
