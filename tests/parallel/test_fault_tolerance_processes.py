@@ -226,8 +226,9 @@ def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int, ranks: int 
                   extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """Two groups; ``faults`` SIGKILLs of one group at a time, each restarted after a
     delay, never while the other is still healing: the even faults at a random moment, the
-    odd ones while the peer waits for the victim inside the all-reduce. Returns what the
-    test checks."""
+    odd ones while the peer waits for the victim inside the all-reduce. Once the last
+    victim is back and both groups trained since, the rest of the run goes without the
+    steps' sleeps. Returns what the test checks."""
     chooser = random.Random(seed)
     run = _Run(out, epochs=epochs, step_sleep=0.15, ranks=ranks, extra=extra)
     deadline = time.monotonic() + TIMEOUT * ranks
@@ -235,7 +236,7 @@ def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int, ranks: int 
     try:
         run.start(0)
         run.start(1)
-        for fault in range(faults):
+        for fault in range(faults + 1):
             victim = fault % 2
             other = 1 - victim
             while run.commits(other) < 2 or run.commits(victim) < 2:  # both trained since
@@ -245,6 +246,9 @@ def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int, ranks: int 
                 assert run.processes[other].poll() is None, run.log(other)[-3000:]
                 time.sleep(0.05)
             if 0 in [process.poll() for process in run.processes.values()]:
+                break
+            if fault == faults:  # the last victim healed and trained: no kill is left, so
+                (out / "fast").touch()  # the steps stop sleeping (ft_train.py's _Slow)
                 break
             if fault % 2:
                 _kill_inside_all_reduce(run, victim, deadline)
@@ -351,6 +355,9 @@ def test_a_group_with_no_live_peer_resumes_from_the_checkpoint_or_refuses(
         run.processes[0].wait()
         assert run.processes[1].poll() is None, "group 1 ended: the scenario needs more epochs"
         run.start(0)  # Checkpoint(resume=True), a live peer: the peer's state wins
+        _wait_for(lambda: run.commits(0) >= 1 or run.processes[0].poll() is not None,
+                  deadline, "group 0 to heal")
+        (out / "fast").touch()  # no kill is left: the steps stop sleeping
         codes = run.wait_all(deadline)
         logs = run.log(0) + run.log(1)
         assert codes == {0: 0, 1: 0}, logs[-6000:]
