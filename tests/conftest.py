@@ -49,8 +49,8 @@ _SLOW_FOLDERS = ("across_launches", "distributed")
 # then every other file with a slow test, then the in-process files, which fill the gaps
 # at the end. Only the order of the files changes; a file's tests keep theirs.
 _LONG_FILES = {
-    "parallel/test_fault_tolerance_hsdp_processes.py": 205,
-    "parallel/test_fault_tolerance_processes.py": 140,
+    "parallel/test_fault_tolerance_processes.py": 165,
+    "parallel/test_fault_tolerance_hsdp_processes.py": 150,
     "distributed/test_remote_sharded_processes.py": 100,
     "runfile/test_remote_kill.py": 87,
     "docs_and_examples/test_benchmarks_instructions.py": 84,
