@@ -41,10 +41,54 @@ platform.processor()
 _SLOW_FOLDERS = ("across_launches", "distributed")
 
 
+# The whole suite runs on two workers, a test file to one worker (the README's
+# ``-n 2 --dist loadfile``). xdist hands out the files with the most tests first, so the
+# files that start processes for minutes, a few tests each, went last, and one worker ran
+# them while the other had nothing left. The files go out longest first instead: these
+# (seconds for the file on one worker, from the CI log's durations and single-file runs),
+# then every other file with a slow test, then the in-process files, which fill the gaps
+# at the end. Only the order of the files changes; a file's tests keep theirs.
+_LONG_FILES = {
+    "parallel/test_fault_tolerance_processes.py": 165,
+    "parallel/test_fault_tolerance_hsdp_processes.py": 150,
+    "distributed/test_remote_sharded_processes.py": 100,
+    "runfile/test_remote_kill.py": 87,
+    "docs_and_examples/test_benchmarks_instructions.py": 84,
+    "docs_and_examples/test_benchmarks.py": 60,
+    "test_typing.py": 57,
+    "parallel/test_signals.py": 56,
+    "distributed/test_fsdp_two_processes.py": 50,
+    "across_launches/test_kill_and_resume_logs_each_row_once.py": 45,
+    "distributed/test_mesh_processes.py": 35,
+    "across_launches/test_kill_and_relaunch_uploads_each_best_once.py": 34,
+    "distributed/test_suspension_two_processes.py": 25,
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "dist", "no") == "loadfile":  # the order the workers collect
+        config.option.loadscopereorder = False
+
+
+def _schedule(items: list[pytest.Item]) -> None:
+    """Sort ``items`` file by file: the long files, the longest first, then the files
+    with a slow test, then the rest, each kind in the order of collection."""
+    here = Path(__file__).resolve().parent
+    keys: dict[Path, tuple[int, int, int]] = {}
+    for item in items:
+        name = item.path.relative_to(here).as_posix() if item.path.is_relative_to(here) else ""
+        quick = int(item.get_closest_marker("slow") is None)
+        before = keys.get(item.path, (0, 1, len(keys)))
+        keys[item.path] = (-_LONG_FILES.get(name, 0), min(before[1], quick), before[2])
+    items.sort(key=lambda item: keys[item.path])  # stable: a file's tests keep their order
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if any(part in _SLOW_FOLDERS for part in Path(str(item.fspath)).parts):
             item.add_marker(pytest.mark.slow)
+    if "PYTEST_XDIST_WORKER" in os.environ:  # a worker of -n: the files in schedule order
+        _schedule(items)
 
 
 @pytest.fixture(autouse=True)

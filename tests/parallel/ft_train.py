@@ -13,7 +13,8 @@ whole): the final weights, the final learning rate, (for ft) the ledger and (for
 step's loss over the global batch and learning rate. An ft group also logs to
 OUT_DIR/log.csv and OUT_DIR/tb (every group, the same paths: the writer of each step is
 the lowest group of its quorum). ``--step-sleep`` slows each step, so that a test can kill
-a group at a random moment, inside the all-reduce or between steps.
+a group at a random moment, inside the all-reduce or between steps; once OUT_DIR/fast exists
+(a kill campaign is over) the steps stop sleeping: no step's arithmetic depends on a sleep.
 """
 
 from __future__ import annotations
@@ -38,8 +39,15 @@ class _Slow(Callback):
     slow (a sleep before each, as a slow network would): a kill at a random moment lands
     between steps or inside an all-reduce, where the peer waits for the victim."""
 
-    def __init__(self, seconds: float, ft: FaultTolerance | None) -> None:
-        self.seconds, self.ft = seconds, ft
+    def __init__(self, seconds: float, ft: FaultTolerance | None, fast: str) -> None:
+        self.seconds, self.ft, self.fast = seconds, ft, fast
+
+    def _sleep(self, seconds: float) -> None:
+        # The rest of the run after the test's last kill trains at full speed: the sleeps
+        # only make room for kills, and a campaign sized for a busy machine would otherwise
+        # sleep through hundreds of steps nobody kills.
+        if not os.path.exists(self.fast):
+            time.sleep(seconds)
 
     def on_fit_start(self, loop: Loop) -> None:
         if self.ft is None:
@@ -51,13 +59,13 @@ class _Slow(Callback):
             # The test's cue for a kill inside the all-reduce: this group passed the
             # quorum and its peer waits for its part.
             print(f"ft_train: entering the all-reduce at step {loop.state.step}", flush=True)
-            time.sleep(self.seconds * 2 / 3)
+            self._sleep(self.seconds * 2 / 3)
             return all_reduce(*args, **kwargs)
 
         manager.allreduce = slow_all_reduce
 
     def after_backward(self, loop: Loop) -> None:
-        time.sleep(self.seconds)
+        self._sleep(self.seconds)
 
 
 class _GlobalSteps(Callback):
@@ -100,7 +108,7 @@ def main(mode: str, out_dir: str, checkpoint: bool, step_sleep: float,
             callbacks.append(Checkpoint(os.path.join(out_dir, "ckpt"), every_n_steps=2,
                                         resume=True, keep_last=1))
     if step_sleep:
-        callbacks.append(_Slow(step_sleep, ft))
+        callbacks.append(_Slow(step_sleep, ft, os.path.join(out_dir, "fast")))
     if accumulate > 1:  # before the schedule, which counts its optimizer steps
         callbacks.insert(callbacks.index(schedule), GradAccumulation(accumulate))
     loop = Loop(model, optimizer, data, loss_fn=torch.nn.functional.mse_loss,

@@ -226,8 +226,9 @@ def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int, ranks: int 
                   extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """Two groups; ``faults`` SIGKILLs of one group at a time, each restarted after a
     delay, never while the other is still healing: the even faults at a random moment, the
-    odd ones while the peer waits for the victim inside the all-reduce. Returns what the
-    test checks."""
+    odd ones while the peer waits for the victim inside the all-reduce. Once the last
+    victim is back and both groups trained since, the rest of the run goes without the
+    steps' sleeps. Returns what the test checks."""
     chooser = random.Random(seed)
     run = _Run(out, epochs=epochs, step_sleep=0.15, ranks=ranks, extra=extra)
     deadline = time.monotonic() + TIMEOUT * ranks
@@ -235,7 +236,7 @@ def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int, ranks: int 
     try:
         run.start(0)
         run.start(1)
-        for fault in range(faults):
+        for fault in range(faults + 1):
             victim = fault % 2
             other = 1 - victim
             while run.commits(other) < 2 or run.commits(victim) < 2:  # both trained since
@@ -245,6 +246,9 @@ def kill_campaign(out: Path, *, faults: int, epochs: int, seed: int, ranks: int 
                 assert run.processes[other].poll() is None, run.log(other)[-3000:]
                 time.sleep(0.05)
             if 0 in [process.poll() for process in run.processes.values()]:
+                break
+            if fault == faults:  # the last victim healed and trained: no kill is left, so
+                (out / "fast").touch()  # the steps stop sleeping (ft_train.py's _Slow)
                 break
             if fault % 2:
                 _kill_inside_all_reduce(run, victim, deadline)
@@ -351,6 +355,9 @@ def test_a_group_with_no_live_peer_resumes_from_the_checkpoint_or_refuses(
         run.processes[0].wait()
         assert run.processes[1].poll() is None, "group 1 ended: the scenario needs more epochs"
         run.start(0)  # Checkpoint(resume=True), a live peer: the peer's state wins
+        _wait_for(lambda: run.commits(0) >= 1 or run.processes[0].poll() is not None,
+                  deadline, "group 0 to heal")
+        (out / "fast").touch()  # no kill is left: the steps stop sleeping
         codes = run.wait_all(deadline)
         logs = run.log(0) + run.log(1)
         assert codes == {0: 0, 1: 0}, logs[-6000:]
@@ -365,56 +372,6 @@ def test_a_group_with_no_live_peer_resumes_from_the_checkpoint_or_refuses(
             assert torch.allclose(result["weights"][key], value, atol=1e-5, rtol=0), key
         assert result["goodput"]["counts"]["resumed"] == 1
         assert result["goodput"]["seconds"]["restart"] > 0
-
-
-@pytest.mark.slow
-def test_hsdp_without_fault_equals_plain_4_rank_ddp(tmp_path: Path) -> None:
-    """Two groups of two processes (FSDP inside), no fault: plain DDP over 4 ranks, up to
-    FSDP's summation order; every step's rows once, by the lowest group."""
-    (tmp_path / "ddp").mkdir()
-    oracle = _ddp_oracle(tmp_path / "ddp", epochs=4, ranks=4)
-    out = tmp_path / "ft"
-    for result in _without_faults(out, epochs=4, step_sleep=0.0, ranks=2):
-        for key, value in oracle["weights"].items():
-            assert torch.allclose(result["weights"][key], value, atol=1e-6, rtol=0), key
-        assert result["lr"] == oracle["lr"] and result["step"] == oracle["step"] == 12
-        assert [entry[3:] for entry in result["ledger"]] == [[0, 1]] * 12
-        _check_every_sample_once(result["ledger"], epochs=4, ranks=2)
-    _check_logs_once_each(out, oracle, epochs=4)
-
-
-@pytest.mark.slow
-def test_hsdp_random_kills_train_every_sample_once_and_equal_plain_4_rank_ddp(
-        tmp_path: Path) -> None:
-    """HSDP: two replica groups of two processes (torchrun, FSDP inside a group), whole
-    groups SIGKILLed (torchrun and both workers), half of them inside the all-reduce. The
-    oracle is plain DDP over the same 4 ranks, in float64 (FSDP's reduce-scatter and the
-    takeovers sum in another order: within 1e-5, not bit for bit)."""
-    (tmp_path / "ddp").mkdir()
-    epochs, faults = 350, 10
-    # float64: in float32 the takeovers' other summation order drifted to 7.7e-6 over the
-    # 1,050 steps of AdamW, too near the bound for a test; a lost or doubled shard is ~1e-2
-    extra = ("--float64",)
-    oracle = _ddp_oracle(tmp_path / "ddp", epochs=epochs, ranks=4, extra=extra)
-    (tmp_path / "ft").mkdir()
-    started = time.time()
-    campaign = kill_campaign(tmp_path / "ft", faults=faults, epochs=epochs, seed=36, ranks=2,
-                             extra=extra)
-    assert campaign["kills"] >= faults and campaign["inside"] >= faults // 2
-    assert campaign["survivor_restarts"] == 0
-    for result in campaign["results"]:
-        _check_every_sample_once(result["ledger"], epochs=epochs, ranks=2)
-        assert result["step"] == oracle["step"] and result["lr"] == oracle["lr"]
-        for key, value in oracle["weights"].items():
-            assert torch.allclose(result["weights"][key], value, atol=1e-5, rtol=0), key
-        _check_goodput(result, started)
-        assert result["goodput"]["counts"]["joined"] >= 1
-    _check_logs_once_each(tmp_path / "ft", oracle, epochs=epochs)
-    print("hsdp kill campaign:", {k: v for k, v in campaign.items() if k != "results"},
-          "max weight difference:", max(
-              float((result["weights"][key] - value).abs().max())
-              for result in campaign["results"] for key, value in oracle["weights"].items()),
-          "seconds:", time.time() - started)
 
 
 @pytest.mark.slow
