@@ -1,7 +1,12 @@
-"""Batch helpers: moving nested batches to a device, finding targets and batch sizes."""
+"""Batch helpers: moving nested batches to a device, finding targets and batch sizes; and
+the keeper that lets the DataLoader workers of a collected loop stop at once
+(`worker_queues_kept`)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -11,7 +16,7 @@ from hookloop import distributed
 from hookloop.errors import ConfigurationError
 
 __all__ = ["move_to_device", "find_targets", "batch_size_of", "is_pair", "length_of", "Lookahead",
-           "LossSum", "LossMark"]
+           "LossSum", "LossMark", "worker_queues_kept"]
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -249,3 +254,47 @@ class LossSum:
         if samples == 0:
             raise ConfigurationError(f"{empty} yielded no batches: it is empty.")
         return total_value / samples
+
+
+#: What `worker_queues_kept` does not search: the data and plain values.
+_NOT_SEARCHED = (torch.Tensor, torch.utils.data.Dataset, torch.utils.data.Sampler, str, bytes,
+                 type)
+
+
+def _let_go(*queues: Any) -> None:
+    """The keeper's end (`worker_queues_kept`): it only held the queues."""
+
+
+def worker_queues_kept(previous: Any, owner: Any, *roots: Any) -> weakref.finalize | None:
+    """Keep the queues of the DataLoader workers behind ``roots`` (loaders with persistent
+    workers, the iterator of an epoch cut short, kept to be continued) until ``owner`` is
+    gone; ``previous`` (an earlier keeper) lets go of its own.
+
+    A loop is freed by Python's cyclic garbage collector, and its loaders' iterators with
+    it. The collector may close the workers' queues (multiprocessing's finalizers) before
+    an iterator's ``__del__`` stops its workers through them; torch then waits 5 s for each
+    worker (``MP_STATUS_CHECK_INTERVAL``) and terminates it. Held here, the queues are not
+    part of that garbage: the workers get their stop message and exit at once. Searched a
+    few hundred objects down from ``roots`` (once a fit), not the datasets and samplers.
+
+    Returns:
+        The keeper (a `weakref.finalize` of ``owner``), or None with no worker behind ``roots``.
+    """
+    if previous is not None:
+        previous.detach()
+    kind = getattr(torch.utils.data.dataloader, "_MultiProcessingDataLoaderIter", None)
+    queues: list[Any] = []
+    seen: set[int] = set()
+    todo = deque(root for root in roots if root is not None)
+    while todo and kind is not None and len(seen) < 512:  # nearest first
+        item = todo.popleft()
+        if id(item) in seen or isinstance(item, _NOT_SEARCHED) or (
+                isinstance(item, (list, tuple, dict, set)) and len(item) > 256):
+            continue  # the data: no DataLoader iterator is there, and it may be large
+        seen.add(id(item))
+        if isinstance(item, kind):
+            queues += [*getattr(item, "_index_queues", ()),
+                       getattr(item, "_worker_result_queue", None)]
+            continue
+        todo.extend(gc.get_referents(item))
+    return weakref.finalize(owner, _let_go, *queues) if queues else None

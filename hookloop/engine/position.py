@@ -254,6 +254,11 @@ class Position:
         loss_sum = self.loss_sum
         return loss_sum.resolved() if isinstance(loss_sum, LossMark) else loss_sum
 
+    @property
+    def live(self) -> Iterator[Any] | None:
+        """The iterator of the epoch `stop` cut short, kept for a later fit to continue."""
+        return None if self._live is None else self._live[1]
+
     def rewind(self) -> None:
         """After an exception: the next epoch start continues from the recorded position."""
         self._replay = True

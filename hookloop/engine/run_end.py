@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from hookloop import distributed
+from hookloop.engine.data import worker_queues_kept
 from hookloop.errors import ConfigurationError, Suspended, Terminated, expect_field, expect_int
 from hookloop.parallel import signals
 from hookloop.parallel.suspension import REQUESTED, SIGTERM, STOP, Suspension, Vote, published
@@ -70,6 +71,7 @@ class RunEnd:
         self.idle = False
         #: The launch end every rank agreed on in this fit (None: none).
         self.suspension: Suspension | None = None
+        self._keeper: Any = None  # `worker_queues_kept`'s, of the last fit
         #: The reason of a stop asked before ``min_epochs``/``min_steps`` were reached: it
         #: takes effect at the first boundary where they are (None: no stop is held).
         self.held: str | None = None
@@ -154,9 +156,13 @@ class RunEnd:
         ran), unless the run ended at that boundary too (its last epoch), which leaves
         nothing to continue."""
         self.vote.reset()
-        with published(self.vote), signals.handled() as taken, \
-                signals.sparing_workers(loaders, taken):
-            yield
+        try:
+            with published(self.vote), signals.handled() as taken, \
+                    signals.sparing_workers(loaders, taken):
+                yield
+        finally:  # the loaders' workers stop at once when the loop is collected
+            self._keeper = worker_queues_kept(self._keeper, self, *loaders,
+                                              self._position.live)
         suspension, state = self.suspension, self._state
         if suspension is None or not self._goes_on():
             return
