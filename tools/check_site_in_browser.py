@@ -35,6 +35,12 @@ from typing import Any
 DEADLINE_S = 60.0
 
 
+#: What DevTools answers an evaluation that met a navigation (the page's context replaced):
+#: a poll asks again. A CI run failed once on the first, right after a click.
+_NAVIGATING = ("navigated or closed", "Execution context was destroyed",
+               "Cannot find context with specified id")
+
+
 class Failure(Exception):
     """A check of the site failed: the message says what was expected and what was seen."""
 
@@ -107,7 +113,12 @@ class DevTools:
         """Poll ``expression`` until it is truthy; fail saying ``what`` never happened."""
         deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline:
-            value = self.evaluate(expression)
+            try:
+                value = self.evaluate(expression)
+            except Failure as failure:  # asked while the page navigates: its context went
+                if not any(text in str(failure) for text in _NAVIGATING):
+                    raise
+                value = None
             if value:
                 return value
             time.sleep(0.2)
