@@ -5,6 +5,7 @@ the keeper that lets the DataLoader workers of a collected loop stop at once
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -258,7 +259,7 @@ class LossSum:
 
 #: What `worker_queues_kept` does not search: the data and plain values.
 _NOT_SEARCHED = (torch.Tensor, torch.utils.data.Dataset, torch.utils.data.Sampler, str, bytes,
-                 type)
+                 type, types.FunctionType, types.ModuleType)  # not into a script's globals
 
 
 def _let_go(*queues: Any) -> None:

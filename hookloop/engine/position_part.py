@@ -221,7 +221,7 @@ class RankPart:
     def check_file(source: str, saved: Mapping[str, Any]) -> None:
         """``ranks`` is a list; each saved rank's loss sums, counters and generator states
         have their types."""
-        if saved.get(RANKS) is not None:
+        if RANKS in saved:
             expect_field(source, RANKS, saved[RANKS], isinstance(saved[RANKS], list), "a list")
         for index, part in enumerate(saved.get(RANKS) or []):
             where = f"{RANKS}[{index}]"

@@ -8,7 +8,7 @@ import shutil
 import sys
 import textwrap
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 from hookloop import distributed
@@ -161,8 +161,9 @@ class RunEnd:
                     signals.sparing_workers(loaders, taken):
                 yield
         finally:  # the loaders' workers stop at once when the loop is collected
-            self._keeper = worker_queues_kept(self._keeper, self, *loaders,
-                                              self._position.live)
+            with suppress(Exception):  # never in place of the fit's own exception
+                self._keeper = worker_queues_kept(self._keeper, self, *loaders,
+                                                  self._position.live)
         suspension, state = self.suspension, self._state
         if suspension is None or not self._goes_on():
             return

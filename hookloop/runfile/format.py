@@ -65,8 +65,8 @@ RESUME, BEST = "resume", "best"  # the kinds
 PARAM_GROUPS, PARAMS = "param_groups", "params"
 
 #: The envelope's key strings (the kinds are values, not keys).
-KEYS = (META, MODEL, OPTIMIZER, LOOP, CALLBACKS, STATE, METRICS, EPOCH, STEP, SHARDS, FORMAT_FIELD, KIND, VERSION, WORLD_SIZE, MONITOR, VALUE, PARAM_GROUPS,
-        PARAMS)
+KEYS = (META, MODEL, OPTIMIZER, LOOP, CALLBACKS, STATE, METRICS, EPOCH, STEP, SHARDS,
+        FORMAT_FIELD, KIND, VERSION, WORLD_SIZE, MONITOR, VALUE, PARAM_GROUPS, PARAMS)
 #: The keys that are also ordinary words with another meaning outside the run file (a
 #: device type, a module's name, a log column, a message's word): a module that uses one
 #: of them for that other meaning does not name the format.

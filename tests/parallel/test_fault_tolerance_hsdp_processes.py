@@ -56,6 +56,7 @@ def test_hsdp_random_kills_train_every_sample_once_and_equal_plain_4_rank_ddp(
                              extra=extra)
     assert campaign["kills"] >= faults and campaign["inside"] >= faults // 2
     assert campaign["survivor_restarts"] == 0
+    assert campaign["retried"] >= 1, "no kill landed inside a step: the retry path never ran"
     for result in campaign["results"]:
         _check_every_sample_once(result["ledger"], epochs=epochs, ranks=2)
         assert result["step"] == oracle["step"] and result["lr"] == oracle["lr"]

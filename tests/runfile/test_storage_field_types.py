@@ -143,6 +143,7 @@ FIELDS = [
     ("loop.ended.reason", _set("loop", "ended", "reason", value=None)),
     ("loop.batch_idx", _set("loop", "batch_idx", value=1.0)),
     ("ranks", _set("ranks", value={"0": {}})),
+    ("ranks", _set("ranks", value=None)),
     ("ranks[0].train_samples", _set("ranks", 0, "train_samples", value="8")),
     ("ranks[0].rng.generators", _set("ranks", 0, "rng", "generators", value="abc")),
     ("ranks[0].rng.python[1]", _set("ranks", 0, "rng", "python", 1, value="state")),
