@@ -21,7 +21,8 @@ from torch import nn
 
 __all__ = ["foreach_copy_", "foreach_lerp_", "foreach_mul_", "generic_grad_scaler_step",
            "loss_scale", "summary_file_writer", "summary_writer_thread", "compiled_original",
-           "forget_compiled", "no_new_persistent_iterator", "loader_view", "seed_worker_as"]
+           "forget_compiled", "no_new_persistent_iterator", "loader_view", "seed_worker_as",
+           "worker_queues"]
 
 _AMP_SCALING = "_step_supports_amp_scaling"
 
@@ -274,3 +275,22 @@ def seed_worker_as(worker: int, base_seed: int) -> None:
         numpy.random.seed(_generate_state(base_seed, worker))
     except ImportError:  # pragma: no cover - a torch that moved it
         numpy.random.seed([worker, base_seed & 0xFFFFFFFF, base_seed >> 32, 0])
+
+
+def worker_queues(item: Any) -> list[Any] | None:
+    """The queues of a DataLoader iterator with worker processes (torch's
+    ``_MultiProcessingDataLoaderIter``): each worker's index queue and the result queue;
+    None for any other object.
+
+    Fallback: None where torch names them otherwise; those workers then stop as torch
+    stops them (`hookloop.engine.data.worker_queues_kept` keeps nothing for them).
+
+    Example:
+        >>> worker_queues(iter([1, 2])) is None
+        True
+    """
+    kind = getattr(torch.utils.data.dataloader, "_MultiProcessingDataLoaderIter", None)
+    if kind is None or not isinstance(item, kind):
+        return None
+    found = [*getattr(item, "_index_queues", ()), getattr(item, "_worker_result_queue", None)]
+    return [queue for queue in found if queue is not None]

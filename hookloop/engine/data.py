@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hookloop import distributed
+from hookloop.base.compat import worker_queues
 from hookloop.errors import ConfigurationError
 
 __all__ = ["move_to_device", "find_targets", "batch_size_of", "is_pair", "length_of", "Lookahead",
@@ -283,19 +284,18 @@ def worker_queues_kept(previous: Any, owner: Any, *roots: Any) -> weakref.finali
     """
     if previous is not None:
         previous.detach()
-    kind = getattr(torch.utils.data.dataloader, "_MultiProcessingDataLoaderIter", None)
     queues: list[Any] = []
     seen: set[int] = set()
     todo = deque(root for root in roots if root is not None)
-    while todo and kind is not None and len(seen) < 512:  # nearest first
+    while todo and len(seen) < 512:  # nearest first
         item = todo.popleft()
         if id(item) in seen or isinstance(item, _NOT_SEARCHED) or (
                 isinstance(item, (list, tuple, dict, set)) and len(item) > 256):
             continue  # the data: no DataLoader iterator is there, and it may be large
         seen.add(id(item))
-        if isinstance(item, kind):
-            queues += [*getattr(item, "_index_queues", ()),
-                       getattr(item, "_worker_result_queue", None)]
+        found = worker_queues(item)
+        if found is not None:
+            queues += found
             continue
         todo.extend(gc.get_referents(item))
     return weakref.finalize(owner, _let_go, *queues) if queues else None
