@@ -41,6 +41,9 @@ def _launch(out: Path, names: list[str], chooser: random.Random) -> str:
             if base not in {f"{kind}-{k}" for kind in SIGNALS for k in range(MOMENTS)} or \
                     (out / f"{base}.ready.rank0.json").exists():
                 continue  # the reference, or a relaunch (it trains from a checkpoint)
+            # Each scenario gets its own TIMEOUT: a launch runs six, one after the other, and
+            # beside the suite's heaviest files the six together once took more than 150 s.
+            deadline = time.monotonic() + TIMEOUT
             ready = [out / f"{base}.ready.rank{rank}.json" for rank in (0, 1)]
             while not all(path.exists() for path in ready):
                 assert process.poll() is None, process.communicate()[0][-6000:]
