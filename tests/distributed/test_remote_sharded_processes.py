@@ -1,5 +1,5 @@
 """Sharded checkpoints (2 ranks, FSDP, gloo) saved to ``s3://`` on moto's local server,
-SIGKILLed (the whole torchrun group) 6 times, every other kill aimed at a save in
+SIGKILLed (the whole torchrun group) 10 times, every other kill aimed at a save in
 flight (objects listed without their manifest), the others at random moments: after
 every kill each save the store lists is complete (every object of its manifest, of its
 size and SHA-256) and keep-last holds; the relaunch ends on the uninterrupted run's
@@ -23,9 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from remote_kill_campaign import check_store  # noqa: E402
 from s3_endpoint import s3_endpoint  # noqa: E402
 
-# 6 kills, 3 of each kind (aimed at an upload in flight, at a random moment): each is a
-# torchrun launch of some seconds (alone: 95 s for the test, 117 s with 10 kills).
-KEEP, KILLS, SECONDS = 2, 6, 600.0  # the bound only stops a runaway: ~95 s on 2 cores
+KEEP, KILLS, SECONDS = 2, 10, 600.0  # the bound only stops a runaway: ~150 s on 2 cores
 
 
 def kill_moment(store: RemoteStore, process: subprocess.Popen, aim: bool,
@@ -71,7 +69,7 @@ def test_sigkills_of_a_sharded_run_uploading_to_s3_resume_exactly(tmp_path: Path
         assert all(name.endswith(".dcp") for name in store.saves())
     print(f"{kills} kills of the sharded run, {mid_upload} left a partial upload")
     assert kills == KILLS, output[-3000:]
-    assert mid_upload >= 2, f"only {mid_upload} of {kills} kills fell mid-upload"  # 10 kills: 2
+    assert mid_upload >= KILLS // 4, f"only {mid_upload} of {kills} kills fell mid-upload"
     reference, resumed = read(tmp_path, "reference-weights", 0), read(tmp_path,
                                                                         "resumed-weights", 0)
     for name, value in reference.items():
