@@ -26,7 +26,7 @@ from hookloop.base.checks import check_flag
 from hookloop.errors import CheckpointWriteError
 from hookloop.parallel.suspension import TimedSaves
 from hookloop.runfile.checkpoint_files import CheckpointFiles
-from hookloop.runfile.sharded import contains_shards, is_sharded_tensor
+from hookloop.runfile.sharded import is_sharded_tensor, layout_of
 from hookloop.runfile.weights import finite_model_state, non_finite_weights_advice, run_is_finite
 
 __all__ = ["host_copy", "BackgroundWriter", "RotatingWrites", "agree_outcome", "raise_agreed"]
@@ -206,20 +206,22 @@ class RotatingWrites:
         self.last_path: str | None = None
 
     def save(self, run: dict[str, Any], epoch: int, step: int, metrics: dict[str, float], *,
-             failed: Callable[[], None], now: bool = False, callbacks: Sequence[Any] = ()
-             ) -> bool:
+             model: Any, failed: Callable[[], None], now: bool = False,
+             callbacks: Sequence[Any] = ()) -> bool:
         """Write ``run`` (`Loop.state_dict`) as the file of ``epoch`` and ``step``; every rank
         calls it (rank 0 writes a file; every rank its shards of a directory). In the
         background unless ``now`` (the exception path) or on a rank that writes nothing. A
         directory of shards is written by every rank's thread together, over a gloo group
         of its own (`side_group`), so its collectives never meet the training's. A write
-        in flight is waited for first.
+        in flight is waited for first. Whether ``run`` holds shards is the layout its save
+        found for ``model`` (`hookloop.runfile.sharded.layout_of`), not a search of ``run``.
 
         Returns:
             False, writing nothing, where the weights are not finite (every rank skips, or
             none; warned once, with advice for the stack ``callbacks``); else True.
         """
-        if not run_is_finite(run, agree=not now):
+        shards = layout_of(model) == "sharded"
+        if not run_is_finite(run, agree=not now, sharded=shards):
             if not self._warned_not_finite and distributed.is_main():
                 warnings.warn(f"Checkpoint: the weights at epoch {epoch}, step {step} are not "
                               "finite (NaN/inf); no checkpoint written, the older files are "
@@ -228,7 +230,6 @@ class RotatingWrites:
                 self._warned_not_finite = True
             return False
         metrics = dict(metrics)
-        shards = contains_shards(run)
         if self._writer is None or now or not (shards or distributed.is_main()):
             self.wait(raising=not now)  # now: the exception path drained it, no collective
             try:

@@ -322,19 +322,23 @@ def load_weights(path: str, model: nn.Module, optimizer: torch.optim.Optimizer |
                 "the same optimizer over the same parameters as the run that saved it.") from None
 
 
-def all_finite(weights: Mapping[str, Any], *, agree: bool = False) -> bool:
+def all_finite(weights: Mapping[str, Any], *, agree: bool = False,
+               sharded: bool | None = None) -> bool:
     """True when every floating tensor of ``weights`` is finite.
 
     Shards (FSDP's DTensors) are checked on this rank and the answer is agreed by every
     rank, as it is with ``agree`` (a collective then: every rank must call it; rank 0 may
-    hold the gathered weights while the others hold none).
+    hold the gathered weights while the others hold none). ``sharded``: whether they are
+    shards, as the save decided it (`Weights.layout`); None looks at the tensors.
 
     Example:
         >>> all_finite({"w": torch.tensor([1.0, float("nan")])})
         False
     """
     tensors = [value for value in weights.values() if isinstance(value, torch.Tensor)]
-    local = [cast(Any, value).to_local() if is_sharded_tensor(value) else value
+    if sharded is None:
+        sharded = any(is_sharded_tensor(value) for value in tensors)
+    local = [cast(Any, value).to_local() if sharded and is_sharded_tensor(value) else value
              for value in tensors if value.is_floating_point()]
     # A sum reads each tensor once and allocates nothing: a NaN or an inf anywhere makes it
     # non-finite. Only a tensor whose sum is not finite (an inf, a NaN, or finite values
@@ -344,14 +348,15 @@ def all_finite(weights: Mapping[str, Any], *, agree: bool = False) -> bool:
     if not finite:
         finite = all(bool(torch.isfinite(value).all()) for value, check in zip(local, sums)
                      if not bool(check))
-    if agree or any(is_sharded_tensor(value) for value in tensors):
+    if agree or sharded:
         finite = not distributed.any_true(not finite)
     return finite
 
 
-def run_is_finite(run: Mapping[str, Any], *, agree: bool) -> bool:
-    """`all_finite` of the weights of ``run`` (`hookloop.loop.Loop.state_dict`)."""
-    return all_finite(run[MODEL], agree=agree)
+def run_is_finite(run: Mapping[str, Any], *, agree: bool, sharded: bool) -> bool:
+    """`all_finite` of the weights of ``run`` (`hookloop.loop.Loop.state_dict`), shards or
+    not as its save decided."""
+    return all_finite(run[MODEL], agree=agree, sharded=sharded)
 
 
 def finite_model_state(module: nn.Module) -> dict[str, Any] | None:
