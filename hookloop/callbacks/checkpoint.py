@@ -109,7 +109,6 @@ class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: hookloop/c
         self._started = False  # the first fit chose between resuming and a new run
         self._saved_at: tuple[int, int, int] | None = None  # a `loop.position`
         self._resumed_from: str | None = None
-        self._model: Any = None  # the fit's model (`on_fit_start`)
 
     def __repr__(self) -> str:
         extra = f", monitor={self.monitor!r}" if self.monitor else ""
@@ -174,7 +173,7 @@ class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: hookloop/c
 
     def on_fit_start(self, loop: Loop) -> None:
         self._saved_at = loop.position  # where the run starts is on disk already
-        self._model = loop.unwrapped_model  # wrapped by now; each save follows its layout
+        self._writes.follow(loop.unwrapped_model)  # wrapped by now: do its saves hold shards
         self._timed.begin()
         if self._resumed_from is not None and distributed.is_main():
             print(self.files.resumed(self._resumed_from, *loop.position), flush=True)
@@ -259,7 +258,6 @@ class Checkpoint(Callback, CheckpointAliases, UrlDispatch):  # a URL: hookloop/c
         run = loop.state_dict(gather=collective)  # a collective under DDP/FSDP when gathering
         previous, self._saved_at, state = self._saved_at, position, loop.state
         return self._writes.save(run, state.epoch, state.step, state.metrics, now=not collective,
-                                 model=self._model,  # its layout: whether the run holds shards
                                  failed=lambda: setattr(self, "_saved_at", previous),  # redone
                                  callbacks=loop.callbacks)  # named in a non-finite warning
 

@@ -26,7 +26,7 @@ from hookloop.base.checks import check_flag
 from hookloop.errors import CheckpointWriteError
 from hookloop.parallel.suspension import TimedSaves
 from hookloop.runfile.checkpoint_files import CheckpointFiles
-from hookloop.runfile.sharded import is_sharded_tensor, layout_of
+from hookloop.runfile.sharded import contains_shards, is_sharded_tensor, saves_shards
 from hookloop.runfile.weights import finite_model_state, non_finite_weights_advice, run_is_finite
 
 __all__ = ["host_copy", "BackgroundWriter", "RotatingWrites", "agree_outcome", "raise_agreed"]
@@ -202,25 +202,26 @@ class RotatingWrites:
         self._pending = False  # several ranks: a write's outcome is not agreed yet
         self._failure: BaseException | None = None  # this rank's, until agreed
         self._warned_not_finite = False
+        self._shards: bool | None = None  # whether the fit's saves hold shards (`follow`)
         #: Path of the newest complete rotating checkpoint written (or resumed from).
         self.last_path: str | None = None
 
     def save(self, run: dict[str, Any], epoch: int, step: int, metrics: dict[str, float], *,
-             model: Any, failed: Callable[[], None], now: bool = False,
-             callbacks: Sequence[Any] = ()) -> bool:
+             failed: Callable[[], None], now: bool = False, callbacks: Sequence[Any] = ()
+             ) -> bool:
         """Write ``run`` (`Loop.state_dict`) as the file of ``epoch`` and ``step``; every rank
         calls it (rank 0 writes a file; every rank its shards of a directory). In the
         background unless ``now`` (the exception path) or on a rank that writes nothing. A
         directory of shards is written by every rank's thread together, over a gloo group
         of its own (`side_group`), so its collectives never meet the training's. A write
-        in flight is waited for first. Whether ``run`` holds shards is the layout its save
-        found for ``model`` (`hookloop.runfile.sharded.layout_of`), not a search of ``run``.
+        in flight is waited for first. Whether ``run`` holds shards was decided at the fit's
+        start (`follow`), not by a search of ``run`` at each save.
 
         Returns:
             False, writing nothing, where the weights are not finite (every rank skips, or
             none; warned once, with advice for the stack ``callbacks``); else True.
         """
-        shards = layout_of(model) == "sharded"
+        shards = contains_shards(run) if self._shards is None else self._shards
         if not run_is_finite(run, agree=not now, sharded=shards):
             if not self._warned_not_finite and distributed.is_main():
                 warnings.warn(f"Checkpoint: the weights at epoch {epoch}, step {step} are not "
@@ -253,6 +254,11 @@ class RotatingWrites:
                             on_done=lambda path: None if path is None else self._written(path))
         self._pending = self._agreeing()
         return True
+
+    def follow(self, model: Any) -> None:
+        """At a fit's start, its model wrapped by now: whether its saves hold shards, decided
+        once (`hookloop.runfile.sharded.saves_shards`) instead of at each save."""
+        self._shards = saves_shards(model)
 
     def best_weights(self, module: Any) -> dict[str, Any] | None:
         """Before a best file: wait for the rotating write in flight (which rotating files

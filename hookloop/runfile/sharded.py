@@ -48,6 +48,7 @@ __all__ = [
     "regather",
     "release",
     "replicated_like",
+    "saves_shards",
     "set_layout",
     "sharded_targets",
 ]
@@ -175,6 +176,19 @@ def set_layout(module: nn.Module, layout: str | None) -> None:
 def layout_of(module: nn.Module) -> str | None:
     """The checkpoint layout `set_layout` recorded for ``module``, or None (not sharded)."""
     return _layouts.get(module)
+
+
+def saves_shards(module: nn.Module) -> bool:
+    """Whether the saves of ``module``'s run hold shards (DTensors): its recorded layout
+    (`set_layout`), or, where none is recorded, whether it holds DTensor parameters placed
+    by the user (`is_distributed_module`), which its ``state_dict`` gives as they are.
+
+    Example:
+        >>> saves_shards(torch.nn.Linear(2, 2))
+        False
+    """
+    layout = layout_of(module)
+    return layout == "sharded" if layout is not None else is_distributed_module(module)
 
 
 def _parts(module: nn.Module) -> list[nn.Module]:

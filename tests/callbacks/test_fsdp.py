@@ -259,3 +259,37 @@ def test_a_full_checkpoint_of_a_sharded_model_is_one_file_of_the_usual_format(
         assert torch.equal(plain.state_dict()[name], value.full_tensor())
     assert sorted(contents["optimizer"]["state"]) == list(range(6))  # numbered, as torch does
     assert len(optimizer.state) == 6
+
+
+def test_a_model_the_user_made_of_dtensors_saves_shards_and_resumes_exactly(
+        one_process_group: None, tmp_path: Path) -> None:
+    """Without FSDP or TensorParallel in the stack no layout is recorded; the model's own
+    DTensor parameters (``distribute_module``) still make each save a directory of shards,
+    decided once at the fit's start, and a resume continues into the uninterrupted run.
+    (An optimizer with state over such a model does not resume: DCP misses its entries, a
+    CheckpointError naming the file, before and after that decision moved.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1,))
+
+    def forward(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
+        inputs, targets = batch
+        out = loop.model(DTensor.from_local(inputs, mesh, [Replicate()])).to_local()
+        return out, nn.functional.mse_loss(out, targets)
+
+    def loop(directory: Path, resume: bool) -> Loop:
+        model = distribute_module(_model(), mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # no state: see the docstring
+        return Loop(model, optimizer, _loader(), forward=forward, device="cpu",
+                    callbacks=[Checkpoint(directory, resume=resume)])
+
+    whole = loop(tmp_path / "whole", False)
+    whole.fit(2)
+    loop(tmp_path / "ckpt", False).fit(1)
+    assert _entries(tmp_path / "ckpt") == ["epoch=0000-step=00000006.dcp"]
+    resumed = loop(tmp_path / "ckpt", True)
+    resumed.fit(2)
+    for name, value in whole.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name].full_tensor(), value.full_tensor())

@@ -52,7 +52,8 @@ PACKAGE_LINES = 12_500
 #: rose 731 -> 739 when the file record's readers became the envelope's functions; 736 when
 #: Checkpoint's two callers of the ranking's reconcile called it themselves. ``ranks`` and
 #: ``state_classes`` became their parts' keys: 49 names from the format, not 51. The writer
-#: took the save's layout instead of searching the run for shards: 63 functions, not 65.)
+#: decides at the fit's start whether its saves hold shards, instead of searching each run:
+#: 63 functions, not 65.)
 RATCHET = {"save modules": 17, "save functions": 63, "resume modules": 14,
            "resume lines": 736, "format names": 49, "format importers": 9}
 NOT_YET = pytest.mark.xfail(strict=True, reason="issue 34's targets are not reached yet: "
@@ -212,8 +213,9 @@ def test_a_save_and_a_resume_run_no_more_than_the_ratchet(traced: Any) -> None:
 
 
 def test_a_save_decides_once_whether_it_holds_shards(traced: Any) -> None:
-    """The save asks the model's layout (`Weights.layout`, and the writer the same record),
-    and no part of it searches the run's tensors for shards."""
+    """The save asks the model's layout (`Weights.layout`); the writer knows from the fit's
+    start whether the saves hold shards (`RotatingWrites.follow`): no part of a save
+    searches the run's tensors for shards."""
     called = {name for _, _, name in traced[0].called}
     assert "layout_of" in called
     assert not called & {"contains_shards", "is_sharded_tensor"}, sorted(called)

@@ -1,9 +1,9 @@
-"""The run of the release checkpoint test (`tests/runfile/test_run_file_of_release_0_1.py`),
-and the script that wrote its files with hookloop 0.1.0, the release before the run's
-state became a set of parts (issue 34; commit dc71d7f)::
+"""The run of `tests/runfile/test_run_file_written_before_the_parts.py`, and the script that
+wrote its files with the tree issue 34 was filed against, before the run's state became a
+set of parts (commit dc71d7f; it reports itself as hookloop 0.1.0, as every commit has)::
 
-    git archive dc71d7f | tar -x -C /tmp/release
-    PYTHONPATH=/tmp/release python tests/runfile/release_0_1/release_run.py tests/runfile/release_0_1
+    git archive dc71d7f | tar -x -C /tmp/before
+    PYTHONPATH=/tmp/before python tests/runfile/before_parts/before_parts_run.py tests/runfile/before_parts
 
 It trains the run once, uninterrupted, and writes beside this file:
 
@@ -11,7 +11,8 @@ It trains the run once, uninterrupted, and writes beside this file:
   inside epoch 1 (the rotating files of step 6, epoch 0's end, and of step 8, and
   best.pt of epoch 0);
 - ``oracle.pt``: what the run ended with (the weights, the optimizer's learning rate, the
-  EMA's and the counter's states, the history), for a resumed run to match bit for bit.
+  EMA's and the counter's states, the history), for a resumed run to match bit for bit,
+  and the torch version and CPU capability that computed it.
 
 The stack holds what a resume restores beyond the weights: the optimizer's moments, a
 learning-rate schedule, an EMA, a top-1 ranking, a ``state=`` object, dropout's and the
@@ -96,6 +97,12 @@ def outcome(loop: Loop, ema: EMA, counter: Counter) -> dict[str, Any]:
             "history": [dict(row) for row in loop.state.history]}
 
 
+def machine() -> dict[str, str]:
+    """What decides the float results besides the code: torch's version and the CPU kernels
+    it runs (another CPU capability sums in another order)."""
+    return {"torch": str(torch.__version__), "cpu": torch.backends.cpu.get_cpu_capability()}
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     work = out / "work"
@@ -104,8 +111,8 @@ if __name__ == "__main__":
     loop, ema, counter = build(work, resume=False,
                                extra=(Snapshot(work, out / "checkpoints"),))
     loop.fit(EPOCHS)
-    torch.save(outcome(loop, ema, counter), out / "oracle.pt")
+    torch.save({**outcome(loop, ema, counter), "machine": machine()}, out / "oracle.pt")
     shutil.rmtree(work)
     import hookloop
-    print(f"written with hookloop {hookloop.__version__}:",
+    print(f"written by the hookloop at {Path(hookloop.__file__).parent}:",
           sorted(path.name for path in (out / "checkpoints").iterdir()))
