@@ -215,7 +215,8 @@ class RotatingWrites:
         directory of shards is written by every rank's thread together, over a gloo group
         of its own (`side_group`), so its collectives never meet the training's. A write
         in flight is waited for first. Whether ``run`` holds shards was decided at the fit's
-        start (`follow`), not by a search of ``run`` at each save.
+        start (`follow`), not by a search of ``run`` at each save (the search is only for a
+        caller that never called `follow`).
 
         Returns:
             False, writing nothing, where the weights are not finite (every rank skips, or

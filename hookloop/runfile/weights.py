@@ -66,16 +66,19 @@ class Weights:
         """This save's layout of the model's state, decided once per save.
 
         Raises:
-            CheckpointError: ``gather=False`` (the exception path) with a sharded model,
-                whose state cannot be read without every rank.
+            CheckpointError: ``gather=False`` (the exception path) with a sharded model
+                (FSDP, tensor parallel, DTensor parameters), whose state cannot be read or
+                written without every rank.
         """
-        self.saving = layout_of(self.model())
-        if self.saving is not None and not gather:
+        model = self.model()
+        self.saving = layout_of(model)
+        if not gather and (self.saving is not None or is_distributed_module(model)):
             raise CheckpointError(
-                "no checkpoint of the exception: the state of a model FSDP shards is read by "
-                "every rank together, and on the exception path the other ranks may be dead "
-                "or elsewhere. The newest checkpoint stays the one to resume from; a stop "
-                "every rank agrees on (loop.stop(), a stop signal) writes one.")
+                "no checkpoint of the exception: the state of a sharded model (FSDP, tensor "
+                "parallel, DTensor parameters) is read by every rank together, and on the "
+                "exception path the other ranks may be dead or elsewhere. The newest "
+                "checkpoint stays the one to resume from; a stop every rank agrees on "
+                "(loop.stop(), a stop signal) writes one.")
         return self.saving
 
     def state_dict(self) -> dict[str, Any]:
@@ -329,7 +332,8 @@ def all_finite(weights: Mapping[str, Any], *, agree: bool = False,
     Shards (FSDP's DTensors) are checked on this rank and the answer is agreed by every
     rank, as it is with ``agree`` (a collective then: every rank must call it; rank 0 may
     hold the gathered weights while the others hold none). ``sharded``: whether they are
-    shards, as the save decided it (`Weights.layout`); None looks at the tensors.
+    shards, as decided for the fit (`hookloop.runfile.sharded.saves_shards`); None looks
+    at the tensors.
 
     Example:
         >>> all_finite({"w": torch.tensor([1.0, float("nan")])})

@@ -19,7 +19,7 @@ from builders import make_loop, regression_dataset, same_weights
 from torch import nn
 from torch.utils.data import DataLoader
 
-from hookloop import CallbackOrderError, ConfigurationError, Loop, load_checkpoint
+from hookloop import Callback, CallbackOrderError, ConfigurationError, Loop, load_checkpoint
 from hookloop.callbacks import DDP, EMA, FSDP, Checkpoint, GradClip
 from hookloop.callbacks.fsdp import default_blocks
 from hookloop.errors import CheckpointWriteError
@@ -261,17 +261,14 @@ def test_a_full_checkpoint_of_a_sharded_model_is_one_file_of_the_usual_format(
     assert len(optimizer.state) == 6
 
 
-def test_a_model_the_user_made_of_dtensors_saves_shards_and_resumes_exactly(
-        one_process_group: None, tmp_path: Path) -> None:
-    """Without FSDP or TensorParallel in the stack no layout is recorded; the model's own
-    DTensor parameters (``distribute_module``) still make each save a directory of shards,
-    decided once at the fit's start, and a resume continues into the uninterrupted run.
-    (An optimizer with state over such a model does not resume: DCP misses its entries, a
-    CheckpointError naming the file, before and after that decision moved.)"""
+def _user_dtensor_loop(directory: Path, resume: bool, *extra: Any, **checkpoint: Any) -> Loop:
+    """A model whose parameters the user made DTensors (``distribute_module``), without FSDP
+    or TensorParallel in the stack (the group: `one_process_group`, initialized here)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (1,))
 
     def forward(loop: Loop, batch: Any) -> tuple[Any, torch.Tensor]:
@@ -279,17 +276,46 @@ def test_a_model_the_user_made_of_dtensors_saves_shards_and_resumes_exactly(
         out = loop.model(DTensor.from_local(inputs, mesh, [Replicate()])).to_local()
         return out, nn.functional.mse_loss(out, targets)
 
-    def loop(directory: Path, resume: bool) -> Loop:
-        model = distribute_module(_model(), mesh)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # no state: see the docstring
-        return Loop(model, optimizer, _loader(), forward=forward, device="cpu",
-                    callbacks=[Checkpoint(directory, resume=resume)])
+    model = distribute_module(_model(), mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # no state: see below
+    return Loop(model, optimizer, _loader(), forward=forward, device="cpu",
+                callbacks=[Checkpoint(directory, resume=resume, **checkpoint), *extra])
 
-    whole = loop(tmp_path / "whole", False)
+
+def test_a_model_the_user_made_of_dtensors_saves_shards_and_resumes_exactly(
+        one_process_group: None, tmp_path: Path) -> None:
+    """No layout is recorded; the model's own DTensor parameters still make each save a
+    directory of shards, decided once at the fit's start, and a resume continues into the
+    uninterrupted run. (An optimizer with state over such a model does not resume: DCP
+    misses its entries, a CheckpointError naming the file, before and after that decision
+    moved.)"""
+    whole = _user_dtensor_loop(tmp_path / "whole", False)
     whole.fit(2)
-    loop(tmp_path / "ckpt", False).fit(1)
+    _user_dtensor_loop(tmp_path / "ckpt", False).fit(1)
     assert _entries(tmp_path / "ckpt") == ["epoch=0000-step=00000006.dcp"]
-    resumed = loop(tmp_path / "ckpt", True)
+    resumed = _user_dtensor_loop(tmp_path / "ckpt", True)
     resumed.fit(2)
     for name, value in whole.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name].full_tensor(), value.full_tensor())
+
+
+class _Fails(Callback):
+    def on_batch_end(self, loop: Loop) -> None:
+        if loop.state.step == 3:
+            raise RuntimeError("the step failed")
+
+
+@pytest.mark.parametrize("sharded", ["FSDP", "DTensor parameters"])
+def test_an_exception_writes_no_sharded_checkpoint_and_says_why(
+        one_process_group: None, tmp_path: Path, sharded: str) -> None:
+    """On the exception path the other ranks may be gone, so a sharded model's state (read
+    and written by every rank together) is not saved; the newest file stays, and a note on
+    the exception says why, whether FSDP shards the model or the user placed DTensors."""
+    directory = tmp_path / "ckpt"
+    loop = (_loop([FSDP(state_dict="sharded"), Checkpoint(directory, every_n_steps=2),
+                   _Fails()]) if sharded == "FSDP"
+            else _user_dtensor_loop(directory, False, _Fails(), every_n_steps=2))
+    with pytest.raises(RuntimeError, match="the step failed") as raised:
+        loop.fit(1)
+    assert _entries(directory) == ["epoch=0000-step=00000002.dcp"]
+    assert any("no checkpoint of the exception" in note for note in raised.value.__notes__)
